@@ -1,0 +1,49 @@
+"""One entry point for every op: picks the PyTorch form or a GPU kernel.
+
+`run(op, mode, ...)` calls `hybridize.kernels.<op>.<op>_<mode>` (mode "chunk" or "recurrent") on
+CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
+(fla-core adapters, our Triton kernels) unless `HYBRIDIZE_KERNELS=torch` or `set_backend("torch")`
+forces the PyTorch path; `HYBRIDIZE_KERNELS=gpu` makes a missing GPU kernel an error instead.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Callable
+
+_GPU: dict[tuple[str, str], Callable] = {}
+_backend = os.environ.get("HYBRIDIZE_KERNELS", "auto")
+_BACKENDS = ("auto", "torch", "gpu")
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; use one of {', '.join(_BACKENDS)}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def register_gpu(op: str, mode: str, fn: Callable) -> None:
+    _GPU[(op, mode)] = fn
+
+
+def torch_impl(op: str, mode: str) -> Callable:
+    module = importlib.import_module(f"hybridize.kernels.{op}")
+    return getattr(module, f"{op}_{mode}")
+
+
+def run(op: str, mode: str, *args, **kwargs):
+    if mode not in ("chunk", "recurrent"):
+        raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+    first = args[0] if args else next(iter(kwargs.values()))
+    if first.is_cuda and _backend != "torch":
+        fn = _GPU.get((op, mode))
+        if fn is not None:
+            return fn(*args, **kwargs)
+        if _backend == "gpu":
+            raise RuntimeError(f"no GPU kernel registered for {op}/{mode}; set HYBRIDIZE_KERNELS=auto to fall back")
+    return torch_impl(op, mode)(*args, **kwargs)

@@ -1,0 +1,266 @@
+"""What every mixer shares: its config, its state, the projections it inherits from attention.
+
+A mixer replaces one softmax-attention layer. It owns `q_proj/k_proj/v_proj/o_proj` with exactly the
+teacher attention's names and shapes (GQA kept: k/v at KV-head width), plus Qwen3's `q_norm/k_norm`
+when the teacher had them, so initialising from the teacher is a plain state-dict copy of those
+names (`init_from_attention`); every other parameter is new and set by `reset_new_parameters`.
+
+Call contract (all mixers):
+
+    out = mixer(x, state=None, attention_mask=None, cu_seqlens=None,
+                position_embeddings=None, output_state=False, mode=None)
+    out.hidden  [B, T, hidden]   out.state  MixerState | None   out.aux_loss  scalar | None
+
+- `attention_mask` `[B, T]` bool, True on real tokens (left-padded batches): padded tokens leave the
+  state untouched (zero key/value, zero log-decay) and their outputs are unspecified.
+- `cu_seqlens` `[N+1]` with B == 1: packed documents; no state crosses a boundary; the returned
+  state has one row per document.
+- `mode`: "chunk" (parallel / chunkwise: training and prefill) or "recurrent" (per-token loop:
+  decode and ground truth). Default: recurrent for T == 1 with a state, else chunk.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class MixerConfig:
+    """Settings every mixer shares (filled from the teacher's config by the converter)."""
+
+    hidden_size: int = field(default=576, metadata={"help": "model width"})
+    num_heads: int = field(default=9, metadata={"help": "query heads (= mixer heads)"})
+    num_kv_heads: int = field(default=3, metadata={"help": "key/value heads of the teacher (GQA)"})
+    head_dim: int = field(default=64, metadata={"help": "per-head width of q/k/v"})
+    qkv_bias: bool = field(default=False, metadata={"help": "q/k/v projections have biases (Qwen2)"})
+    qk_norm: bool = field(default=False, metadata={"help": "per-head RMSNorm on q and k (Qwen3)"})
+    rms_norm_eps: float = field(default=1e-6, metadata={"help": "eps of the q/k/output norms"})
+    use_rope: bool = field(default=False, metadata={"help": "apply the teacher's RoPE to q/k before the feature map"})
+    short_conv: bool = field(default=False, metadata={"help": "causal depthwise conv on q/k/v (seed 003 sec. IX)"})
+    conv_size: int = field(default=4, metadata={"help": "short-conv kernel width"})
+    chunk_size: int = field(default=32, metadata={"help": "chunk length of the chunkwise form"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MixerConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__} got unknown settings {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)
+
+
+@dataclass
+class MixerState:
+    """Base of every mixer's decode state: a dataclass of tensors whose dim 0 is the batch/sequence.
+
+    Subclasses add tensor fields (None allowed). `map` applies a function to every tensor, which is
+    all the cache needs for beam reordering, batch selection and device moves."""
+
+    def map(self, fn) -> "MixerState":
+        def apply(v):
+            if isinstance(v, torch.Tensor):
+                return fn(v)
+            if isinstance(v, MixerState):
+                return v.map(fn)
+            return v
+        return dataclasses.replace(self, **{f.name: apply(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, MixerState):
+                out.extend(v.tensors())
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass
+class MixerOutput:
+    hidden: torch.Tensor
+    state: MixerState | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    """Same math and parameter name (`weight`) as the HF Llama/Qwen RMSNorm, so teacher weights load."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv over time on `[B, T, C]`; state = the last `size - 1` inputs `[B, C, size-1]`.
+
+    Identity at init (last tap 1, others 0) so a converted layer starts where the teacher was."""
+
+    def __init__(self, channels: int, size: int = 4):
+        super().__init__()
+        self.size = size
+        self.weight = nn.Parameter(torch.zeros(channels, size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[:, -1] = 1.0
+
+    def forward(self, x, state=None, cu_seqlens=None):
+        """x `[B, T, C]` -> (y `[B, T, C]`, new state `[B or N, C, size-1]`)."""
+        if cu_seqlens is not None:
+            from hybridize.kernels.varlen import pack_to_padded, padded_to_pack, seq_lengths
+            y, st = self(pack_to_padded(x, cu_seqlens), state)
+            # the state must end at each document's true last token, not at its padding
+            lens = seq_lengths(cu_seqlens)
+            xp = pack_to_padded(x, cu_seqlens).transpose(1, 2)
+            prev = state if state is not None else xp.new_zeros(len(lens), xp.shape[1], self.size - 1)
+            full = torch.cat([prev.to(xp.dtype), xp], dim=-1)
+            st = torch.stack([full[i, :, n:n + self.size - 1] for i, n in enumerate(lens)])
+            return padded_to_pack(y, cu_seqlens), st
+        B, T, C = x.shape
+        xt = x.transpose(1, 2)
+        prev = state.to(xt.dtype) if state is not None else xt.new_zeros(B, C, self.size - 1)
+        full = torch.cat([prev, xt], dim=-1)
+        y = F.conv1d(full, self.weight.to(xt.dtype).unsqueeze(1), groups=C)
+        return y.transpose(1, 2), full[:, :, -(self.size - 1):]
+
+
+@dataclass
+class ConvState(MixerState):
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[B, T, H, D]`, cos/sin `[B, T, D]` (the HF rotary embedding output)."""
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[B, T, Hkv, D]` -> `[B, T, Hkv * n_rep, D]`, each KV head shared by its query group."""
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=2)
+
+
+def mask_tokens(x: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Zero `x` `[B, T, ...]` where `mask` `[B, T]` is False (padding)."""
+    if x is None or mask is None:
+        return x
+    return x * mask.view(*mask.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+class Mixer(nn.Module):
+    """Base class: projections inherited from attention, optional q/k norm, short conv and RoPE.
+
+    Subclasses set `name`, `config_class`, `state_class`, implement `forward` and, if they add
+    parameters, `reset_new_parameters`."""
+
+    name: ClassVar[str] = "mixer"
+    config_class: ClassVar[type[MixerConfig]] = MixerConfig
+    #: names copied from the teacher's attention module by `init_from_attention`
+    inherited: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+    def __init__(self, config: MixerConfig):
+        super().__init__()
+        c = self.config = config
+        if c.num_heads % c.num_kv_heads:
+            raise ValueError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+        self.n_rep = c.num_heads // c.num_kv_heads
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        if c.short_conv:
+            self.q_conv = ShortConv(c.num_heads * c.head_dim, c.conv_size)
+            self.k_conv = ShortConv(c.num_kv_heads * c.head_dim, c.conv_size)
+            self.v_conv = ShortConv(c.num_kv_heads * c.head_dim, c.conv_size)
+
+    # ---- initialisation -------------------------------------------------------------------
+    def init_from_attention(self, attention: nn.Module) -> None:
+        """Copy q/k/v/o (+ biases, q/k norms) from a teacher attention module, then init the rest."""
+        src = attention.state_dict()
+        own = self.state_dict()
+        copied = {k: v for k, v in src.items() if k.split(".")[0] in self.inherited and k in own}
+        missing = [k for k in own if k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") and k not in copied]
+        if missing:
+            raise ValueError(f"teacher attention lacks {missing}; it has {sorted(src)}")
+        for k, v in copied.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"shape mismatch for {k}: mixer {tuple(own[k].shape)} vs teacher {tuple(v.shape)}")
+        self.load_state_dict(copied, strict=False)
+        self.reset_new_parameters()
+
+    def reset_new_parameters(self) -> None:
+        """Initialise parameters the teacher does not have (the stated rule of each mixer)."""
+        for name in ("q_conv", "k_conv", "v_conv"):
+            if hasattr(self, name):
+                getattr(self, name).reset_parameters()
+
+    def new_parameter_names(self) -> list[str]:
+        return [n for n, _ in self.named_parameters() if n.split(".")[0] not in self.inherited]
+
+    # ---- shared front end -----------------------------------------------------------------
+    def project_qkv(self, x, attention_mask=None, cu_seqlens=None, position_embeddings=None,
+                    conv_state: ConvState | None = None):
+        """x `[B, T, hidden]` -> q `[B, T, H, D]`, k, v `[B, T, Hkv, D]`, new ConvState or None.
+
+        Padding tokens get zero q/k/v inputs before the conv so they never leak into real tokens."""
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        new_conv = None
+        if c.short_conv:
+            q, k, v = (mask_tokens(t, attention_mask) for t in (q, k, v))
+            cs = conv_state or ConvState()
+            q, sq = self.q_conv(q, cs.q, cu_seqlens)
+            k, sk = self.k_conv(k, cs.k, cu_seqlens)
+            v, sv = self.v_conv(v, cs.v, cu_seqlens)
+            new_conv = ConvState(q=sq, k=sk, v=sv)
+        q = q.view(B, T, c.num_heads, c.head_dim)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.use_rope:
+            if position_embeddings is None:
+                raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
+            cos, sin = position_embeddings
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v, new_conv
+
+    @staticmethod
+    def pick_mode(mode: str | None, T: int, state) -> str:
+        if mode is not None:
+            return mode
+        return "recurrent" if (T == 1 and state is not None) else "chunk"
