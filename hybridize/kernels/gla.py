@@ -67,6 +67,37 @@ def gla_chunk(q, k, v, g=None, scale=None, initial_state=None, output_final_stat
                        scale=scale, chunk_size=chunk_size)
 
 
+class _SplitCumsum:
+    """In-chunk cumulative log-decay G `[..., C, K]` that can form differences G_i - G_j accurately.
+
+    With strong decays G reaches hundreds inside a chunk; G_i - G_j computed from two fp32 values
+    of that size loses ~1e-5 relative accuracy in exp(G_i - G_j) even when the difference is small.
+    So the cumsum is taken in fp64 and kept as hi + lo fp32 parts (lo carries the gradient, hi is
+    detached): differences of the hi parts are exact to the difference's own rounding, and no
+    `[C, C, K]`-sized fp64 tensor is ever formed. For fp64 input it is a plain fp64 cumsum."""
+
+    def __init__(self, g: torch.Tensor):
+        if g.dtype == torch.float64:
+            self.value, self.hi, self.lo = g.cumsum(-2), None, None
+            return
+        G64 = g.double().cumsum(-2)
+        self.hi = G64.detach().to(g.dtype)
+        self.lo = (G64 - self.hi.double()).to(g.dtype)
+        self.value = self.hi + self.lo
+
+    def minus(self, di: int, dj: int) -> torch.Tensor:
+        """G_i - G_j broadcast as `[..., C_i, C_j, K]` (i along dim `di`, j along `dj` after unsqueeze)."""
+        if self.hi is None:
+            return self.value.unsqueeze(di) - self.value.unsqueeze(dj)
+        return (self.hi.unsqueeze(di) - self.hi.unsqueeze(dj)) + (self.lo.unsqueeze(di) - self.lo.unsqueeze(dj))
+
+    def minus_last(self) -> torch.Tensor:
+        """G_last - G_j `[..., C, K]` (decay from each position to the chunk end)."""
+        if self.hi is None:
+            return self.value[..., -1:, :] - self.value
+        return (self.hi[..., -1:, :] - self.hi) + (self.lo[..., -1:, :] - self.lo)
+
+
 def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -81,16 +112,16 @@ def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size)
         return x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc, gc = chunked(q) * scale, chunked(k), chunked(v), chunked(gf)
-    G = gc.cumsum(-2)                                   # in-chunk cumulative log-decay
+    G = _SplitCumsum(gc)                                # in-chunk cumulative log-decay
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # pairwise decay exp(G_i - G_j) for j <= i, per key channel: [B, H, n, C, C, K]
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    diff = G.minus(-2, -3).masked_fill(~causal[..., None], float("-inf"))
     A = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc, kc, diff.exp())
     o = A @ vc                                          # intra-chunk part
 
-    q_dec = qc * G.exp()                                # read of the carried state
-    G_last = G[..., -1:, :]                             # [B, H, n, 1, K]
-    k_dec = kc * (G_last - G).exp()                     # contribution to the chunk-end state
+    q_dec = qc * G.value.exp()                          # read of the carried state
+    G_last = G.value[..., -1:, :]                       # [B, H, n, 1, K]
+    k_dec = kc * G.minus_last().exp()                   # contribution to the chunk-end state
     S = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
     inter = []
     for i in range(n):

@@ -1,0 +1,42 @@
+"""`hybridize` command line: one typer app; each area (convert, distill, eval, rl) adds its commands.
+
+Errors a user can fix (UserError, missing files, bad values) print one line and exit with status 2.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="hybridize",
+    help="Turn a pretrained Hugging Face Transformer into a fast hybrid linear-attention model: "
+         "convert, distill, fine-tune with GRPO, evaluate.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+# each module defines `register(app: typer.Typer) -> None`
+AREAS = (
+    "hybridize.convert.cli",
+    "hybridize.eval.cli",
+)
+
+for _module in AREAS:
+    importlib.import_module(_module).register(app)
+
+
+def main() -> None:
+    from hybridize.errors import UserError
+
+    try:
+        app()
+    except (UserError, FileNotFoundError, ValueError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

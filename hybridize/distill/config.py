@@ -1,0 +1,314 @@
+"""Configs of the distillation stages: dataclasses with `help` metadata, filled from a YAML recipe and then
+from `key=value` overrides (dotted keys reach nested sections: `train.lr=3e-4`, `data.seq_len=512`).
+
+Resolution order: dataclass defaults < YAML recipe < command-line overrides. The resolved config is
+written to `<run_dir>/config.yaml` by every stage, so a run can be repeated from its own directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridize.errors import UserError
+
+
+def _f(default, help: str):
+    """A dataclass field with a help string (lists/dicts get a factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+# ---- shared sections ----------------------------------------------------------------------------
+
+@dataclass
+class TrainArgs:
+    """Optimisation and bookkeeping shared by every hand-written training loop (align, e2e)."""
+
+    run_dir: str = _f("runs/distill", "output folder: checkpoints/, metrics.jsonl, loss.png, config.yaml, final/")
+    seed: int = _f(0, "seed of model init noise, data order and dropout")
+    max_steps: int = _f(100, "optimizer steps")
+    lr: float = _f(1e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.0, "cosine schedule floor as a fraction of lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list = _f([0.9, 0.95], "AdamW betas")
+    scheduler: str = _f("cosine", "learning-rate schedule: cosine | linear | constant")
+    warmup_steps: int = _f(10, "linear warm-up steps")
+    grad_accum: int = _f(1, "micro-batches per optimizer step (per process)")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    mixed_precision: str = _f("no", "accelerate autocast: no | bf16 | fp16")
+    dtype: str = _f("float32", "dtype the models are loaded in: float32 | bfloat16")
+    save_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    log_every: int = _f(1, "write a metrics line every N steps")
+    threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class DataArgs:
+    """Where training text comes from and how it is packed."""
+
+    train: str = _f("", "local .jsonl/.json/.txt/.parquet file or folder, or a hub dataset name "
+                        "(empty: ../shared/data/general_text when present)")
+    split: str = _f("train", "dataset split (hub datasets)")
+    text_field: str = _f("text", "column holding the text")
+    text_template: str = _f("", "Python format string over row columns, e.g. '{problem}\\n{solution}' "
+                                "(overrides text_field)")
+    max_docs: int = _f(0, "use at most this many documents (0 = all)")
+    seq_len: int = _f(256, "packed row length in tokens")
+    seq_len_schedule: list = _f([], "context-length schedule [[step, seq_len], ...] (overrides seq_len)")
+    batch_tokens: int = _f(1024, "tokens per micro-batch per process (rows = batch_tokens // seq_len)")
+    add_eos: bool = _f(True, "append EOS to every document before packing")
+    eval: str = _f("", "held-out text for perplexity (same formats as train; empty = none)")
+    eval_tokens: int = _f(4096, "held-out tokens used for perplexity")
+    eval_every: int = _f(0, "held-out perplexity every N steps (0 = start and end only)")
+
+
+@dataclass
+class LoraArgs:
+    r: int = _f(16, "LoRA rank")
+    alpha: int = _f(32, "LoRA alpha")
+    dropout: float = _f(0.0, "LoRA dropout")
+    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                              "module names LoRA wraps")
+
+
+# ---- stages -------------------------------------------------------------------------------------
+
+@dataclass
+class AlignConfig:
+    """Stage A: attention transfer, each converted layer reproduces its teacher layer's attention output."""
+
+    student: str = _f("", "converted checkpoint folder (hybridize convert --out)")
+    teacher: str = _f("", "teacher source for load_model ('default', a folder, a hub name); "
+                          "empty: the source recorded in the student's config")
+    loss: str = _f("nmse", "per-layer loss: mse | nmse (MSE / mean square of the teacher output)")
+    params: str = _f("mixer", "what trains: mixer (all mixer params) | mixer_new (params the teacher lacks) "
+                              "| comma-separated globs over parameter names")
+    layers: list = _f([], "converted layer indices to train (empty = all)")
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
+    data: DataArgs = field(default_factory=DataArgs)
+
+
+@dataclass
+class E2EConfig:
+    """Stage B: end-to-end distillation / long-context continual training."""
+
+    student: str = _f("", "student checkpoint folder (converted or after align)")
+    teacher: str = _f("", "teacher source (empty: the source in the student's config; 'none': CE only)")
+    kl_weight: float = _f(1.0, "weight of KL(teacher || student) on the logits")
+    ce_weight: float = _f(0.1, "weight of next-token cross-entropy")
+    temperature: float = _f(1.0, "softmax temperature of the KL term (scaled back by T^2)")
+    balance_weight: float = _f(1.0, "multiplier on the model's auxiliary (SSE balance) loss when present")
+    params: str = _f("all", "what trains: all | mixer | mixer_new | lora (LoRA + mixer params) | globs")
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/e2e", lr=1e-4))
+    data: DataArgs = field(default_factory=DataArgs)
+
+
+@dataclass
+class SFTStageConfig:
+    """Stage C: supervised fine-tuning of the student on reasoning traces (TRL SFTTrainer)."""
+
+    student: str = _f("", "student checkpoint folder")
+    traces: str = _f("", "traces: .jsonl/.json/.parquet file or hub name (empty: ../shared/data/math_train)")
+    split: str = _f("train", "dataset split")
+    prompt_field: str = _f("problem", "column with the prompt")
+    completion_field: str = _f("solution", "column with the completion (trace)")
+    system_prompt: str = _f("", "optional system message")
+    max_examples: int = _f(0, "use at most this many rows (0 = all)")
+    max_length: int = _f(1024, "truncate prompt+completion to this many tokens")
+    params: str = _f("all", "what trains: all | mixer | mixer_new | lora | globs")
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    batch_size: int = _f(1, "per-device batch size")
+    packing: bool = _f(False, "TRL packing of examples (padding-free, position_ids restart per example)")
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/sft", lr=1e-5))
+
+
+@dataclass
+class TracesConfig:
+    """`hybridize distill traces`: the teacher writes completions for prompts (JSONL, resumable)."""
+
+    teacher: str = _f("default", "teacher source for load_model")
+    prompts: str = _f("", "prompts: .jsonl/.json/.parquet or hub name (empty: ../shared/data/gsm8k/train.jsonl)")
+    split: str = _f("train", "dataset split")
+    prompt_field: str = _f("problem", "column with the prompt")
+    system_prompt: str = _f("", "optional system message")
+    out: str = _f("runs/traces/traces.jsonl", "output JSONL (appended; rows already there are skipped)")
+    num_prompts: int = _f(16, "how many prompts (0 = all)")
+    samples_per_prompt: int = _f(1, "completions per prompt")
+    max_new_tokens: int = _f(256, "generation length")
+    temperature: float = _f(0.0, "0 = greedy")
+    top_p: float = _f(1.0, "nucleus sampling")
+    batch_size: int = _f(4, "prompts per generate call")
+    seed: int = _f(0, "sampling seed")
+    dtype: str = _f("float32", "teacher dtype")
+    threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+
+
+@dataclass
+class DemoConfig:
+    """`hybridize demo`: convert + stage A + a short stage B on the embedded default, on CPU."""
+
+    out: str = _f("runs/demo", "output folder")
+    teacher: str = _f("default", "teacher source")
+    layers: str = _f("5:1", "layer plan (5 converted : 1 softmax)")
+    mixer: str = _f("sse", "mixer of the converted layers")
+    train_text: str = _f("", "training text (empty: ../shared/data/general_text when present, else the "
+                             "teacher generates it)")
+    heldout_text: str = _f("", "held-out text (empty: ../shared/data/wikitext2/test.txt when present, "
+                               "else teacher-generated)")
+    eval_tokens: int = _f(2048, "held-out tokens for perplexity")
+    eval_seq_len: int = _f(512, "perplexity window")
+    align_steps: int = _f(60, "stage A optimizer steps")
+    align_lr: float = _f(1e-3, "stage A learning rate")
+    e2e_steps: int = _f(40, "stage B optimizer steps")
+    e2e_lr: float = _f(3e-4, "stage B learning rate")
+    seq_len: int = _f(256, "training row length")
+    batch_tokens: int = _f(512, "tokens per micro-batch")
+    generated_tokens: int = _f(768, "teacher-generated tokens per text when no data folder exists")
+    threads: int = _f(0, "torch CPU threads (0 = all cores)")
+    seed: int = _f(0, "seed")
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    """Make `cls` from a nested dict, rejecting unknown keys with the list of known ones."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise UserError(f"unknown setting(s) {sorted(unknown)} in {where or cls.__name__}; "
+                        f"known: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if _is_dataclass_type(tp):
+            if not isinstance(value, dict):
+                raise UserError(f"{where}{name} must be a mapping, got {value!r}")
+            kwargs[name] = _build(tp, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, f"{where}{name}")
+    obj = cls()
+    for k, v in kwargs.items():
+        if _is_dataclass_type(hints[k]):
+            # merge into the default section so partial sections keep the stage's own defaults
+            v = dataclasses.replace(getattr(obj, k), **{f.name: getattr(v, f.name) for f in dataclasses.fields(v)
+                                                        if f.name in data[k]})
+        setattr(obj, k, v)
+    return obj
+
+
+def _coerce(value, tp, where: str):
+    origin = typing.get_origin(tp) or tp
+    if value is None:
+        return value
+    try:
+        if origin is bool and not isinstance(value, bool):
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if origin in (int, float, str) and not isinstance(value, origin):
+            if origin is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return origin(value)
+        if origin is list and not isinstance(value, list):
+            # "a,b" on the command line -> ["a", "b"]
+            return [yaml.safe_load(v) for v in str(value).split(",") if v != ""]
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: cannot use {value!r} as {getattr(origin, '__name__', origin)}") from None
+    return value
+
+
+def _set_dotted(d: dict, key: str, value) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise UserError(f"override {key}: {p} is not a section")
+    d[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> dict:
+    """`["train.lr=1e-4", "layers=[1,2]"]` -> nested dict; values are parsed as YAML scalars/lists."""
+    out: dict = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not key=value (e.g. train.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe path, or a name under the repository's `recipes/` (`smollm2-135m/align`)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (RECIPES_DIR / name, RECIPES_DIR / f"{name}.yaml"):
+        if cand.is_file():
+            return cand
+    raise UserError(f"recipe {name!r} not found (as a file or under {RECIPES_DIR})")
+
+
+def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | None = None):
+    """Defaults < recipe YAML < overrides. Unknown keys and bad values raise UserError."""
+    data: dict = {}
+    if recipe:
+        path = find_recipe(recipe)
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"recipe {path} must be a YAML mapping")
+        data = loaded
+    ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    return _build(cls, _merge(data, ov), "")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe(cls, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key, default, help) of every setting, nested keys dotted: the CLI prints this as help."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    obj = cls()
+    for f in dataclasses.fields(cls):
+        if _is_dataclass_type(hints[f.name]):
+            sub = getattr(obj, f.name)
+            for k, _, h in describe(type(sub), f"{prefix}{f.name}."):
+                rows.append((k, getattr(sub, k.split(".")[-1]), h))
+        else:
+            rows.append((f"{prefix}{f.name}", getattr(obj, f.name), f.metadata.get("help", "")))
+    return rows

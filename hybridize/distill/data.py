@@ -1,0 +1,294 @@
+"""Training text for distillation: load documents through `datasets`, tokenize, pack, and serve
+micro-batches as a pure function of the step number (so `--resume` sees exactly the same data).
+
+Packing: documents (each + EOS) are concatenated and cut into rows of `seq_len` tokens; `position_ids`
+restart at 0 at every document start AND at every row start (a document cut by a row boundary continues
+as a new document). A micro-batch of R rows is flattened into ONE row `[1, R * seq_len]`: the mixers'
+varlen path needs batch 1 (`cu_seqlens`), and HF's mask builder turns restarting `position_ids` (with
+`attention_mask=None` and no cache) into a block-diagonal causal mask for eager/sdpa attention, so no
+token ever sees another document - in softmax or in linear-attention layers.
+
+Order: for a given row length the rows are shuffled by `seed`, `epoch` and schedule phase; micro-batch
+`j` of a phase takes rows `[j*R*world + rank*R, ... + R)` of the concatenated epoch permutations.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridize.errors import UserError
+
+TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+                 ".parquet": "parquet", ".csv": "csv"}
+
+
+# ---- locating data ------------------------------------------------------------------------------
+
+def shared_data(rel: str) -> Path | None:
+    """`../shared/data/<rel>` (relative to the working directory or to the repository) when it exists.
+
+    Only used for defaults: everything runs without it."""
+    for root in (Path.cwd() / ".." / "shared" / "data", Path(__file__).resolve().parents[3] / "shared" / "data"):
+        p = root / rel
+        if p.exists():
+            return p.resolve()
+    return None
+
+
+def load_rows(source: str, split: str = "train", max_rows: int = 0):
+    """Rows of a local file/folder or a hub dataset, as a `datasets.Dataset`."""
+    import datasets
+
+    if not source:
+        raise UserError("no data source given (a local .jsonl/.txt/.parquet file or a hub dataset name)")
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES)
+            if not files:
+                raise UserError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files")
+            kind = TEXT_SUFFIXES[files[0].suffix]
+            files = [str(f) for f in files if TEXT_SUFFIXES[f.suffix] == kind]
+        else:
+            if path.suffix not in TEXT_SUFFIXES:
+                raise UserError(f"{path}: unknown data format {path.suffix!r}; use one of {sorted(TEXT_SUFFIXES)}")
+            kind, files = TEXT_SUFFIXES[path.suffix], [str(path)]
+        try:
+            ds = datasets.load_dataset(kind, data_files=files, split="train")
+        except Exception as e:  # datasets raises many types for malformed files
+            raise UserError(f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    else:
+        name, _, config = source.partition(":")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split)
+        except Exception as e:
+            raise UserError(f"{source!r} is neither a local file nor a loadable hub dataset "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    if max_rows and len(ds) > max_rows:
+        ds = ds.select(range(max_rows))
+    return ds
+
+
+def row_texts(ds, text_field: str = "text", template: str = "") -> list[str]:
+    """Extract one string per row; malformed rows are skipped and reported in one line."""
+    texts, bad = [], []
+    for i, row in enumerate(ds):
+        try:
+            t = template.format(**row) if template else row[text_field]
+        except (KeyError, IndexError, ValueError):
+            t = None
+        if not isinstance(t, str):
+            bad.append(i)
+            continue
+        if t.strip():
+            texts.append(t)
+    if bad:
+        cols = list(ds.column_names)
+        msg = (f"{len(bad)} of {len(ds)} rows lack a usable "
+               f"{'template ' + repr(template) if template else 'text field ' + repr(text_field)} "
+               f"(first: row {bad[0]}; columns: {cols})")
+        if not texts:
+            raise UserError(msg)
+        print(f"warning: skipped {msg}")
+    if not texts:
+        raise UserError("the data source holds no non-empty text")
+    return texts
+
+
+def load_texts(source: str, text_field: str = "text", template: str = "", split: str = "train",
+               max_docs: int = 0) -> list[str]:
+    return row_texts(load_rows(source, split, max_docs), text_field, template)
+
+
+def tokenize_docs(tokenizer, texts: list[str], add_eos: bool = True) -> list[list[int]]:
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        if add_eos and eos is not None:
+            ids = ids + [eos]
+        if ids:
+            out.append(ids)
+    return out
+
+
+# ---- packing ------------------------------------------------------------------------------------
+
+def pack_rows(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate documents and cut rows of `seq_len`; the incomplete tail is dropped.
+
+    Returns input_ids `[N, seq_len]` and position_ids `[N, seq_len]`: positions count from the last
+    document start or row start, whichever is later (a row is independent of its neighbours)."""
+    if seq_len < 2:
+        raise UserError(f"seq_len must be >= 2, got {seq_len}")
+    ids = torch.tensor([t for d in docs for t in d], dtype=torch.long)
+    starts = torch.zeros(ids.numel(), dtype=torch.bool)
+    offsets = torch.tensor([0] + [len(d) for d in docs[:-1]], dtype=torch.long).cumsum(0)
+    starts[offsets[offsets < ids.numel()]] = True
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise UserError(f"only {ids.numel()} tokens of data: not one row of seq_len={seq_len}; "
+                        "add data or lower data.seq_len")
+    ids = ids[: n * seq_len].view(n, seq_len)
+    starts = starts[: n * seq_len].view(n, seq_len).clone()
+    starts[:, 0] = True
+    return ids, positions_from_starts(starts)
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """`[N, L]` bool document-start flags -> position ids counting from the latest start."""
+    idx = torch.arange(starts.shape[1]).expand_as(starts)
+    last = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - last
+
+
+def flatten_rows(input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """`[R, L]` rows -> one packed row `[1, R*L]` (positions already restart at every row)."""
+    return {"input_ids": input_ids.reshape(1, -1), "position_ids": position_ids.reshape(1, -1)}
+
+
+def pad_docs(docs: list[list[int]], pad_id: int = 0) -> dict:
+    """The unpacked equivalent of a packed batch: one right-padded row per document with an
+    attention mask (used by tests and by evaluation)."""
+    T = max(len(d) for d in docs)
+    ids = torch.full((len(docs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(docs), T, dtype=torch.long)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)] = torch.tensor(d)
+        mask[i, : len(d)] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+
+def pack_docs_exact(docs: list[list[int]]) -> dict:
+    """Documents packed without cutting: one row `[1, sum(len)]`, positions restarting per document."""
+    ids = torch.tensor([t for d in docs for t in d], dtype=torch.long).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": pos}
+
+
+# ---- the step -> batch map ----------------------------------------------------------------------
+
+def parse_schedule(seq_len: int, schedule: list) -> list[tuple[int, int]]:
+    """[[step, seq_len], ...] sorted, starting at step 0."""
+    if not schedule:
+        return [(0, int(seq_len))]
+    try:
+        phases = sorted((int(s), int(n)) for s, n in schedule)
+    except (TypeError, ValueError):
+        raise UserError(f"seq_len_schedule must be [[step, seq_len], ...], got {schedule!r}") from None
+    if phases[0][0] != 0:
+        phases.insert(0, (0, int(seq_len)))
+    return phases
+
+
+@dataclass
+class PackedData:
+    """Serves micro-batches as a pure function of (optimizer step, micro index): resumable by step."""
+
+    docs: list[list[int]]
+    seq_len: int = 256
+    schedule: list | None = None
+    batch_tokens: int = 1024
+    grad_accum: int = 1
+    seed: int = 0
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self):
+        self.phases = parse_schedule(self.seq_len, self.schedule or [])
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def phase_of(self, step: int) -> tuple[int, int, int]:
+        """(phase index, phase start step, seq_len) of an optimizer step."""
+        k = max(i for i, (s, _) in enumerate(self.phases) if s <= step)
+        return k, self.phases[k][0], self.phases[k][1]
+
+    def rows_for(self, seq_len: int):
+        if seq_len not in self._rows:
+            self._rows[seq_len] = pack_rows(self.docs, seq_len)
+        return self._rows[seq_len]
+
+    def rows_per_micro(self, seq_len: int) -> int:
+        return max(1, self.batch_tokens // seq_len)
+
+    def batch(self, step: int, micro: int) -> dict:
+        """The packed micro-batch `[1, R*L]` of this process for optimizer `step`, micro-batch `micro`."""
+        phase, start, L = self.phase_of(step)
+        ids, pos = self.rows_for(L)
+        R = self.rows_per_micro(L)
+        j = (step - start) * self.grad_accum + micro
+        first = (j * self.world + self.rank) * R
+        picks = [self._row_index(phase, L, first + i, ids.shape[0]) for i in range(R)]
+        return flatten_rows(ids[picks], pos[picks])
+
+    def _row_index(self, phase: int, L: int, k: int, n: int) -> int:
+        epoch, i = divmod(k, n)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + phase * 10_007 + epoch)
+        return int(torch.randperm(n, generator=g)[i])
+
+    def tokens_per_step(self, step: int) -> int:
+        _, _, L = self.phase_of(step)
+        return self.rows_per_micro(L) * L * self.grad_accum * self.world
+
+
+# ---- held-out text --------------------------------------------------------------------------------
+
+def heldout_ids(tokenizer, texts: list[str], max_tokens: int) -> torch.Tensor:
+    """One token stream `[N]` of held-out text (documents joined by EOS), at most `max_tokens` long."""
+    out: list[int] = []
+    for d in tokenize_docs(tokenizer, texts, add_eos=True):
+        out.extend(d)
+        if len(out) >= max_tokens:
+            break
+    return torch.tensor(out[:max_tokens], dtype=torch.long)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for i, line in enumerate(p.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {p}:{i + 1} is not valid JSON; skipped")
+    return rows
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+
+
+__all__ = ["shared_data", "load_rows", "load_texts", "row_texts", "tokenize_docs", "pack_rows", "flatten_rows",
+           "pad_docs", "pack_docs_exact", "PackedData", "parse_schedule", "heldout_ids", "read_jsonl", "math"]
+
+
+def default_train_source() -> str:
+    p = shared_data("general_text")
+    if p is None:
+        raise UserError("no training text given: set data.train=<file or hub dataset> "
+                        "(../shared/data/general_text is not present here)")
+    return str(p)
+
+
+def build_data(args, tokenizer, seed: int, grad_accum: int = 1) -> PackedData:
+    """PackedData from a DataArgs section."""
+    texts = load_texts(args.train or default_train_source(), args.text_field, args.text_template, args.split,
+                       args.max_docs)
+    docs = tokenize_docs(tokenizer, texts, args.add_eos)
+    return PackedData(docs, seq_len=args.seq_len, schedule=args.seq_len_schedule, batch_tokens=args.batch_tokens,
+                      grad_accum=grad_accum, seed=seed)
+
+
+def build_heldout(args, tokenizer) -> torch.Tensor | None:
+    if not args.eval:
+        return None
+    return heldout_ids(tokenizer, load_texts(args.eval, args.text_field, args.text_template, args.split),
+                       args.eval_tokens)

@@ -1,0 +1,184 @@
+"""The training loop shared by the hand-written stages (align, e2e): accelerate, gradient accumulation,
+LR schedule, atomic checkpoints, exact `--resume`, metrics JSONL, loss-curve PNG, progress bar.
+
+A stage hands over the module to optimise (`module`: what accelerate prepares and checkpoints), a
+`step_fn(module, batch) -> (loss, {name: float})`, and a data object with `batch(step, micro)` and
+`tokens_per_step(step)`. Data are a pure function of the step, and accelerate's checkpoint restores model,
+optimizer, scheduler and RNG states, so a resumed run repeats the uninterrupted one exactly.
+
+DeepSpeed: an `accelerate launch --config_file <deepspeed.yaml>` run goes through the same calls
+(`prepare`, `backward`, `save_state`); the LR schedule is ours (a DeepSpeed config must not define
+`scheduler`), and `nan_policy=skip` is not available there (DeepSpeed steps inside `backward`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from hybridize.errors import UserError
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainArgs
+from .metrics import MetricsLog, Throughput, plot_losses
+
+
+def make_accelerator(train: TrainArgs):
+    from accelerate import Accelerator
+
+    if train.mixed_precision not in ("no", "bf16", "fp16"):
+        raise UserError(f"train.mixed_precision must be no | bf16 | fp16, got {train.mixed_precision!r}")
+    return Accelerator(mixed_precision=train.mixed_precision, gradient_accumulation_steps=train.grad_accum)
+
+
+def make_scheduler(optimizer, train: TrainArgs):
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}.get(train.scheduler)
+    if name is None:
+        raise UserError(f"train.scheduler must be cosine | linear | constant, got {train.scheduler!r}")
+    kwargs = {"scheduler_specific_kwargs": {"min_lr_rate": train.min_lr_ratio}} if name == "cosine_with_min_lr" else {}
+    return get_scheduler(name, optimizer, num_warmup_steps=train.warmup_steps,
+                         num_training_steps=train.max_steps, **kwargs)
+
+
+@dataclass
+class LoopResult:
+    step: int
+    tokens: int
+    seconds: float
+    last_loss: float
+    run_dir: Path
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+def move(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, resume: bool = False,
+             accelerator=None, eval_fn: Callable[[int], dict] | None = None, eval_every: int = 0,
+             desc: str = "train", stop_after: int | None = None) -> LoopResult:
+    """Optimise the trainable parameters of `module` for `train.max_steps` optimizer steps.
+
+    `stop_after` ends the loop early after that many steps of THIS call (as if killed after a
+    checkpoint; tests use it to interrupt and resume)."""
+    from tqdm.auto import tqdm
+
+    run_dir = Path(train.run_dir)
+    acc = accelerator or make_accelerator(train)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("nothing to train: no parameter has requires_grad=True")
+    opt = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    sched = make_scheduler(opt, train)
+    module, opt = acc.prepare(module, opt)
+    acc.register_for_checkpointing(sched)
+    data.rank, data.world, data.grad_accum = acc.process_index, acc.num_processes, train.grad_accum
+
+    log = MetricsLog(run_dir / "metrics.jsonl", enabled=acc.is_main_process)
+    step, tokens = 0, 0
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            acc.print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
+        else:
+            state = load_checkpoint(acc, ckpt)
+            step, tokens = int(state["step"]), int(state.get("tokens", 0))
+            acc.print(f"resumed from {ckpt} (step {step}, {tokens} tokens)")
+    if acc.is_main_process and step == 0:
+        log.path.unlink(missing_ok=True)
+    log.truncate_after(step)
+
+    def checkpoint(at: int):
+        save_checkpoint(acc, run_dir, at, {"tokens": tokens}, keep=train.keep_checkpoints)
+
+    if eval_fn is not None and step == 0:
+        log.write(step=0, **eval_fn(0))
+
+    speed = Throughput()
+    bar = tqdm(total=train.max_steps, initial=step, desc=desc, disable=not (train.progress and acc.is_main_process),
+               dynamic_ncols=True)
+    t0, last_loss, skipped, done_here = time.perf_counter(), float("nan"), 0, 0
+    module.train()
+    try:
+        while step < train.max_steps:
+            losses, parts, bad, grad_norm = [], {}, False, None
+            for micro in range(train.grad_accum):
+                batch = move(data.batch(step, micro), acc.device)
+                with acc.accumulate(module):
+                    with acc.autocast():
+                        loss, logs = step_fn(module, batch)
+                    if not torch.isfinite(loss.detach()).all():
+                        bad = True
+                        if train.nan_policy != "skip":
+                            opt.zero_grad(set_to_none=True)
+                            checkpoint(step)
+                            raise NonFiniteLoss(
+                                f"loss is {loss.item()} at step {step} micro-batch {micro}; the last good state "
+                                f"(step {step}) is saved in {run_dir}/checkpoints: lower train.lr or check the data, "
+                                f"then rerun with --resume")
+                        continue
+                    acc.backward(loss)
+                    losses.append(float(loss.detach()))
+                    for k, v in logs.items():
+                        parts[k] = parts.get(k, 0.0) + float(v) / train.grad_accum
+                    if acc.sync_gradients and not bad:
+                        if train.max_grad_norm > 0:
+                            grad_norm = float(acc.clip_grad_norm_(params, train.max_grad_norm))
+                        opt.step()
+                        sched.step()
+                    if acc.sync_gradients or bad:
+                        opt.zero_grad(set_to_none=True)
+            if bad:
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                acc.print(f"warning: non-finite loss at step {step}: batch skipped ({skipped}/10)")
+                if skipped > 10:
+                    checkpoint(step)
+                    raise NonFiniteLoss(f"more than 10 non-finite losses (last at step {step}); state saved in "
+                                        f"{run_dir}/checkpoints")
+            step_tokens = data.tokens_per_step(step)
+            tokens += step_tokens
+            step += 1
+            done_here += 1
+            last_loss = sum(losses) / max(len(losses), 1) if losses else float("nan")
+            tps = speed.add(step_tokens)
+            if step % max(train.log_every, 1) == 0 or step == train.max_steps:
+                log.write(step=step, loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=grad_norm,
+                          tokens=tokens, tok_per_s=round(tps, 1), **parts)
+            if eval_fn is not None and eval_every and step % eval_every == 0 and step < train.max_steps:
+                log.write(step=step, **eval_fn(step))
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.4g}", tok_s=f"{tps:.0f}")
+            if train.save_every and step % train.save_every == 0 and step < train.max_steps:
+                checkpoint(step)
+            if stop_after is not None and done_here >= stop_after:
+                break
+    except KeyboardInterrupt:
+        bar.close()
+        checkpoint(step)
+        raise UserError(f"interrupted at step {step}; checkpoint saved in {run_dir}/checkpoints - "
+                        f"rerun the same command with --resume") from None
+    bar.close()
+    if step >= train.max_steps or stop_after is not None:
+        checkpoint(step)
+    if eval_fn is not None and step >= train.max_steps:
+        log.write(step=step, **eval_fn(step))
+    if acc.is_main_process:
+        keys = tuple(k for k in ("loss", "kl", "ce", "aux") if any(k in r for r in log.read()))
+        plot_losses(log.path, run_dir / "loss.png", keys=keys or ("loss",), title=f"{desc}: {run_dir.name}")
+    return LoopResult(step=step, tokens=tokens, seconds=time.perf_counter() - t0, last_loss=last_loss,
+                      run_dir=run_dir)
+
+
+def isfinite(x: float) -> bool:
+    return math.isfinite(x)

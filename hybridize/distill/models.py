@@ -1,0 +1,185 @@
+"""Model plumbing of the distillation stages: load teacher and student, find the converted layers,
+choose (and report) which parameters train.
+
+A converted layer is a decoder layer whose `self_attn` holds a hybridize mixer at `.mixer` (the adapter
+of `hybridize.modeling`); softmax layers keep the teacher's attention module.
+"""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from hybridize.errors import UserError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _register_hybrid() -> None:
+    """Importing hybridize.modeling registers the hybrid classes with the Auto* factories."""
+    try:
+        import hybridize.modeling  # noqa: F401
+    except ImportError:
+        pass
+
+
+def load_teacher(source: str, dtype: str = "float32", device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a teacher: 'default' (embedded SmolLM2), a folder or a hub name."""
+    try:
+        from hybridize.convert.sources import load_model
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        model, tok = load_model(source, torch_dtype(dtype), device)
+    else:  # the converter package is not there yet: plain HF loading
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype)).to(device)
+        tok = AutoTokenizer.from_pretrained(source)
+    model.eval().requires_grad_(False)
+    return model, tok
+
+
+def load_student(path: str, dtype: str = "float32", device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a saved (converted) checkpoint folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path:
+        raise UserError("no student given: pass student=<folder written by `hybridize convert --out`>")
+    if not Path(path).is_dir():
+        raise UserError(f"student folder {path} does not exist (run `hybridize convert --out {path}` first)")
+    _register_hybrid()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device)
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+def teacher_source_of(student) -> str:
+    """The teacher source recorded in a converted model's config (empty when none)."""
+    cfg = student.config
+    for key in ("teacher_source", "source", "source_model", "teacher"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, str) and v:
+            return v
+    return ""
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """Unwrap DDP/DeepSpeed (`.module`) and PEFT (`get_base_model`)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    m = base_model(model)
+    for path in ("model.layers", "model.model.layers", "layers", "transformer.h"):
+        obj = m
+        try:
+            for p in path.split("."):
+                obj = getattr(obj, p)
+        except AttributeError:
+            continue
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise UserError(f"cannot find the decoder layers of {type(m).__name__} (expected model.layers)")
+
+
+def converted_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: attention adapter} for every layer whose `self_attn` holds a mixer at `.mixer`."""
+    out = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and isinstance(getattr(attn, "mixer", None), nn.Module):
+            out[i] = attn
+    return out
+
+
+def _qualified(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    raise KeyError("module not found in model")
+
+
+def select_trainable(model: nn.Module, spec: str, layers: list[int] | None = None) -> list[str]:
+    """Set `requires_grad` from a spec and return the names that train.
+
+    spec: `all` | `mixer` (every parameter of the converted layers' adapters) | `mixer_new` (mixer
+    parameters the teacher attention did not have) | `lora` (LoRA weights, plus all mixer parameters;
+    call after peft wrapping) | comma-separated globs over parameter names (`*mixer.router*,*norm*`)."""
+    spec = (spec or "all").strip()
+    names = dict(model.named_parameters())
+    conv = converted_layers(model)
+    if layers:
+        missing = sorted(set(layers) - set(conv))
+        if missing:
+            raise UserError(f"layers {missing} are not converted; converted layers: {sorted(conv)}")
+        conv = {i: conv[i] for i in layers}
+
+    def mixer_params(new_only: bool) -> set[str]:
+        chosen = set()
+        for adapter in conv.values():
+            prefix = _qualified(model, adapter)
+            mixer_prefix = _qualified(model, adapter.mixer)
+            new = set(adapter.mixer.new_parameter_names()) if new_only and hasattr(adapter.mixer, "new_parameter_names") else None
+            for n, _ in adapter.named_parameters():
+                full = f"{prefix}.{n}"
+                if new is not None:
+                    if not full.startswith(mixer_prefix + ".") or full[len(mixer_prefix) + 1:] not in new:
+                        continue
+                chosen.add(full)
+        return chosen
+
+    if spec == "all":
+        chosen = set(names)
+    elif spec in ("mixer", "mixer_new"):
+        if not conv:
+            raise UserError(f"params={spec} but the model has no converted layers")
+        chosen = mixer_params(spec == "mixer_new")
+    elif spec == "lora":
+        chosen = {n for n in names if "lora_" in n} | mixer_params(False)
+        if not any("lora_" in n for n in names):
+            raise UserError("params=lora but the model has no LoRA weights (wrap it with peft first)")
+    else:
+        pats = [p.strip() for p in spec.split(",") if p.strip()]
+        chosen = {n for n in names if any(fnmatch.fnmatch(n, p) for p in pats)}
+    if not chosen:
+        raise UserError(f"params={spec!r} selects no parameter; examples of names: {list(names)[:5]}")
+    for n, p in names.items():
+        p.requires_grad_(n in chosen)
+    return sorted(chosen)
+
+
+def trainable_summary(model: nn.Module) -> dict:
+    """Counts of trainable and frozen parameters, and the trainable names grouped by their module type
+    (written to the run folder and printed, so what trains is never implicit)."""
+    total = trainable = 0
+    groups: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+            key = ".".join(x for x in n.split(".") if not x.isdigit())
+            groups[key] = groups.get(key, 0) + p.numel()
+    return {"trainable": trainable, "total": total, "fraction": trainable / max(total, 1), "groups": groups}
+
+
+def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]):
+    """Wrap with peft LoRA on the given module names (softmax attention, MLPs, and the mixers' projections
+    share names, so one list reaches both)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                     bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)

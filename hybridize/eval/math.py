@@ -1,0 +1,329 @@
+"""Math benchmarks (AIME24/25, MATH-500, AMC23, OlympiadBench, GSM8K or any JSONL of problem/answer):
+prompting, sampling, answer checking with math-verify, avg@k and unbiased pass@k, per-problem JSONL.
+
+Protocol (SSE paper, section 5.2): chat template + "put your final answer within \\boxed{}",
+temperature 1.0, top-p 0.7, avg@32 on AIME; greedy (temperature 0, one sample) is the other mode.
+
+The reward-usable, model-free pieces are at the top and are pure functions (no torch):
+`extract_boxed`, `extract_answer`, `format_ok`, `is_correct`, `pass_at_k`. GRPO rewards reuse them.
+
+Answer checking: the model's answer is the content of its LAST `\\boxed{}` (also `\\fbox`,
+`\\framebox`); it is compared with the reference by math-verify (symbolic equality, sets, intervals,
+tuples, rounding to 6 digits). With `require_boxed=False` (used only to check the checker on
+reference solutions), a GSM8K-style `#### N` line or "the answer is X" is accepted too, and
+failing that math-verify's own extraction on the whole text.
+
+`check_checker` validates all of that on a dataset without a model: its reference answers, boxed,
+must score ~100%; its reference solutions (where present) close to that; answers of other problems
+(a derangement) ~0% (exactly the rate at which two problems share an answer).
+"""
+from __future__ import annotations
+
+import functools
+import math as _m
+import random
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+# ---- answer extraction and checking (pure) ------------------------------------------------------
+
+_BOX_CMDS = ("\\boxed", "\\fbox", "\\framebox")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` / `\\framebox{...}` (nested braces
+    matched), or of `\\boxed x` (brace-less form); None when there is none or it is unclosed."""
+    if not text:
+        return None
+    best, best_pos = None, -1
+    for cmd in _BOX_CMDS:
+        pos = text.rfind(cmd)
+        while pos != -1:
+            got = _box_content(text, pos + len(cmd))
+            if got is not None:
+                if pos > best_pos:
+                    best, best_pos = got, pos
+                break
+            pos = text.rfind(cmd, 0, pos)
+    return best.strip() if best is not None else None
+
+
+def _box_content(text: str, i: int) -> str | None:
+    # skip optional "[...]" (\framebox[width]{..}) and spaces
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] == "[":
+        j = text.find("]", i)
+        if j == -1:
+            return None
+        i = j + 1
+    if i < len(text) and text[i] == "{":
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{" and (j == 0 or text[j - 1] != "\\"):
+                depth += 1
+            elif text[j] == "}" and text[j - 1] != "\\":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1:j]
+        return None
+    if i < len(text) and text[i - 1] == " ":   # "\boxed 5"
+        m = re.match(r"([^\s$]+)", text[i:])
+        return m.group(1) if m else None
+    return None
+
+
+_HASH_RE = re.compile(r"####\s*([^\n]+)")
+_ANSWER_IS_RE = re.compile(r"answer is[:\s]*\$?([^$\n]+?)\$?\s*(?:\.|$)", re.IGNORECASE | re.MULTILINE)
+
+
+def extract_answer(text: str, fallback: bool = False) -> str | None:
+    """The final answer of a completion: its last boxed content; with `fallback`, else the GSM8K
+    `#### N` line, else the last "the answer is X". None when nothing is found."""
+    boxed = extract_boxed(text)
+    if boxed is not None or not fallback:
+        return boxed
+    m = _HASH_RE.findall(text or "")
+    if m:
+        return m[-1].strip().replace(",", "")
+    m = _ANSWER_IS_RE.findall(text or "")
+    return m[-1].strip() if m else None
+
+
+def format_ok(text: str) -> bool:
+    """Format reward: the completion holds a closed, non-empty boxed answer."""
+    a = extract_boxed(text)
+    return a is not None and a != ""
+
+
+def _timeout() -> int | None:
+    # math-verify's timeouts use SIGALRM, which only works in the main thread
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_boxed(expr: str):
+    from math_verify import parse
+
+    return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout())
+
+
+def _parse_text(text: str):
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=_timeout())
+
+
+def is_correct(completion: str, reference: str, require_boxed: bool = True) -> bool:
+    """True when the completion's final answer equals `reference` (math-verify equivalence).
+
+    `require_boxed`: only a boxed answer counts (the evaluation and reward rule). Without it, the
+    fallbacks of `extract_answer` and then math-verify's extraction on the whole text are tried."""
+    from math_verify import verify
+
+    if reference is None:
+        raise ValueError("reference answer is None; drop problems without an answer")
+    gold = _parse_boxed(str(reference).strip())
+    if not gold:
+        return False
+    pred_text = extract_answer(completion, fallback=not require_boxed)
+    if pred_text is not None:
+        pred = _parse_boxed(pred_text)
+    elif require_boxed:
+        return False
+    else:
+        pred = _parse_text(completion or "")
+    if not pred:
+        return False
+    try:
+        return bool(verify(gold, pred, timeout_seconds=_timeout()))
+    except Exception:  # math-verify raises on a few exotic sympy objects: count as wrong
+        return False
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - _m.comb(n - c, k) / _m.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """k values reported for n samples: 1, 2, 4, ... up to n (and n itself)."""
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+    return ks + ([n] if ks[-1] != n else [])
+
+
+# ---- datasets -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MathDataset:
+    local: str                       # path under the shared data dir
+    hub: str                         # hub dataset id (used only when the local copy is missing)
+    hub_config: str | None = None
+    hub_split: str = "test"
+    default_samples: int = 1         # avg@k of the SSE protocol
+
+
+DATASETS: dict[str, MathDataset] = {
+    "aime24": MathDataset("aime24/aime24.jsonl", "HuggingFaceH4/aime_2024", hub_split="train", default_samples=32),
+    "aime25": MathDataset("aime25/aime25.jsonl", "math-ai/aime25", default_samples=32),
+    "math500": MathDataset("math500/math500.jsonl", "HuggingFaceH4/MATH-500"),
+    "amc23": MathDataset("amc23/amc23.jsonl", "math-ai/amc23"),
+    "olympiadbench": MathDataset("olympiadbench/olympiadbench_oe_to_maths_en.jsonl", "Hothan/OlympiadBench",
+                                 hub_config="OE_TO_maths_en_COMP", hub_split="train"),
+    "gsm8k": MathDataset("gsm8k/test.jsonl", "openai/gsm8k", hub_config="main"),
+}
+_ALIASES = {"math-500": "math500", "math_500": "math500", "olympiad": "olympiadbench", "gsm8k-test": "gsm8k"}
+
+
+def _normalise_record(r: dict, i: int) -> dict:
+    problem = r.get("problem", r.get("question"))
+    answer = r.get("answer", r.get("final_answer"))
+    if isinstance(answer, list):
+        answer = ",".join(str(a).replace("$", "") for a in answer)
+    if isinstance(answer, str) and "####" in answer:  # hub GSM8K: the answer field is the solution
+        r = {**r, "solution": answer}
+        answer = answer.split("####")[-1].strip().replace(",", "")
+    sol = r.get("solution")
+    if isinstance(sol, list):
+        sol = "\n".join(sol)
+    rid = r.get("id", r.get("unique_id", r.get("idx", i)))
+    return {"id": rid, "problem": problem, "answer": None if answer is None else str(answer), "solution": sol}
+
+
+def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]:
+    """Records `{"id", "problem", "answer", "solution"}` (solution may be None).
+
+    `name_or_path`: a known name (aime24, aime25, math500, amc23, olympiadbench, gsm8k; the local
+    copy under the shared data dir first, else the hub) or a JSONL file with problem/answer fields."""
+    from .common import data_file, read_jsonl
+
+    key = _ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if Path(name_or_path).is_file():
+        rows = read_jsonl(name_or_path)
+    elif key in DATASETS:
+        spec = DATASETS[key]
+        local = data_file(spec.local)
+        if local is not None:
+            rows = read_jsonl(local)
+        else:
+            rows = _load_hub(spec, name_or_path)
+    else:
+        raise ValueError(f"unknown math dataset {name_or_path!r}: give one of {', '.join(DATASETS)} "
+                         "or a JSONL file with 'problem' and 'answer' fields")
+    recs = [_normalise_record(r, i) for i, r in enumerate(rows)]
+    bad = [i for i, r in enumerate(recs) if not r["problem"]]
+    if bad:
+        raise ValueError(f"{name_or_path}: records {bad[:5]} have no 'problem' (or 'question') field")
+    recs = [r for r in recs if r["answer"] not in (None, "")]
+    return recs[:limit] if limit else recs
+
+
+def _load_hub(spec: MathDataset, name: str) -> list[dict]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(spec.hub, spec.hub_config, split=spec.hub_split)
+    except Exception as e:  # offline, renamed, ...
+        raise ValueError(f"no local copy of {name} and the hub load of {spec.hub} failed ({type(e).__name__}); "
+                         "set HYBRIDIZE_DATA_DIR or pass a JSONL file") from e
+    return [dict(r) for r in ds]
+
+
+def make_prompt_text(tokenizer, problem: str, chat: bool | None = None) -> str:
+    from .common import build_prompt
+
+    return build_prompt(tokenizer, f"{problem}\n{BOXED_INSTRUCTION}", chat=chat)
+
+
+# ---- the checker check --------------------------------------------------------------------------
+
+def check_checker(records: Sequence[dict], seed: int = 0) -> dict:
+    """Score the dataset's own references as completions (no model). Returns rates in [0, 1]:
+
+    - `answers_boxed`: "... $\\boxed{answer}$." for each problem (should be ~1.0)
+    - `answers_raw`: the bare answer string, boxed not required (informative)
+    - `solutions`: the reference solution text, boxed not required (where present)
+    - `shuffled`: boxed answers of a random derangement of the problems (should be ~0)
+    - `shuffled_same_string`: share of shuffled pairs whose answers are the same string (the
+      floor `shuffled` cannot go below)."""
+    n = len(records)
+    if n < 2:
+        raise ValueError("check_checker needs at least 2 records")
+    rng = random.Random(seed)
+    perm = list(range(n))
+    while any(i == p for i, p in enumerate(perm)):
+        rng.shuffle(perm)
+    boxed = [is_correct(f"So the final answer is $\\boxed{{{r['answer']}}}$.", r["answer"]) for r in records]
+    raw = [is_correct(r["answer"], r["answer"], require_boxed=False) for r in records]
+    sols = [is_correct(r["solution"], r["answer"], require_boxed=False) for r in records if r.get("solution")]
+    shuf = [is_correct(f"$\\boxed{{{records[p]['answer']}}}$", records[i]["answer"]) for i, p in enumerate(perm)]
+    same = [records[p]["answer"].strip() == records[i]["answer"].strip() for i, p in enumerate(perm)]
+    out = {"n": n, "answers_boxed": sum(boxed) / n, "answers_raw": sum(raw) / n,
+           "solutions": (sum(sols) / len(sols)) if sols else None, "n_solutions": len(sols),
+           "shuffled": sum(shuf) / n, "shuffled_same_string": sum(same) / n,
+           "failed_boxed_ids": [records[i]["id"] for i, ok in enumerate(boxed) if not ok][:20]}
+    return out
+
+
+# ---- running a model ----------------------------------------------------------------------------
+
+@dataclass
+class MathEvalConfig:
+    dataset: str = field(default="aime24", metadata={"help": "dataset name or JSONL path"})
+    samples: int | None = field(default=None, metadata={"help": "completions per problem (k of avg@k); default 32 for AIME, else 1"})
+    greedy: bool = field(default=False, metadata={"help": "temperature 0 and one completion per problem"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (SSE protocol: 1.0)"})
+    top_p: float = field(default=0.7, metadata={"help": "nucleus sampling p (SSE protocol: 0.7)"})
+    max_new_tokens: int = field(default=4096, metadata={"help": "generation budget per completion"})
+    limit: int | None = field(default=None, metadata={"help": "first N problems only"})
+    batch_size: int = field(default=8, metadata={"help": "sequences generated together"})
+    chat: bool | None = field(default=None, metadata={"help": "use the chat template (default: when the tokenizer has one)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+
+
+def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | None = None,
+                  progress: bool = True) -> dict:
+    """Generate, check, and (with `out_dir`) write `problems.jsonl` + `summary.json`. Returns the summary."""
+    from .common import encode, generate, has_chat_template, write_json, write_jsonl
+
+    recs = load_math_dataset(cfg.dataset, cfg.limit)
+    if not recs:
+        raise ValueError(f"{cfg.dataset}: no problems with an answer")
+    key = _ALIASES.get(cfg.dataset.lower(), cfg.dataset.lower())
+    n = 1 if cfg.greedy else (cfg.samples or (DATASETS[key].default_samples if key in DATASETS else 1))
+    temperature = 0.0 if cfg.greedy else cfg.temperature
+    chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
+    prompts = [encode(tokenizer, make_prompt_text(tokenizer, r["problem"], chat), chat) for r in recs]
+    gens = generate(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                    top_p=cfg.top_p, num_samples=n, batch_size=cfg.batch_size, seed=cfg.seed,
+                    desc=f"math {cfg.dataset}", progress=progress)
+    rows, ks = [], pass_ks(n)
+    for r, g in zip(recs, gens):
+        correct = [is_correct(c["text"], r["answer"]) for c in g]
+        c = sum(correct)
+        rows.append({"id": r["id"], "answer": r["answer"], "n": n, "correct": c, "avg": c / n,
+                     **{f"pass@{k}": pass_at_k(n, c, k) for k in ks},
+                     "extracted": [extract_boxed(x["text"]) for x in g], "is_correct": correct,
+                     "num_tokens": [x["num_tokens"] for x in g], "finished": [x["finished"] for x in g],
+                     "problem": r["problem"], "completions": [x["text"] for x in g]})
+    P = len(rows)
+    summary = {"dataset": cfg.dataset, "problems": P, "samples": n, "temperature": temperature,
+               "top_p": cfg.top_p if temperature > 0 else None, "max_new_tokens": cfg.max_new_tokens,
+               f"avg@{n}": sum(r["avg"] for r in rows) / P,
+               **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
+               "format_rate": sum(format_ok(c) for r in rows for c in r["completions"]) / (P * n),
+               "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
+               "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}
+    if out_dir is not None:
+        write_jsonl(Path(out_dir) / "problems.jsonl", rows)
+        write_json(Path(out_dir) / "summary.json", {**summary, "config": cfg.__dict__})
+    return summary

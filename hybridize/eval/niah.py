@@ -1,0 +1,360 @@
+"""Needle-in-a-haystack in the style of RULER (Hsieh et al. 2024): single, multi-key, multi-value and
+multi-query needles in repeated noise, in essays, or in a haystack made of other needles.
+
+Tasks (RULER names in brackets):
+
+| task      | haystack | needles in the text               | keys / values  |
+|-----------|----------|-----------------------------------|----------------|
+| s-niah-1  | noise    | 1                                 | words / numbers  [niah_single_1] |
+| s-niah-2  | essays   | 1                                 | words / numbers  [niah_single_2] |
+| s-niah-3  | essays   | 1                                 | words / uuids    [niah_single_3] |
+| mk-niah-1 | essays   | 1 queried + 3 distractor keys     | words / numbers  [niah_multikey_1] |
+| mk-niah-2 | needles  | every sentence is a needle        | words / numbers  [niah_multikey_2] |
+| mk-niah-3 | needles  | every sentence is a needle        | uuids / uuids    [niah_multikey_3] |
+| mv-niah   | essays   | 4 values for the queried key      | words / numbers  [niah_multivalue] |
+| mq-niah   | essays   | 4 keys, all queried               | words / numbers  [niah_multiquery] |
+
+Lengths are in tokens of the model's tokenizer and count the WHOLE prompt (chat template, instruction,
+haystack, question, answer prefix), as RULER does: the haystack is grown (binary search over whole
+haystack units: noise sentences, essay words, distractor needles) to the largest size whose prompt
+fits in `length`. The first needle (the first value of the first queried key) goes to the sentence
+boundary nearest to `depth` (fraction of the haystack, in tokens); other needles go to random
+sentence boundaries. The measured token depth is stored with every sample (`depth_actual`).
+
+Score (RULER string_match_all): the fraction of expected values that appear in the completion.
+Departures from RULER: keys are adjective-noun pairs from a built-in word list (RULER uses the
+`wonderwords` package), and essays are joined with single spaces after splitting on whitespace.
+"""
+from __future__ import annotations
+
+import bisect
+import random
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+_ADJ = ("abundant acid adorable aggressive alert ancient angry anxious bashful bitter blue brave bright broad "
+        "calm careful cheap clever cloudy clumsy cold cool crazy crisp curious damp dark deep delightful dizzy "
+        "dry eager early elegant empty fancy fierce filthy flat fluffy foolish fresh friendly gentle giant "
+        "glossy golden grumpy handsome happy heavy helpful hollow huge humble icy jolly juicy kind large lazy "
+        "lively lonely loud lucky mighty modern muddy narrow nervous noisy odd orange plain polite proud quick "
+        "quiet rapid rare rich rough round rusty salty scary shaggy sharp shiny short shy silent silly slim "
+        "slow smooth soft sour spicy steep sticky stormy strange strong sweet swift tall tame tender thick "
+        "tiny tough ugly vast warm wet wide wild wise witty young zany zealous").split()
+_NOUN = ("anchor apple arrow badge bakery balloon banana basket beacon bicycle blanket bottle bracelet bridge "
+         "bucket button cabin camera candle canyon carpet castle cherry chimney circle cloud comet compass "
+         "cookie copper cottage crayon crystal curtain daisy desert diamond dolphin dragon drum eagle engine "
+         "falcon feather fiddle forest fountain garden gadget glacier guitar hammer harbor helmet honey island "
+         "jacket jungle kettle kitten ladder lantern lemon magnet maple meadow mirror monkey mountain needle "
+         "ocean orchard oven paddle parrot pebble pencil pepper piano pillow planet pocket puzzle quilt rabbit "
+         "radio ribbon river rocket saddle sandal shadow shovel silver spider spoon statue sunset teapot "
+         "thunder ticket tiger tomato tractor trumpet tunnel turtle umbrella valley violin wagon walnut wizard "
+         "window zebra").split()
+
+TASKS: dict[str, dict] = {
+    "s-niah-1": dict(haystack="noise", key_type="words", value_type="numbers"),
+    "s-niah-2": dict(haystack="essay", key_type="words", value_type="numbers"),
+    "s-niah-3": dict(haystack="essay", key_type="words", value_type="uuids"),
+    "mk-niah-1": dict(haystack="essay", key_type="words", value_type="numbers", num_keys=4),
+    "mk-niah-2": dict(haystack="needle", key_type="words", value_type="numbers"),
+    "mk-niah-3": dict(haystack="needle", key_type="uuids", value_type="uuids"),
+    "mv-niah": dict(haystack="essay", key_type="words", value_type="numbers", num_values=4),
+    "mq-niah": dict(haystack="essay", key_type="words", value_type="numbers", num_keys=4, num_queries=4),
+}
+
+
+@dataclass
+class NiahTask:
+    """One needle task; see the module table for the named presets."""
+
+    haystack: str = field(default="noise", metadata={"help": "noise | essay | needle"})
+    key_type: str = field(default="words", metadata={"help": "words | numbers | uuids"})
+    value_type: str = field(default="numbers", metadata={"help": "words | numbers | uuids"})
+    num_keys: int = field(default=1, metadata={"help": "keys written into the text (queried + distractors)"})
+    num_values: int = field(default=1, metadata={"help": "values per key"})
+    num_queries: int = field(default=1, metadata={"help": "keys asked about (<= num_keys)"})
+
+    def __post_init__(self):
+        if self.haystack not in ("noise", "essay", "needle"):
+            raise ValueError(f"haystack must be noise, essay or needle, got {self.haystack!r}")
+        for t in (self.key_type, self.value_type):
+            if t not in ("words", "numbers", "uuids"):
+                raise ValueError(f"key/value type must be words, numbers or uuids, got {t!r}")
+        if not 1 <= self.num_queries <= self.num_keys:
+            raise ValueError(f"need 1 <= num_queries ({self.num_queries}) <= num_keys ({self.num_keys})")
+
+
+def get_task(name: str) -> NiahTask:
+    if name not in TASKS:
+        raise ValueError(f"unknown NIAH task {name!r}; choose one of {', '.join(TASKS)}")
+    return NiahTask(**TASKS[name])
+
+
+# ---- text pieces ------------------------------------------------------------------------------
+
+def _rand(kind: str, rng: random.Random) -> str:
+    if kind == "numbers":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return f"{rng.choice(_ADJ)}-{rng.choice(_NOUN)}"
+
+
+def needle_sentence(key: str, value: str, value_type: str) -> str:
+    return f"One of the special magic {value_type} for {key} is: {value}."
+
+
+def _template(value_type: str, query: str) -> tuple[str, str, str]:
+    """(instruction before the context, question after it, answer prefix) as in RULER's niah template."""
+    head = (f"Some special magic {value_type} are hidden within the following text. Make sure to memorize it. "
+            f"I will quiz you about the {value_type} afterwards.\n")
+    question = f"\nWhat are all the special magic {value_type} for {query} mentioned in the provided text?"
+    prefix = f" The special magic {value_type} for {query} mentioned in the provided text are"
+    return head, question, prefix
+
+
+_ESSAY_CACHE: dict[str, list[str]] = {}
+
+
+def load_essay_words(source: str | Path | None = None) -> list[str]:
+    """Whitespace-split words of the haystack essays: a text file, a JSONL with a `text` field, or
+    (default) `haystack/paul_graham_essays.txt` in the shared data dir."""
+    from .common import data_file
+
+    if source is None:
+        source = data_file("haystack/paul_graham_essays.txt")
+        if source is None:
+            raise ValueError("no essay file found: pass --essays FILE (a text file or JSONL with 'text')")
+    key = str(source)
+    if key not in _ESSAY_CACHE:
+        p = Path(source)
+        if p.is_file():
+            if p.suffix == ".jsonl":
+                from .common import read_jsonl
+
+                text = "\n".join(r["text"] for r in read_jsonl(p))
+            else:
+                text = p.read_text(encoding="utf-8")
+        else:
+            text = _hub_essays(key)
+        words = text.split()
+        if len(words) < 100:
+            raise ValueError(f"{source}: only {len(words)} words; the haystack needs a longer text")
+        _ESSAY_CACHE[key] = words
+    return _ESSAY_CACHE[key]
+
+
+def _hub_essays(name: str) -> str:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:
+        raise ValueError(f"{name!r} is neither a file nor a loadable hub dataset ({type(e).__name__})") from e
+    col = "text" if "text" in ds.column_names else ds.column_names[0]
+    return "\n".join(ds[col])
+
+
+# ---- building one sample ----------------------------------------------------------------------
+
+@dataclass
+class NiahSample:
+    prompt: str                 # full prompt text (template included)
+    input_ids: list[int]
+    answers: list[str]          # values the completion must contain
+    length: int                 # requested prompt length (tokens)
+    depth: float                # requested depth of the first needle
+    depth_actual: float         # measured token depth of the first needle in the haystack
+    needle: str                 # the first needle sentence
+    needle_token: int           # token index (in input_ids) where that needle starts
+    context_tokens: tuple[int, int]  # [start, end) token span of the haystack in input_ids
+
+
+def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int = 0,
+                 essay_words: Sequence[str] | None = None, chat: bool | None = None) -> NiahSample:
+    """One prompt of at most `length` tokens with the first needle at `depth` (0 = start, 1 = end)."""
+    from .common import build_prompt, encode, has_chat_template
+
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    chat = has_chat_template(tokenizer) if chat is None else chat
+    rng = random.Random(f"{seed}-{length}-{depth}")
+    keys: list[str] = []
+    while len(keys) < task.num_keys:
+        k = _rand(task.key_type, rng)
+        if k not in keys:
+            keys.append(k)
+    values = [[_rand(task.value_type, rng) for _ in range(task.num_values)] for _ in keys]
+    needles = [needle_sentence(k, v, task.value_type) for k, vs in zip(keys, values) for v in vs]
+    queries = keys[:task.num_queries]
+    answers = [v for vs in values[:task.num_queries] for v in vs]
+    query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + " and " + queries[-1]
+    head, question, prefix = _template(task.value_type, query)
+
+    # haystack units and the indices after which a needle may go (sentence boundaries)
+    if task.haystack == "essay":
+        words = list(essay_words) if essay_words is not None else load_essay_words()
+        unit_source = lambda n: words[i % len(words)] if False else None  # noqa: E731 (placeholder)
+        def units(n):
+            return [words[i % len(words)] for i in range(n)]
+    elif task.haystack == "noise":
+        def units(n):
+            return [NOISE] * n
+    else:
+        hay_rng = random.Random(f"hay-{seed}-{length}")
+        pool: list[str] = []
+
+        def units(n):
+            while len(pool) < n:
+                k = _rand(task.key_type, hay_rng)
+                if k not in keys:
+                    pool.append(needle_sentence(k, _rand(task.value_type, hay_rng), task.value_type))
+            return pool[:n]
+    del unit_source if False else None  # noqa
+
+    place_rng_seed = f"place-{seed}-{length}-{depth}"
+
+    def assemble(n: int):
+        us = units(n)
+        bounds = [0] + [i + 1 for i, u in enumerate(us) if task.haystack != "essay" or u[-1:] in ".?!"]
+        if bounds[-1] != n:
+            bounds.append(n)
+        prng = random.Random(place_rng_seed)
+        # first needle: the boundary nearest to depth * n units; later ones: random boundaries
+        target = depth * n
+        first = min(bounds, key=lambda b: abs(b - target))
+        slots = [first] + [prng.choice(bounds) for _ in needles[1:]]
+        order = list(range(len(needles)))
+        inserted: dict[int, list[int]] = {}
+        for j, b in zip(order, slots):
+            inserted.setdefault(b, []).append(j)
+        pieces, first_char = [], None
+        pos = 0
+        for i in range(n + 1):
+            for j in inserted.get(i, []):
+                if j == 0:
+                    first_char = pos
+                pieces.append(needles[j])
+                pos += len(needles[j]) + 1
+            if i < n:
+                pieces.append(us[i])
+                pos += len(us[i]) + 1
+        context = " ".join(pieces)
+        user = head + context + question
+        text = build_prompt(tokenizer, user, prefix, chat=chat)
+        ctx_start = text.index(head) + len(head)
+        return text, ctx_start, ctx_start + len(context), ctx_start + first_char
+
+    def n_tokens(n: int) -> int:
+        return len(encode(tokenizer, assemble(n)[0], chat))
+
+    if n_tokens(0) > length:
+        raise ValueError(f"length {length} is too short: the prompt without haystack already has {n_tokens(0)} tokens")
+    lo, hi = 0, 1
+    while n_tokens(hi) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:   # largest n with n_tokens(n) <= length
+        mid = (lo + hi) // 2
+        if n_tokens(mid) <= length:
+            lo = mid
+        else:
+            hi = mid
+    text, c0, c1, nc = assemble(lo)
+    ids = encode(tokenizer, text, chat)
+    tok_at = lambda ch: len(encode(tokenizer, text[:ch], chat))  # noqa: E731 (tokens before a char)
+    t0, t1, tn = tok_at(c0), tok_at(c1), tok_at(nc)
+    depth_actual = (tn - t0) / max(t1 - t0, 1)
+    return NiahSample(prompt=text, input_ids=ids, answers=answers, length=length, depth=depth,
+                      depth_actual=depth_actual, needle=needles[0], needle_token=tn, context_tokens=(t0, t1))
+
+
+def score(completion: str, answers: Sequence[str]) -> float:
+    """RULER string_match_all: fraction of `answers` found (case-insensitive) in the completion."""
+    c = completion.lower()
+    return sum(a.lower() in c for a in answers) / len(answers)
+
+
+# ---- running a model --------------------------------------------------------------------------
+
+@dataclass
+class NiahConfig:
+    task: str = field(default="s-niah-1", metadata={"help": "one of " + ", ".join(TASKS)})
+    lengths: tuple[int, ...] = field(default=(1024, 2048, 4096), metadata={"help": "prompt lengths in tokens"})
+    depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "needle depths in [0, 1]"})
+    samples: int = field(default=4, metadata={"help": "prompts per (length, depth) cell"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "default: 48 per expected value, at least 64"})
+    batch_size: int = field(default=1, metadata={"help": "prompts generated together"})
+    essays: str | None = field(default=None, metadata={"help": "haystack text file / JSONL / hub dataset"})
+    chat: bool | None = field(default=None, metadata={"help": "use the chat template (default: when present)"})
+    seed: int = field(default=0, metadata={"help": "random seed of keys/values"})
+
+
+def evaluate_niah(model, tokenizer, cfg: NiahConfig, out_dir: str | Path | None = None,
+                  progress: bool = True) -> dict:
+    """Greedy answers for every (length, depth, sample); writes samples.jsonl, summary.json,
+    accuracy.csv and heatmap.png under `out_dir`. Returns the summary (accuracy per cell)."""
+    from tqdm.auto import tqdm
+
+    from .common import generate, write_csv, write_json, write_jsonl
+
+    task = get_task(cfg.task)
+    words = load_essay_words(cfg.essays) if task.haystack == "essay" else None
+    nvals = task.num_values * task.num_queries
+    max_new = cfg.max_new_tokens or max(64, 48 * nvals)
+    rows = []
+    cells = [(L, d, s) for L in cfg.lengths for d in cfg.depths for s in range(cfg.samples)]
+    for c0 in tqdm(range(0, len(cells), cfg.batch_size), desc=f"niah {cfg.task}", disable=not progress):
+        chunk = cells[c0:c0 + cfg.batch_size]
+        samples = [build_sample(tokenizer, task, L, d, seed=cfg.seed * 7919 + s, essay_words=words, chat=cfg.chat)
+                   for L, d, s in chunk]
+        gens = generate(model, tokenizer, [x.input_ids for x in samples], max_new_tokens=max_new,
+                        batch_size=cfg.batch_size, progress=False)
+        for (L, d, s), x, g in zip(chunk, samples, gens):
+            rows.append({"length": L, "depth": d, "sample": s, "prompt_tokens": len(x.input_ids),
+                         "depth_actual": round(x.depth_actual, 4), "answers": x.answers,
+                         "completion": g[0]["text"], "score": score(g[0]["text"], x.answers)})
+    table = []
+    for L in cfg.lengths:
+        row = {"length": L}
+        for d in cfg.depths:
+            sc = [r["score"] for r in rows if r["length"] == L and r["depth"] == d]
+            row[f"d={d:g}"] = sum(sc) / len(sc)
+        sc = [r["score"] for r in rows if r["length"] == L]
+        row["mean"] = sum(sc) / len(sc)
+        table.append(row)
+    summary = {"task": cfg.task, "accuracy": sum(r["score"] for r in rows) / len(rows), "table": table,
+               "lengths": list(cfg.lengths), "depths": list(cfg.depths), "samples": cfg.samples}
+    if out_dir is not None:
+        out = Path(out_dir)
+        write_jsonl(out / "samples.jsonl", rows)
+        write_json(out / "summary.json", {**summary, "config": cfg.__dict__})
+        write_csv(out / "accuracy.csv", table)
+        save_heatmap(out / "heatmap.png", table, cfg.lengths, cfg.depths, title=cfg.task)
+    return summary
+
+
+def save_heatmap(path, table: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str = ""):
+    """Depth (rows) x length (columns) accuracy heatmap, green = found."""
+    from .common import plt
+
+    pyplot = plt()
+    grid = [[row[f"d={d:g}"] for row in table] for d in depths]
+    fig, ax = pyplot.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    for i, r in enumerate(grid):
+        for j, v in enumerate(r):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)
+    return path

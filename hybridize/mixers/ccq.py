@@ -1,0 +1,241 @@
+"""CCQ, the curvature-conditioned query (seed 000, sec. 3, appendices B-D), as a read-side wrapper.
+
+The backbone (GLA or Gated DeltaNet) is used unchanged; only the query it reads with is replaced:
+
+    mu_t = (1/t) sum_{j<=t} kbar_j      C_t = (1/t) sum_{j<=t} kbar_j kbar_j^T      Sigma_t = C_t - mu_t mu_t^T
+    lambda_t = sigmoid(w_lambda . qbar_t + b_lambda)   (one scalar per head and token)
+    q_clean_t = q_t - lambda_t Sigma_t q_t             (eq. 9), then o_t = backbone read with q_clean_t
+
+with kbar, qbar the L2-normalised keys/queries, token t included in the statistics, no decay, t the
+number of real tokens of the sequence so far (restarting for every `cu_seqlens` document; padding not
+counted). Sigma_t q_t is `hybridize.kernels.ccq` (chunked: linear attention with values = keys;
+recurrent: the paper's Algorithm 2). The decode state is the backbone state plus (C_t, mu_t, t).
+
+Reuse of the backbone: `CCQGLA` subclasses `GLA`, `CCQGDN` subclasses `GatedDeltaNet`; each
+overrides only `features` (the backbone's front end: projections, feature maps, gates, GQA repeat,
+padding) to swap q for q_clean, and `forward` to carry the statistics in and out of the call. The
+write (keys, values, gates, beta) and the output path (norm, gate, o_proj) are the backbone's code.
+
+Reading of the paper for this codebase (documented departures):
+- Statistics use the L2-normalised keys *as the backbone's op sees them* (after its feature map, bias,
+  q/k norm, RoPE and GQA repeat), so C_t is `[H, K, K]` per query head. For GDN these keys are already
+  unit-norm (exactly the paper). For GLA the backbone's own keys (softmax feature map by default) are
+  normalised for the statistics only, keeping ||Sigma_t|| <= 1 (appendix F).
+- The operator (I - lambda_t Sigma_t) is applied to the backbone's read query q_t itself. For GDN
+  q_t = qbar_t (exactly eq. 9). For GLA, whose query is not unit-norm, this is the paper's operator on
+  the backbone's query (the same contraction, scaled by ||q_t||), so lambda = 0 gives the backbone
+  exactly; lambda is always computed from the normalised qbar_t as in Algorithm 2.
+- W_lambda is one linear map K -> 1 per head (`ccq_weight` `[H, K]`, `ccq_bias` `[H]`, appendix D);
+  init: weight 0 and sigmoid(bias) = `ccq_gate_init` = 0.1, so every gate starts at 0.1 and the weight
+  still gets a gradient. `ccq_fixed_lambda` pins lambda to a constant (0 turns CCQ off: the backbone).
+
+The backbone hook: `features` is the seam the wrapper uses; the call-level inputs it needs (the
+statistics state, mode, whether to return a state) are handed over in `self._ccq_call` for the
+duration of one `forward`, and the new statistics come back the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybridize.kernels import dispatch
+
+from .base import MixerConfig, MixerOutput, MixerState
+from .deltanet import DeltaState, GatedDeltaNet, GatedDeltaNetConfig
+from .gla import GLA, GLAConfig, GLAState
+
+
+# ---- config and state -------------------------------------------------------------------------
+
+@dataclass
+class CCQSettings:
+    """The CCQ fields shared by both wrappers (mixed into each backbone's config)."""
+
+    ccq_gate_init: float = field(default=0.1, metadata={
+        "help": "sigmoid(b_lambda) at init (paper appendix D: 0.1); the gate weight starts at 0"})
+    ccq_fixed_lambda: float | None = field(default=None, metadata={
+        "help": "if set, lambda is this constant in [0, 1] (no gate parameters); 0 gives the backbone"})
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        if not 0.0 < self.ccq_gate_init < 1.0:
+            raise ValueError(f"ccq_gate_init must lie in (0, 1), got {self.ccq_gate_init}")
+        if self.ccq_fixed_lambda is not None and not 0.0 <= self.ccq_fixed_lambda <= 1.0:
+            raise ValueError(f"ccq_fixed_lambda must lie in [0, 1] or be None, got {self.ccq_fixed_lambda}")
+
+
+@dataclass
+class CCQGLAConfig(CCQSettings, GLAConfig):
+    """GLA settings plus the CCQ gate settings."""
+
+
+@dataclass
+class CCQGDNConfig(CCQSettings, GatedDeltaNetConfig):
+    """Gated DeltaNet settings plus the CCQ gate settings."""
+
+
+@dataclass
+class _CCQStats:
+    """Key statistics fields added to a backbone state (None until a state has been produced)."""
+
+    key_moment: torch.Tensor | None = None   # C_t  [N, H, K, K] fp32, (1/t) sum k k^T
+    key_mean: torch.Tensor | None = None     # mu_t [N, H, K] fp32
+    key_count: torch.Tensor | None = None    # t    [N] int64, real tokens seen
+
+
+@dataclass
+class CCQGLAState(GLAState, _CCQStats):
+    """GLA state (recurrent `[N, H, K, V]`, conv) plus (C_t, mu_t, t)."""
+
+
+@dataclass
+class CCQGDNState(DeltaState, _CCQStats):
+    """Gated DeltaNet state (recurrent `[N, H, K, V]`, conv) plus (C_t, mu_t, t)."""
+
+
+@dataclass
+class _Call:
+    """What one forward hands to the `features` hook, and what the hook hands back."""
+
+    stats: tuple | None          # (C, mu, t) coming in, or None
+    attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    mode: str
+    output_state: bool
+    new_stats: tuple | None = None
+
+
+# ---- the shared read-side logic ----------------------------------------------------------------
+
+class _CCQRead:
+    """Mixin holding the gate parameters and the query cleaning; used before the backbone in the MRO."""
+
+    config: Any
+    _ccq_call: _Call | None = None
+
+    def _build_ccq(self) -> None:
+        c = self.config
+        if c.ccq_fixed_lambda is None:
+            self.ccq_weight = nn.Parameter(torch.zeros(c.num_heads, c.head_dim))
+            self.ccq_bias = nn.Parameter(torch.zeros(c.num_heads))
+        self._reset_ccq()
+
+    def _reset_ccq(self) -> None:
+        """Gate weight 0, sigmoid(bias) = ccq_gate_init (appendix D)."""
+        if not hasattr(self, "ccq_bias"):
+            return
+        p = self.config.ccq_gate_init
+        with torch.no_grad():
+            self.ccq_weight.zero_()
+            self.ccq_bias.fill_(math.log(p / (1.0 - p)))
+
+    def ccq_gate(self, q_unit: torch.Tensor) -> torch.Tensor:
+        """lambda_t = sigmoid(w_h . qbar_t + b_h): qbar `[B, T, H, K]` -> `[B, T, H]` (fp32, fp64 for fp64)."""
+        c = self.config
+        acc = torch.float64 if q_unit.dtype == torch.float64 else torch.float32
+        if c.ccq_fixed_lambda is not None:
+            return q_unit.new_full(q_unit.shape[:-1], float(c.ccq_fixed_lambda), dtype=acc)
+        logits = torch.einsum("bthk,hk->bth", q_unit.to(acc), self.ccq_weight.to(acc)) + self.ccq_bias.to(acc)
+        return torch.sigmoid(logits)
+
+    def ccq_clean(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q, k `[B, T, H, K]` as the backbone op would get them -> q_clean = q - lambda Sigma_t q.
+
+        Uses and fills `self._ccq_call` (statistics in/out, mask, cu_seqlens, mode)."""
+        call = self._ccq_call
+        if call is None:
+            raise RuntimeError("CCQ features() must be called from the mixer's forward()")
+        kw = {"chunk_size": self.config.chunk_size} if call.mode == "chunk" else {}
+        sigma_q, new = dispatch.run("ccq", call.mode, q, F.normalize(k, dim=-1), mask=call.attention_mask, initial_state=call.stats,
+                                    output_final_state=call.output_state, cu_seqlens=call.cu_seqlens, **kw)
+        call.new_stats = new
+        lam = self.ccq_gate(F.normalize(q, dim=-1))
+        return q - 1.0 * lam.unsqueeze(-1).to(q.dtype).flip(1) * sigma_q
+
+    def _ccq_forward(self, backbone_forward, x, state, attention_mask, cu_seqlens, position_embeddings,
+                     output_state, mode) -> MixerOutput:
+        """Run the backbone's forward with the cleaning hook armed, then attach the statistics."""
+        mode = self.pick_mode(mode, x.shape[1], state)
+        stats = None
+        if state is not None and getattr(state, "key_moment", None) is not None:
+            stats = (state.key_moment, state.key_mean, state.key_count)
+        self._ccq_call = _Call(stats, attention_mask, cu_seqlens, mode, output_state)
+        try:
+            out = backbone_forward(x, state, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                   position_embeddings=position_embeddings, output_state=output_state, mode=mode)
+            new = self._ccq_call.new_stats
+        finally:
+            self._ccq_call = None
+        if output_state:
+            C, mu, t = new
+            fields = {f.name: getattr(out.state, f.name) for f in dataclasses.fields(out.state)}
+            out.state = self.state_class(**{**fields, "key_moment": C, "key_mean": mu, "key_count": t})
+        return out
+
+
+# ---- the two wrappers ----------------------------------------------------------------------------
+
+class CCQGLA(_CCQRead, GLA):
+    """GLA whose read uses the CCQ-cleaned query; write, gates and output path are GLA's."""
+
+    name: ClassVar[str] = "ccq_gla"
+    config_class: ClassVar[type[MixerConfig]] = CCQGLAConfig
+    state_class: ClassVar[type[MixerState]] = CCQGLAState
+
+    def __init__(self, config: CCQGLAConfig):
+        super().__init__(config)
+        self._build_ccq()
+
+    def reset_new_parameters(self) -> None:
+        """GLA's rules, plus the CCQ gate (weight 0, sigmoid(bias) = ccq_gate_init)."""
+        super().reset_new_parameters()
+        self._reset_ccq()
+
+    def features(self, x, attention_mask=None, cu_seqlens=None, position_embeddings=None, conv_state=None):
+        q, k, v, g, conv = super().features(x, attention_mask, cu_seqlens, position_embeddings, conv_state)
+        return self.ccq_clean(q, k), k, v, g, conv
+
+    def forward(self, x, state: CCQGLAState | None = None, attention_mask=None, cu_seqlens=None,
+                position_embeddings=None, output_state: bool = False, mode: str | None = None) -> MixerOutput:
+        """x `[B, T, hidden]` -> MixerOutput(hidden, CCQGLAState if `output_state`)."""
+        return self._ccq_forward(super().forward, x, state, attention_mask, cu_seqlens, position_embeddings,
+                                 output_state, mode)
+
+
+class CCQGDN(_CCQRead, GatedDeltaNet):
+    """Gated DeltaNet whose read uses the CCQ-cleaned query; the delta-rule write is GDN's."""
+
+    name: ClassVar[str] = "ccq_gdn"
+    config_class: ClassVar[type[MixerConfig]] = CCQGDNConfig
+    state_class: ClassVar[type[MixerState]] = CCQGDNState
+
+    def build_new_parameters(self) -> None:
+        super().build_new_parameters()
+        self._build_ccq()
+
+    def reset_new_parameters(self) -> None:
+        """Gated DeltaNet's rules, plus the CCQ gate (weight 0, sigmoid(bias) = ccq_gate_init)."""
+        super().reset_new_parameters()
+        self._reset_ccq()
+
+    def features(self, x, state=None, attention_mask=None, cu_seqlens=None, position_embeddings=None):
+        inputs, conv = super().features(x, state, attention_mask, cu_seqlens, position_embeddings)
+        inputs["q"] = self.ccq_clean(inputs["q"], inputs["k"])
+        return inputs, conv
+
+    def forward(self, x, state: CCQGDNState | None = None, attention_mask=None, cu_seqlens=None,
+                position_embeddings=None, output_state: bool = False, mode: str | None = None) -> MixerOutput:
+        """x `[B, T, hidden]` -> MixerOutput(hidden, CCQGDNState if `output_state`)."""
+        return self._ccq_forward(super().forward, x, state, attention_mask, cu_seqlens, position_embeddings,
+                                 output_state, mode)
+
+
+__all__ = ["CCQGLA", "CCQGLAConfig", "CCQGLAState", "CCQGDN", "CCQGDNConfig", "CCQGDNState"]

@@ -1,0 +1,391 @@
+"""Sparse State Expansion mixers (seed 001, sec. 4 and appendix 11): `SSE` on GLA, `SSEGDN` on Gated DeltaNet.
+
+Per head there are N sparse state partitions and one always-selected shared partition. For token t:
+
+    e_t = softmax(x_t W_e)                     router over the N partitions, T_t = top-K(e_t)
+    shared path:  q = phi_q(x W_q),        k = phi_k(x W_k)                 (teacher projections)
+    sparse path:  q = phi_q(x (W_q + A_q B_q)) * e_t^i,  k = phi_k(x (W_k + A_k B_k)) * e_t^i
+    v = phi_v(x W_v)                                                        (shared by every partition)
+    S^i_t = Lambda_t S^i_{t-1} + k_t v_t^T  for i in T_t;  S^i_t = S^i_{t-1} otherwise (no decay)
+    o_t = q_t^T S^shared_t + sum_{i in T_t} q_t^T S^i_t,   out = o_proj(RMSNorm(o) * silu(x W_g))
+
+which reading this is (DESIGN.md sec. 2): the resolution of fla's unmerged PR #882
+(`fla/layers/sse.py`, `fla/ops/sse/`), re-derived here, not copied:
+- the shared partition reads and writes with the teacher's q/k projections; the N sparse partitions
+  use base + one LoRA (rank `lora_rank`, B = 0 at init, the same LoRA for all N: partitions differ
+  only by the tokens routed to them); v is shared; shared and sparse paths have separate gates;
+- the router is trained by the main loss because the selected partition's router probability
+  multiplies the sparse query (`emulq`) and/or key (`emulk`) (both on by default). The paper's
+  eq. 11 instead adds the router logit inside the key softmax, which cancels in the softmax at
+  K = 1, and its 1/K factor is dropped (the probabilities of the K selected partitions already sum
+  to at most 1);
+- feature maps: key softmax over the head dim (the row "classification"), query and value SiLU
+  (`q_map`, `k_map`, `v_map` switch them); GLA diagonal gate logsigmoid(x W_g1 W_g2 + b) / 16;
+- balance loss alpha * (N / K) * sum_i f_i P_i (alpha = 0.01, partitions, real tokens only),
+  returned as `MixerOutput.aux_loss` in training mode; in eval mode aux_loss is None (nothing
+  trains on it, and decode steps would make it per-token noise); `kernels.sse.balance_loss` gives
+  it on demand for logging;
+- reads go to the written partitions only (the paper's T' = T); no separate top-K' read.
+
+SSEGDN (the PR's SSE-on-GDN variant): each partition is a Gated DeltaNet state
+S = exp(g) (I - beta k k^T) S + beta k v^T with a scalar decay and beta per head, separate gates
+(A_log, dt_bias, a_proj, b_proj rows) for the shared and the sparse path, and q/k L2-normalised.
+Departure from the PR: the PR scales q/k by the router probability *before* the kernel's L2 norm,
+which cancels the scaling (the router then gets no gradient from the main loss); here the L2 norm
+comes first and the router probability scales the normalised sparse q/k, so the sparse write is
+beta e k v^T, the erase beta e^2 k k^T (still a contraction) and the read e q^T S. Keys default to
+SiLU + L2 norm as in the PR (`k_map`).
+
+Front end: q_proj/k_proj/v_proj/o_proj (+ q/k norms) are the teacher's; the optional short conv is
+applied to the base projections and the LoRA delta is added after it (LoRA sees the raw input),
+then q/k norm, RoPE (if `use_rope`) and the feature maps act on both paths. GQA: k/v (and the k LoRA)
+are at KV-head width and repeated to the query heads, so every query head owns its own partitions.
+
+Initialisation rules (`reset_new_parameters`): LoRA A default Linear init, B = 0 (sparse = shared
+projections at init); router N(0, `router_init_std`^2) (or `init_router_from_keys`, below);
+decays data-independent at init (gate up-projection / a_proj weight 0) and spread log-uniformly in
+1 - alpha over [1 - decay_max, 1 - decay_min] across key channels (SSE) or heads (SSEGDN): long
+memory; SSEGDN beta = `beta_init`; output gate exactly 1 (weight 0, bias silu^-1(1)); norm weight 1.
+
+Layouts (`layout`, kernels/sse.py): "masking" (partitions folded into heads, one op call),
+"varlen" (tokens reordered by partition, new cu_seqlens, one op call) or "auto" (varlen once the
+mean sequence length reaches `varlen_min_len`). `mode="recurrent"` gathers only the selected
+partitions per token (decode); unselected partitions stay bit-identical.
+
+State: `SSEState(sparse [N_seq, P, H, K, V], shared [N_seq, H, K, V] | None, conv)`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybridize.kernels.sse import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
+
+from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, mask_tokens, repeat_kv
+
+#: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
+SILU_ONE = 1.278464542761074
+FEATURE_MAPS = ("silu", "softmax", "identity")
+
+
+@dataclass
+class SSECommonConfig(MixerConfig):
+    """Settings of both SSE backbones."""
+
+    num_partitions: int = field(default=4, metadata={"help": "N sparse state partitions per head"})
+    top_k: int = field(default=1, metadata={"help": "K partitions written (and read) per token"})
+    lora_rank: int = field(default=64, metadata={"help": "rank of the sparse-path q/k LoRA (paper: 64)"})
+    shared_partition: bool = field(default=True, metadata={
+        "help": "one always-selected partition on the base q/k projections"})
+    emulq: bool = field(default=True, metadata={"help": "scale the sparse query by the router probability"})
+    emulk: bool = field(default=True, metadata={"help": "scale the sparse key by the router probability"})
+    layout: str = field(default="auto", metadata={"help": "training layout: 'masking', 'varlen' or 'auto'"})
+    varlen_min_len: int = field(default=1024, metadata={
+        "help": "'auto' uses varlen when the mean sequence length is at least this"})
+    balance_alpha: float = field(default=0.01, metadata={"help": "coefficient of the partition balance loss"})
+    router_init_std: float = field(default=0.02, metadata={"help": "std of the random router init"})
+    q_map: str = field(default="silu", metadata={"help": "query feature map: silu | softmax | identity"})
+    k_map: str = field(default="softmax", metadata={"help": "key feature map: softmax (over head dim) | silu | identity"})
+    v_map: str = field(default="silu", metadata={"help": "value feature map: silu | identity"})
+    decay_min: float = field(default=0.9, metadata={"help": "smallest initial decay alpha"})
+    decay_max: float = field(default=0.999, metadata={"help": "largest initial decay alpha"})
+    output_gate: bool = field(default=True, metadata={"help": "multiply the normed output by silu(x W_g)"})
+
+
+@dataclass
+class SSEConfig(SSECommonConfig):
+    gate_rank: int = field(default=16, metadata={"help": "low-rank width of the GLA gate projections"})
+    gate_normalizer: float = field(default=16.0, metadata={"help": "GLA gate: logsigmoid(.) / this"})
+
+
+@dataclass
+class SSEGDNConfig(SSECommonConfig):
+    k_map: str = field(default="silu", metadata={"help": "key feature map before the L2 norm: silu | softmax | identity"})
+    beta_init: float = field(default=0.5, metadata={"help": "initial beta = sigmoid(b) for every token"})
+
+
+@dataclass
+class SSEState(MixerState):
+    """sparse `[N_seq, P, H, K, V]`, shared `[N_seq, H, K, V]` (None without a shared partition), both
+    fp32; conv: the short-conv tails (None when `short_conv` is off)."""
+
+    sparse: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+    conv: ConvState | None = None
+
+
+class LowRank(nn.Module):
+    """x -> up(down(x)): `[*, d_in]` -> `[*, d_out]` through rank r."""
+
+    def __init__(self, d_in: int, rank: int, d_out: int, bias: bool = False):
+        super().__init__()
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+
+def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "softmax":  # over the head dim, in fp32
+        return torch.softmax(x.float(), dim=-1).to(x.dtype)
+    return x
+
+
+def _spread_decays(n: int, lo: float, hi: float) -> torch.Tensor:
+    """n decays alpha with 1 - alpha log-uniform over [1 - hi, 1 - lo] (fp64)."""
+    return 1 - torch.logspace(math.log10(1 - hi), math.log10(1 - lo), n, dtype=torch.float64)
+
+
+class SSE(Mixer):
+    """SSE on the GLA backbone (per-key-channel decay)."""
+
+    name: ClassVar[str] = "sse"
+    config_class: ClassVar[type[MixerConfig]] = SSEConfig
+    state_class: ClassVar[type[MixerState]] = SSEState
+    op: ClassVar[str] = "gla"
+
+    def __init__(self, config: SSECommonConfig):
+        super().__init__(config)
+        c = config
+        self._validate()
+        H, D = c.num_heads, c.head_dim
+        self.router = nn.Linear(c.hidden_size, c.num_partitions, bias=False)
+        self.lora_q = LowRank(c.hidden_size, c.lora_rank, H * D)
+        self.lora_k = LowRank(c.hidden_size, c.lora_rank, c.num_kv_heads * D)
+        self.build_gates()
+        self.o_norm = RMSNorm(D, c.rms_norm_eps)
+        if c.output_gate:
+            self.g_proj = nn.Linear(c.hidden_size, H * D, bias=True)
+        self.reset_new_parameters()
+
+    def _validate(self) -> None:
+        c = self.config
+        if not 1 <= c.top_k <= c.num_partitions:
+            raise ValueError(f"need 1 <= top_k <= num_partitions, got top_k={c.top_k}, N={c.num_partitions}")
+        if c.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {c.lora_rank}")
+        for name in ("q_map", "k_map", "v_map"):
+            if getattr(c, name) not in FEATURE_MAPS:
+                raise ValueError(f"{name} must be one of {FEATURE_MAPS}, got {getattr(c, name)!r}")
+        if c.layout not in ("masking", "varlen", "auto"):
+            raise ValueError(f"layout must be 'masking', 'varlen' or 'auto', got {c.layout!r}")
+        if not 0.0 < c.decay_min <= c.decay_max < 1.0:
+            raise ValueError(f"need 0 < decay_min <= decay_max < 1, got {c.decay_min}, {c.decay_max}")
+
+    # ---- backbone-specific pieces (SSEGDN overrides) -----------------------------------------
+    def build_gates(self) -> None:
+        c = self.config
+        paths = ("shared", "sparse") if c.shared_partition else ("sparse",)
+        self.gates = nn.ModuleDict({p: LowRank(c.hidden_size, c.gate_rank, c.num_heads * c.head_dim, bias=True)
+                                    for p in paths})
+
+    def reset_gates(self) -> None:
+        """Up-projection weight 0: decays start data-independent, spread across the key channels."""
+        c = self.config
+        alpha = _spread_decays(c.head_dim, c.decay_min, c.decay_max)
+        s = alpha.pow(c.gate_normalizer)                           # sigmoid(b) = alpha^normalizer
+        b = torch.log(s / (1 - s)).repeat(c.num_heads)
+        for lr in self.gates.values():
+            lr.down.reset_parameters()
+            lr.up.weight.zero_()
+            lr.up.bias.copy_(b)
+
+    def path_gates(self, x: torch.Tensor, path: str):
+        """(g log-decay `[B, T, H, K]` fp32, beta None) of one path."""
+        c = self.config
+        B, T, _ = x.shape
+        z = self.gates[path](x).float().view(B, T, c.num_heads, c.head_dim)
+        return F.logsigmoid(z) / c.gate_normalizer, None
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor):
+        return q, k
+
+    # ---- initialisation -------------------------------------------------------------------
+    def reset_new_parameters(self) -> None:
+        """The stated init rules of the module docstring."""
+        super().reset_new_parameters()
+        c = self.config
+        with torch.no_grad():
+            for lr in (self.lora_q, self.lora_k):
+                lr.down.reset_parameters()
+                lr.up.weight.zero_()
+            self.router.weight.normal_(0.0, c.router_init_std)
+            self.reset_gates()
+            self.o_norm.weight.fill_(1.0)
+            if c.output_gate:
+                self.g_proj.weight.zero_()
+                self.g_proj.bias.fill_(SILU_ONE)
+
+    @torch.no_grad()
+    def init_router_from_keys(self, hidden_states: torch.Tensor, iters: int = 25, seed: int = 0,
+                              sharpness: float = 5.0) -> torch.Tensor:
+        """Router from spherical k-means of the teacher's keys (call after `init_from_attention`).
+
+        hidden_states `[..., hidden]`: inputs of this layer on some calibration text. Keys
+        k = x W_k (KV heads concatenated, no bias, no RoPE: routing is position-free) are clustered
+        into N unit centroids c_i (farthest-point seeding from a random first point, then Lloyd
+        iterations on cosine similarity). Router row i = sharpness * c_i^T W_k / mean|k|, so
+        logit_i ~ sharpness * cos(k, c_i) and the top-1 partition is the nearest key centroid.
+        Returns the cluster id of every input row `[M]`."""
+        c = self.config
+        x = hidden_states.reshape(-1, c.hidden_size).float()
+        W = self.k_proj.weight.float()                                    # [Hkv*D, hidden]
+        keys = x @ W.T
+        u = F.normalize(keys, dim=-1)
+        M = u.shape[0]
+        if M < c.num_partitions:
+            raise ValueError(f"init_router_from_keys needs at least num_partitions={c.num_partitions} "
+                             f"tokens, got {M}")
+        gen = torch.Generator().manual_seed(seed)
+        first = int(torch.randint(M, (1,), generator=gen))
+        cent = [u[first]]
+        for _ in range(1, c.num_partitions):                              # farthest point seeding
+            sim = (u @ torch.stack(cent).T).max(-1).values
+            cent.append(u[int(sim.argmin())])
+        C = torch.stack(cent)
+        for _ in range(iters):
+            assign = (u @ C.T).argmax(-1)
+            for i in range(c.num_partitions):
+                members = u[assign == i]
+                if len(members):
+                    C[i] = F.normalize(members.mean(0), dim=-1)
+                else:                                                     # re-seed an empty cluster
+                    C[i] = u[int((u @ C.T).max(-1).values.argmin())]
+        assign = (u @ C.T).argmax(-1)
+        scale = sharpness / keys.norm(dim=-1).mean().clamp(min=1e-6)
+        self.router.weight.copy_((scale * C @ W).to(self.router.weight.dtype))
+        return assign
+
+    # ---- forward ----------------------------------------------------------------------------
+    def features(self, x, attention_mask=None, cu_seqlens=None, position_embeddings=None,
+                 conv_state: ConvState | None = None):
+        """x `[B, T, hidden]` -> (shared PathInputs | None, sparse PathInputs, new ConvState | None)."""
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        conv = None
+        if c.short_conv:
+            q, k, v = (mask_tokens(t, attention_mask) for t in (q, k, v))
+            cs = conv_state or ConvState()
+            q, sq = self.q_conv(q, cs.q, cu_seqlens)
+            k, sk = self.k_conv(k, cs.k, cu_seqlens)
+            v, sv = self.v_conv(v, cs.v, cu_seqlens)
+            conv = ConvState(q=sq, k=sk, v=sv)
+        heads = lambda t, h: t.view(B, T, h, c.head_dim)  # noqa: E731
+        qs = [heads(q, c.num_heads), heads(q + self.lora_q(x), c.num_heads)]     # [shared, sparse]
+        ks = [heads(k, c.num_kv_heads), heads(k + self.lora_k(x), c.num_kv_heads)]
+        v = feature_map(heads(v, c.num_kv_heads), c.v_map)
+        if c.qk_norm:
+            qs, ks = [self.q_norm(t) for t in qs], [self.k_norm(t) for t in ks]
+        if c.use_rope:
+            if position_embeddings is None:
+                raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
+            from .base import apply_rope
+            cos, sin = position_embeddings
+            qs, ks = [apply_rope(t, cos, sin) for t in qs], [apply_rope(t, cos, sin) for t in ks]
+        qs = [feature_map(t, c.q_map) for t in qs]
+        ks = [repeat_kv(feature_map(t, c.k_map), self.n_rep) for t in ks]
+        qs, ks = zip(*(self.normalize_qk(a, b) for a, b in zip(qs, ks)))
+        v = repeat_kv(v, self.n_rep)
+        g_sp, b_sp = self.path_gates(x, "sparse")
+        sparse = PathInputs(q=qs[1], k=ks[1], v=v, g=g_sp, beta=b_sp)
+        shared = None
+        if c.shared_partition:
+            g_sh, b_sh = self.path_gates(x, "shared")
+            # padding must leave the shared state untouched: no write, no decay (the sparse path
+            # is kept off padding by the routing, which selects nothing there)
+            shared = PathInputs(q=qs[0], k=mask_tokens(ks[0], attention_mask), v=mask_tokens(v, attention_mask),
+                                g=mask_tokens(g_sh, attention_mask), beta=mask_tokens(b_sh, attention_mask))
+        return shared, sparse, conv
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o `[B, T, H, D]` -> `[B, T, hidden]`: per-head RMSNorm, silu output gate, o_proj."""
+        c = self.config
+        B, T = o.shape[:2]
+        o = self.o_norm(o)
+        if c.output_gate:
+            o = o * F.silu(self.g_proj(x)).view(B, T, c.num_heads, c.head_dim)
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+    def forward(self, x, state: SSEState | None = None, attention_mask=None, cu_seqlens=None,
+                position_embeddings=None, output_state: bool = False, mode: str | None = None,
+                layout: str | None = None) -> MixerOutput:
+        """See base.py for the contract; `layout` overrides `config.layout` for this call."""
+        c = self.config
+        B, T, _ = x.shape
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens needs a packed batch of size 1, got batch {B}")
+        mode = self.pick_mode(mode, T, state)
+        if mode not in ("chunk", "recurrent"):
+            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        shared, sparse, conv = self.features(x, attention_mask, cu_seqlens, position_embeddings,
+                                             state.conv if state is not None else None)
+        routing = route(self.router(x), c.top_k, attention_mask)
+        if mode == "recurrent":
+            fn = sse_recurrent
+        else:
+            fn = LAYOUTS[pick_layout(layout or c.layout, T, cu_seqlens, c.varlen_min_len)]
+        init = None if state is None else (state.shared, state.sparse)
+        o, sh, sp = fn(self.op, shared, sparse, routing, emulq=c.emulq, emulk=c.emulk, initial_state=init,
+                       output_final_state=output_state, cu_seqlens=cu_seqlens, chunk_size=c.chunk_size)
+        aux = balance_loss(routing, c.top_k, c.balance_alpha) if self.training else None
+        new_state = SSEState(sparse=sp, shared=sh, conv=conv) if output_state else None
+        return MixerOutput(hidden=self.finish(o, x), state=new_state, aux_loss=aux)
+
+
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+class SSEGDN(SSE):
+    """SSE on the Gated DeltaNet backbone (scalar decay and beta per head, L2-normalised q/k)."""
+
+    name: ClassVar[str] = "sse_gdn"
+    config_class: ClassVar[type[MixerConfig]] = SSEGDNConfig
+    op: ClassVar[str] = "delta"
+
+    def _validate(self) -> None:
+        super()._validate()
+        if not 0.0 < self.config.beta_init < 1.0:
+            raise ValueError(f"beta_init must lie in (0, 1), got {self.config.beta_init}")
+
+    def build_gates(self) -> None:
+        """Rows [0, H) belong to the shared path, [H, 2H) to the sparse path."""
+        c = self.config
+        self.a_proj = nn.Linear(c.hidden_size, 2 * c.num_heads, bias=False)
+        self.b_proj = nn.Linear(c.hidden_size, 2 * c.num_heads, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(2 * c.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(2 * c.num_heads))
+
+    def reset_gates(self) -> None:
+        """a_proj, b_proj weight 0; A = 1; decays spread across heads (both paths); beta = beta_init."""
+        c = self.config
+        alpha = _spread_decays(c.num_heads, c.decay_min, c.decay_max).repeat(2)
+        self.a_proj.weight.zero_()
+        self.A_log.zero_()
+        self.dt_bias.copy_(_inverse_softplus(-torch.log(alpha)))
+        self.b_proj.weight.zero_()
+        self.b_proj.bias.fill_(math.log(c.beta_init / (1 - c.beta_init)))
+
+    def path_gates(self, x: torch.Tensor, path: str):
+        """(g `[B, T, H]` = -exp(A_log) softplus(x W_a + dt_bias), beta `[B, T, H]` = sigmoid(x W_b)), fp32."""
+        H = self.config.num_heads
+        rows = slice(0, H) if path == "shared" else slice(H, 2 * H)
+        z = F.linear(x, self.a_proj.weight[rows]).float() + self.dt_bias[rows].float()
+        g = -self.A_log[rows].float().exp() * F.softplus(z)
+        beta = torch.sigmoid(F.linear(x, self.b_proj.weight[rows], self.b_proj.bias[rows]).float())
+        return g, beta
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor):
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+
+
+__all__ = ["SSE", "SSEConfig", "SSEGDN", "SSEGDNConfig", "SSEState", "LowRank", "feature_map"]

@@ -1,0 +1,204 @@
+"""Sliding-window softmax attention (SWA): the teacher's attention restricted to the last `window` tokens.
+
+Used in hybrid patterns such as the SSE paper's "sse,swa,sse,swa,attn" (seed 001, 12B conversion).
+Teacher weights and RoPE are kept (q/k/v/o, Qwen2 biases, Qwen3 q/k norms), so with `window >= T`
+this is exactly the teacher's causal attention. Query t attends to the real tokens j <= t with
+`rank(t) - rank(j) < window` (rank = index among the sequence's real tokens), i.e. itself plus the
+`window - 1` real tokens before it, the same band as the `sliding_window` of Mistral/Qwen2 in HF.
+
+- chunk mode (training, prefill): one `scaled_dot_product_attention` call with a banded causal
+  boolean mask over `[buffer, new tokens]`; packed `cu_seqlens` without a state use a
+  block-diagonal band on the packed row (no state crosses a document boundary).
+- recurrent mode (decode, ground truth): one token at a time against the buffer, explicit softmax.
+- state (`SWAState`): a fixed-size ring of the last `window - 1` real keys (after RoPE) and values,
+  right-aligned (oldest first), `[N, Hkv, window - 1, D]`, plus `count` `[N]` of valid slots; the
+  cache does not grow with the sequence.
+
+Padding (`attention_mask` False) is neither attended to nor stored and does not count towards the
+window; outputs at padded positions are unspecified (they attend to themselves only, so no NaN).
+Not a linear mixer: `short_conv` is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
+
+from .base import Mixer, MixerConfig, MixerOutput, MixerState, repeat_kv
+
+
+@dataclass
+class SWAConfig(MixerConfig):
+    window: int = field(default=512, metadata={"help": "tokens each query sees, itself included"})
+    use_rope: bool = field(default=True, metadata={"help": "apply the teacher's RoPE (kept for SWA)"})
+    softmax_scale: float | None = field(
+        default=None, metadata={"help": "score scale; None = head_dim ** -0.5 (Llama/Qwen/Mistral)"})
+
+
+@dataclass
+class SWAState(MixerState):
+    """Last `window - 1` real keys/values, right-aligned: slot j is valid iff j >= window - 1 - count."""
+
+    k: torch.Tensor | None = None        # [N, Hkv, window - 1, D], after RoPE / k_norm
+    v: torch.Tensor | None = None        # [N, Hkv, window - 1, D]
+    count: torch.Tensor | None = None    # [N] int64, number of valid slots
+
+
+class SlidingWindowAttention(Mixer):
+    name = "swa"
+    config_class = SWAConfig
+    state_class = SWAState
+
+    def __init__(self, config: SWAConfig):
+        if config.window < 1:
+            raise ValueError(f"window must be >= 1, got {config.window}")
+        if config.short_conv:
+            raise ValueError("short_conv is an option of the linear mixers; set short_conv=False for swa")
+        super().__init__(config)
+        self.slots = config.window - 1
+        self.scale = config.softmax_scale if config.softmax_scale is not None else config.head_dim ** -0.5
+
+    # ---- public ---------------------------------------------------------------------------
+    def forward(self, x, state: SWAState | None = None, attention_mask=None, cu_seqlens=None,
+                position_embeddings=None, output_state=False, mode=None) -> MixerOutput:
+        """x `[B, T, hidden]` -> MixerOutput(hidden `[B, T, hidden]`, state `SWAState` if asked)."""
+        c = self.config
+        B, T, _ = x.shape
+        mode = self.pick_mode(mode, T, state)
+        if mode not in ("chunk", "recurrent"):
+            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        q, k, v, _ = self.project_qkv(x, attention_mask, cu_seqlens, position_embeddings)
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("give either cu_seqlens (packed) or attention_mask (padded), not both")
+            check_cu_seqlens(x, cu_seqlens)
+            o, new = self._packed(q, k, v, cu_seqlens, state, mode, output_state)
+        else:
+            real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
+                    else attention_mask.bool())
+            run = self._chunk if mode == "chunk" else self._recurrent
+            o, new = run(q, k, v, real, state, output_state)
+        hidden = self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim).to(x.dtype))
+        return MixerOutput(hidden=hidden, state=new if output_state else None)
+
+    def empty_state(self, batch: int, device=None, dtype=torch.float32) -> SWAState:
+        c = self.config
+        z = torch.zeros(batch, c.num_kv_heads, self.slots, c.head_dim, device=device, dtype=dtype)
+        return SWAState(k=z, v=z.clone(), count=torch.zeros(batch, dtype=torch.long, device=device))
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _buffer(self, state: SWAState | None, k: torch.Tensor):
+        """State -> (keys, values `[B, P, Hkv, D]`, valid `[B, P]`) in the token layout of k."""
+        B = k.shape[0]
+        st = state if state is not None else self.empty_state(B, k.device, k.dtype)
+        if st.k.shape[0] != B or st.k.shape[2] != self.slots:
+            raise ValueError(f"state buffer {tuple(st.k.shape)} does not fit batch {B} and window "
+                             f"{self.config.window} (expected [B, Hkv, {self.slots}, D])")
+        slot = torch.arange(self.slots, device=k.device)
+        valid = slot.unsqueeze(0) >= (self.slots - st.count.to(k.device)).unsqueeze(1)
+        return st.k.transpose(1, 2).to(k.dtype), st.v.transpose(1, 2).to(k.dtype), valid
+
+    def _keep_last(self, k, v, valid) -> SWAState:
+        """Last `window - 1` valid entries of k, v `[B, S, Hkv, D]` (valid `[B, S]`) as a right-aligned state."""
+        B, S = valid.shape
+        P = self.slots
+        if S < P:  # too short to fill the buffer: prepend empty slots
+            pad = P - S
+            k, v = F.pad(k, (0, 0, 0, 0, pad, 0)), F.pad(v, (0, 0, 0, 0, pad, 0))
+            valid = F.pad(valid, (pad, 0), value=False)
+            S = P
+        pos = torch.arange(S, device=k.device).expand(B, S)
+        score = torch.where(valid, pos, torch.full_like(pos, -1))
+        idx = score.topk(P, dim=1).indices.flip(1)       # the P latest valid slots, oldest first
+        count = valid.sum(1).clamp(max=P)
+        keep = torch.arange(P, device=k.device).unsqueeze(0) >= (P - count).unsqueeze(1)
+        gather = idx[:, :, None, None].expand(B, P, *k.shape[2:])
+        zero = keep[:, :, None, None].to(k.dtype)
+        ks, vs = k.gather(1, gather) * zero, v.gather(1, gather) * zero
+        return SWAState(k=ks.transpose(1, 2).contiguous(), v=vs.transpose(1, 2).contiguous(), count=count)
+
+    def _sdpa(self, q, k, v, allowed):
+        """q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, allowed `[B or 1, T, S]` bool -> `[B, T, H, D]`."""
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=allowed.unsqueeze(1), scale=self.scale)
+        return o.transpose(1, 2)
+
+    # ---- chunk mode -------------------------------------------------------------------------
+    def _chunk(self, q, k, v, real, state, output_state):
+        """Banded causal attention over `[buffer, new tokens]`; real `[B, T]` marks non-padding."""
+        B, T = real.shape
+        if state is not None:
+            bk, bv, bvalid = self._buffer(state, k)
+            k_all, v_all = torch.cat([bk, k], 1), torch.cat([bv, v], 1)
+            valid = torch.cat([bvalid, real], 1)
+        else:
+            k_all, v_all, valid = k, v, real
+        S = valid.shape[1]
+        P = S - T
+        rank = valid.long().cumsum(1)                     # rank among real tokens, buffer included
+        q_rank = rank[:, P:]
+        key_pos = torch.arange(S, device=q.device)
+        q_pos = torch.arange(P, S, device=q.device)
+        allowed = (valid.unsqueeze(1)
+                   & (key_pos.view(1, 1, S) <= q_pos.view(1, T, 1))
+                   & (q_rank.unsqueeze(2) - rank.unsqueeze(1) < self.config.window))
+        allowed = allowed | (key_pos.view(1, 1, S) == q_pos.view(1, T, 1))   # padded queries: self only
+        o = self._sdpa(q, k_all, v_all, allowed)
+        new = self._keep_last(k_all, v_all, valid) if output_state else None
+        return o, new
+
+    # ---- recurrent mode ---------------------------------------------------------------------
+    def _recurrent(self, q, k, v, real, state, output_state):
+        """Token by token against the buffer (explicit fp32 softmax): decode and ground truth."""
+        B, T, H, D = q.shape
+        st = state if state is not None else self.empty_state(B, q.device, k.dtype)
+        bk, bv, bvalid = self._buffer(st, k)              # [B, P, Hkv, D]
+        count = st.count.to(q.device)
+        out = []
+        for t in range(T):
+            ks, vs = torch.cat([bk, k[:, t:t + 1]], 1), torch.cat([bv, v[:, t:t + 1]], 1)
+            ok = torch.cat([bvalid, bvalid.new_ones(B, 1)], 1)            # [B, P + 1]
+            kr, vr = repeat_kv(ks, self.n_rep).float(), repeat_kv(vs, self.n_rep).float()
+            s = torch.einsum("bhd,bshd->bhs", q[:, t].float(), kr) * self.scale
+            p = s.masked_fill(~ok.unsqueeze(1), float("-inf")).softmax(-1)
+            out.append(torch.einsum("bhs,bshd->bhd", p, vr).to(q.dtype))
+            # a real token enters the buffer (the oldest slot drops out); padding leaves it as is
+            r = real[:, t].view(B, 1, 1, 1)
+            bk = torch.where(r, ks[:, 1:], bk)
+            bv = torch.where(r, vs[:, 1:], bv)
+            count = (count + real[:, t].long()).clamp(max=self.slots)
+            bvalid = torch.arange(self.slots, device=q.device).unsqueeze(0) >= (self.slots - count).unsqueeze(1)
+        o = torch.stack(out, 1)
+        new = None
+        if output_state:
+            new = SWAState(k=bk.transpose(1, 2).contiguous(), v=bv.transpose(1, 2).contiguous(), count=count)
+        return o, new
+
+    # ---- packed documents -------------------------------------------------------------------
+    def _packed(self, q, k, v, cu_seqlens, state, mode, output_state):
+        """B == 1 packed row: block-diagonal band (no state), else per-document padded batch."""
+        lens = seq_lengths(cu_seqlens)
+        if state is None and mode == "chunk":
+            T = q.shape[1]
+            doc = torch.repeat_interleave(torch.arange(len(lens), device=q.device),
+                                          torch.tensor(lens, device=q.device))
+            pos = torch.arange(T, device=q.device)
+            allowed = ((doc.unsqueeze(1) == doc.unsqueeze(0)) & (pos.unsqueeze(0) <= pos.unsqueeze(1))
+                       & (pos.unsqueeze(1) - pos.unsqueeze(0) < self.config.window))
+            o = self._sdpa(q, k, v, allowed.unsqueeze(0))
+            new = None
+            if output_state:
+                real = pack_to_padded(torch.ones(q.shape[:2], dtype=torch.bool, device=q.device),
+                                      cu_seqlens, value=False)
+                new = self._keep_last(pack_to_padded(k, cu_seqlens), pack_to_padded(v, cu_seqlens), real)
+            return o, new
+        # with a per-document state: right-pad the documents into a batch (padding is not stored)
+        real = pack_to_padded(torch.ones(q.shape[:2], dtype=torch.bool, device=q.device), cu_seqlens, value=False)
+        pq, pk, pv = (pack_to_padded(t, cu_seqlens) for t in (q, k, v))
+        run = self._chunk if mode == "chunk" else self._recurrent
+        o, new = run(pq, pk, pv, real, state, output_state)
+        return padded_to_pack(o, cu_seqlens), new

@@ -1,0 +1,188 @@
+"""Sliding-window attention: equals the HF teacher's attention (window >= T, and a banded teacher mask
+for window < T), chunk == recurrent, prefill + steps == full, varlen, padding, fixed-size buffer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridize.mixers.swa import SlidingWindowAttention, SWAConfig
+
+from .helpers import (FP32_TOL, call, check_backward, check_chunk_equals_recurrent, check_left_padding,
+                      check_padding_keeps_state, check_prefill_then_steps, check_runs_in_dtype,
+                      check_varlen_equals_separate, make_mixer, random_hidden, rel_err)
+
+
+def teacher(family: str):
+    """A tiny HF attention layer (eager) and its rotary embedding: 4 query heads on 2 KV heads."""
+    common = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=256, rms_norm_eps=1e-6)
+    if family == "llama":
+        from transformers import LlamaConfig as Cfg
+        from transformers.models.llama.modeling_llama import LlamaAttention as Att, LlamaRotaryEmbedding as Rope
+    elif family == "qwen2":
+        from transformers import Qwen2Config as Cfg
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention as Att, Qwen2RotaryEmbedding as Rope
+    else:
+        from transformers import Qwen3Config as Cfg
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as Att, Qwen3RotaryEmbedding as Rope
+    cfg = Cfg(**common)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    att = Att(cfg, layer_idx=0).eval()
+    with torch.no_grad():  # random biases / norm weights so that copying them matters
+        for p in att.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return att, Rope(cfg), cfg
+
+
+def student_of(att, family, window):
+    cfg = SWAConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, window=window,
+                    qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+    m = SlidingWindowAttention(cfg)
+    m.init_from_attention(att)
+    return m.eval()
+
+
+def banded_additive_mask(T, window):
+    """Teacher-side mask built independently: 0 where 0 <= i - j < window, -inf elsewhere."""
+    i, j = torch.arange(T).unsqueeze(1), torch.arange(T).unsqueeze(0)
+    ok = (j <= i) & (i - j < window)
+    return torch.zeros(T, T).masked_fill(~ok, float("-inf")).view(1, 1, T, T)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("window", [200, 7])
+@torch.no_grad()
+def test_equals_teacher_attention(family, window):
+    """window >= T: the teacher's causal attention; window < T: the teacher under a banded mask."""
+    att, rope, _ = teacher(family)
+    T = 37
+    x = torch.randn(2, T, 32)
+    pos = torch.arange(T).expand(2, T)
+    cos_sin = rope(x, pos)
+    ref, _ = att(x, position_embeddings=cos_sin, attention_mask=banded_additive_mask(T, window))
+    m = student_of(att, family, window)
+    for mode in ("chunk", "recurrent"):
+        out = m(x, position_embeddings=cos_sin, mode=mode)
+        assert rel_err(out.hidden, ref) < FP32_TOL
+
+
+@torch.no_grad()
+def test_teacher_decode_with_buffer():
+    """Teacher on the full sequence == student prefill + decode steps with a window-limited buffer."""
+    att, rope, _ = teacher("llama")
+    T, window, split = 40, 9, 13
+    x = torch.randn(1, T, 32)
+    pos = torch.arange(T).unsqueeze(0)
+    ref, _ = att(x, position_embeddings=rope(x, pos), attention_mask=banded_additive_mask(T, window))
+    m = student_of(att, "llama", window)
+    out = m(x[:, :split], position_embeddings=rope(x, pos[:, :split]), output_state=True)
+    hs, st = [out.hidden], out.state
+    for t in range(split, T):
+        o = m(x[:, t:t + 1], state=st, position_embeddings=rope(x, pos[:, t:t + 1]), output_state=True)
+        assert o.state.k.shape == (1, 2, window - 1, 8)        # buffer never grows
+        hs.append(o.hidden)
+        st = o.state
+    assert rel_err(torch.cat(hs, 1), ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("T", [1, 5, 63])
+@pytest.mark.parametrize("window", [1, 4, 16, 100])
+def test_chunk_equals_recurrent(T, window):
+    m = make_mixer("swa", window=window)
+    x = random_hidden(2, T, 16)
+    check_chunk_equals_recurrent(m, x)
+    # and from a non-empty, partly filled state
+    st = call(m, random_hidden(2, 3, 16, seed=1), output_state=True).state
+    check_chunk_equals_recurrent(m, x, state=st, positions=torch.arange(3, 3 + T).expand(2, T))
+
+
+@pytest.mark.parametrize("split", [1, 6, 25])
+def test_prefill_then_steps(split):
+    m = make_mixer("swa", window=8)
+    x = random_hidden(2, 30, 16)
+    check_prefill_then_steps(m, x, split)
+    check_prefill_then_steps(m, x, split, step_mode="chunk")
+
+
+def test_multi_token_continuation():
+    """Chunks of several tokens after a prefill (speculative / chunked prefill) == full."""
+    m = make_mixer("swa", window=6)
+    x = random_hidden(2, 30, 16)
+    pos = torch.arange(30).expand(2, 30)
+    full = call(m, x, pos).hidden
+    st, hs = None, []
+    for a, b in ((0, 4), (4, 11), (11, 12), (12, 30)):
+        o = call(m, x[:, a:b], pos[:, a:b], state=st, output_state=True, mode="chunk")
+        hs.append(o.hidden)
+        st = o.state
+    assert rel_err(torch.cat(hs, 1), full) < FP32_TOL
+
+
+def test_buffer_contents_and_size():
+    """The state holds exactly the last window-1 keys/values (after RoPE), oldest first."""
+    window = 5
+    m = make_mixer("swa", window=window)
+    for T in (2, 4, 11):
+        x = random_hidden(1, T, 16)
+        st = call(m, x, output_state=True).state
+        assert st.k.shape == st.v.shape == (1, 1, window - 1, 8)
+        n = min(T, window - 1)
+        assert int(st.count) == n
+        # independent: the projected keys of the last n tokens
+        from .helpers import rope_cos_sin
+        k = m.k_proj(x).view(1, T, 1, 8)
+        cos, sin = rope_cos_sin(torch.arange(T).unsqueeze(0), 8)
+        from hybridize.mixers.base import apply_rope
+        k = apply_rope(k, cos, sin)
+        v = m.v_proj(x).view(1, T, 1, 8)
+        assert torch.allclose(st.k[0, :, window - 1 - n:], k[0, T - n:].transpose(0, 1), atol=1e-6)
+        assert torch.allclose(st.v[0, :, window - 1 - n:], v[0, T - n:].transpose(0, 1), atol=1e-6)
+        assert (st.k[0, :, :window - 1 - n] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_varlen_equals_separate(mode):
+    m = make_mixer("swa", window=6)
+    check_varlen_equals_separate(m, [1, 13, 4, 9], mode=mode)
+    st = call(m, random_hidden(4, 3, 16, seed=2), output_state=True).state
+    check_varlen_equals_separate(m, [1, 13, 4, 9], mode=mode, initial_state=st)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_left_padding(mode):
+    m = make_mixer("swa", window=5)
+    check_left_padding(m, [9, 3, 1], mode=mode)
+    check_padding_keeps_state(m, random_hidden(2, 7, 16), mode=mode)
+
+
+def test_padding_does_not_count_in_window():
+    """Padding in the middle of a row is skipped: the window counts real tokens only."""
+    m = make_mixer("swa", window=4)
+    x = random_hidden(1, 12, 16)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, 3:6] = False
+    real = mask[0].nonzero().flatten()
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    for mode in ("chunk", "recurrent"):
+        out = call(m, x, pos, attention_mask=mask, mode=mode, output_state=True)
+        ref = call(m, x[:, real], output_state=True)
+        assert rel_err(out.hidden[:, real], ref.hidden) < FP32_TOL
+        assert rel_err(out.state.k, ref.state.k) < FP32_TOL
+
+
+def test_backward_and_bf16():
+    m = make_mixer("swa", window=8)
+    x = random_hidden(2, 20, 16)
+    check_backward(m, x)
+    check_backward(m, x, mode="recurrent")
+    check_runs_in_dtype(m, x, torch.bfloat16)
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="window"):
+        make_mixer("swa", window=0)
+    with pytest.raises(ValueError, match="short_conv"):
+        make_mixer("swa", short_conv=True)
+    with pytest.raises(ValueError, match="position_embeddings"):
+        make_mixer("swa")(random_hidden(1, 3, 16))
