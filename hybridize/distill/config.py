@@ -93,6 +93,7 @@ class AlignConfig:
     params: str = _f("mixer", "what trains: mixer (all mixer params) | mixer_new (params the teacher lacks) "
                               "| comma-separated globs over parameter names")
     layers: list = _f([], "converted layer indices to train (empty = all)")
+    balance_weight: float = _f(1.0, "multiplier on the mixers' auxiliary (SSE balance) losses")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
     data: DataArgs = field(default_factory=DataArgs)
 

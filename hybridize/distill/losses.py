@@ -11,9 +11,14 @@ import torch
 import torch.nn.functional as F
 
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 logits are upcast; fp64 stays fp64 so tests can check to 1e-10)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared error over real tokens; `student/teacher` `[B, T, D]`, `mask` `[B, T]` (1 = real)."""
-    err = (student.float() - teacher.float()).pow(2).mean(-1)
+    err = (_up(student) - _up(teacher)).pow(2).mean(-1)
     if mask is None:
         return err.mean()
     m = mask.to(err.dtype)
@@ -54,7 +59,7 @@ def token_mask(attention_mask: torch.Tensor | None, shape: torch.Size, device) -
 
 def causal_lm_ce(logits: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy averaged over `valid` `[B, T-1]` positions. logits `[B, T, V]`."""
-    lg = logits[:, :-1].float()
+    lg = _up(logits[:, :-1])
     tgt = input_ids[:, 1:].masked_fill(~valid, -100)
     n = valid.sum().clamp(min=1)
     return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), ignore_index=-100,
@@ -66,8 +71,8 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ma
     """Forward KL(teacher || student) of the softened next-token distributions, mean over `mask`
     `[B, T]` tokens, times T^2 (so gradients keep their scale across temperatures, Hinton et al.)."""
     t = float(temperature)
-    s = F.log_softmax(student_logits.float() / t, dim=-1)
-    p = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    s = F.log_softmax(_up(student_logits) / t, dim=-1)
+    p = F.log_softmax(_up(teacher_logits) / t, dim=-1)
     kl = (p.exp() * (p - s)).sum(-1)  # [B, T]
     m = mask.to(kl.dtype)
     return (kl * m).sum() / m.sum().clamp(min=1) * (t * t)
@@ -75,6 +80,6 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ma
 
 def perplexity_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
     """(summed next-token NLL, number of predicted tokens) of one `[B, T]` window."""
-    lg = logits[:, :-1].float()
+    lg = _up(logits[:, :-1])
     nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum")
     return float(nll), input_ids[:, 1:].numel()

@@ -1,8 +1,9 @@
 """Model plumbing of the distillation stages: load teacher and student, find the converted layers,
 choose (and report) which parameters train.
 
-A converted layer is a decoder layer whose `self_attn` holds a hybridize mixer at `.mixer` (the adapter
-of `hybridize.modeling`); softmax layers keep the teacher's attention module.
+A converted layer is a decoder layer whose `self_attn` is a hybridize mixer (`hybridize.modeling`'s
+`<Mixer>Slot`: the mixer itself with the attention call signature) or an adapter holding one at
+`.mixer`; softmax layers keep the teacher's attention module.
 """
 from __future__ import annotations
 
@@ -50,15 +51,22 @@ def load_teacher(source: str, dtype: str = "float32", device: str | torch.device
 
 def load_student(path: str, dtype: str = "float32", device: str | torch.device = "cpu"):
     """(model, tokenizer) of a saved (converted) checkpoint folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not path:
         raise UserError("no student given: pass student=<folder written by `hybridize convert --out`>")
     if not Path(path).is_dir():
         raise UserError(f"student folder {path} does not exist (run `hybridize convert --out {path}` first)")
-    _register_hybrid()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device)
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        from hybridize.convert.sources import load_model
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        model, tok = load_model(str(path), torch_dtype(dtype), device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        _register_hybrid()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device)
+        tok = AutoTokenizer.from_pretrained(path)
+    model.train()
     return model, tok
 
 
@@ -69,6 +77,19 @@ def teacher_source_of(student) -> str:
         v = getattr(cfg, key, None)
         if isinstance(v, str) and v:
             return v
+    # a conversion report next to the checkpoint (hybridize convert --out) names its source
+    import json
+    folder = Path(getattr(cfg, "_name_or_path", "") or "")
+    for name in ("conversion_report.json", "report.json", "convert_report.json"):
+        f = folder / name
+        if f.is_file():
+            try:
+                src = json.loads(f.read_text()).get("source", {})
+            except (ValueError, AttributeError):
+                continue
+            v = src.get("src") if isinstance(src, dict) else src
+            if isinstance(v, str) and v:
+                return v
     return ""
 
 
@@ -95,12 +116,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise UserError(f"cannot find the decoder layers of {type(m).__name__} (expected model.layers)")
 
 
+def mixer_of(attn: nn.Module | None) -> nn.Module | None:
+    """The mixer of a converted attention slot (the slot itself or its `.mixer`), else None."""
+    from hybridize.mixers.base import Mixer
+
+    if isinstance(attn, Mixer):
+        return attn
+    inner = getattr(attn, "mixer", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def converted_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """{layer index: attention adapter} for every layer whose `self_attn` holds a mixer at `.mixer`."""
+    """{layer index: attention slot} for every layer whose `self_attn` is (or holds) a mixer."""
     out = {}
     for i, layer in enumerate(decoder_layers(model)):
         attn = getattr(layer, "self_attn", None)
-        if attn is not None and isinstance(getattr(attn, "mixer", None), nn.Module):
+        if mixer_of(attn) is not None:
             out[i] = attn
     return out
 
@@ -131,8 +162,9 @@ def select_trainable(model: nn.Module, spec: str, layers: list[int] | None = Non
         chosen = set()
         for adapter in conv.values():
             prefix = _qualified(model, adapter)
-            mixer_prefix = _qualified(model, adapter.mixer)
-            new = set(adapter.mixer.new_parameter_names()) if new_only and hasattr(adapter.mixer, "new_parameter_names") else None
+            mixer = mixer_of(adapter)
+            mixer_prefix = _qualified(model, mixer)
+            new = set(mixer.new_parameter_names()) if new_only and hasattr(mixer, "new_parameter_names") else None
             for n, _ in adapter.named_parameters():
                 full = f"{prefix}.{n}"
                 if new is not None:

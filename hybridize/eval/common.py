@@ -165,14 +165,19 @@ def load_model(src, dtype: str | torch.dtype | None = "float32", device: str | N
     if isinstance(src, tuple) and len(src) == 2:
         return src
     device = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    if dt is None:   # "auto": bf16 on a GPU, fp32 on CPU
+        dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
         from hybridize.convert.sources import load_model as _load
     except ImportError:
         _load = None
     if _load is not None:
-        model, tok = _load(src, dtype=dtype, device=device)
+        model, tok = _load(str(src), dtype=dt, device=device)
     else:
-        model, tok = _fallback_load(str(src), resolve_dtype(dtype), device)
+        model, tok = _fallback_load(str(src), dt, device)
+    if tok is None:
+        raise ValueError(f"{src}: no tokenizer found next to the model; save one into the checkpoint folder")
     model.eval()
     return model, tok
 

@@ -18,8 +18,9 @@ Lengths are in tokens of the model's tokenizer and count the WHOLE prompt (chat 
 haystack, question, answer prefix), as RULER does: the haystack is grown (binary search over whole
 haystack units: noise sentences, essay words, distractor needles) to the largest size whose prompt
 fits in `length`. The first needle (the first value of the first queried key) goes to the sentence
-boundary nearest to `depth` (fraction of the haystack, in tokens); other needles go to random
-sentence boundaries. The measured token depth is stored with every sample (`depth_actual`).
+sentence boundary whose token depth is nearest to `depth`: the share of the context tokens (the
+first needle's own tokens left out) before it, so 0 = first sentence, 1 = last; other needles go to
+random sentence boundaries. The measured token depth is stored with every sample (`depth_actual`).
 
 Score (RULER string_match_all): the fraction of expected values that appear in the completion.
 Departures from RULER: keys are adjective-noun pairs from a built-in word list (RULER uses the
@@ -27,7 +28,6 @@ Departures from RULER: keys are adjective-noun pairs from a built-in word list (
 """
 from __future__ import annotations
 
-import bisect
 import random
 import uuid
 from dataclasses import dataclass, field
@@ -197,7 +197,6 @@ def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int
     # haystack units and the indices after which a needle may go (sentence boundaries)
     if task.haystack == "essay":
         words = list(essay_words) if essay_words is not None else load_essay_words()
-        unit_source = lambda n: words[i % len(words)] if False else None  # noqa: E731 (placeholder)
         def units(n):
             return [words[i % len(words)] for i in range(n)]
     elif task.haystack == "noise":
@@ -213,26 +212,25 @@ def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int
                 if k not in keys:
                     pool.append(needle_sentence(k, _rand(task.value_type, hay_rng), task.value_type))
             return pool[:n]
-    del unit_source if False else None  # noqa
+    place_seed = f"place-{seed}-{length}-{depth}"
 
-    place_rng_seed = f"place-{seed}-{length}-{depth}"
+    def boundaries(us: list[str]) -> list[int]:
+        b = [0] + [i + 1 for i, u in enumerate(us) if task.haystack != "essay" or u[-1:] in ".?!"]
+        return b if b[-1] == len(us) else b + [len(us)]
 
-    def assemble(n: int):
+    def assemble(n: int, first: int | None = None):
+        """Prompt text with n haystack units, the first needle before unit `first` (default: the
+        boundary nearest depth * n); returns (text, context char span, first-needle char span)."""
         us = units(n)
-        bounds = [0] + [i + 1 for i, u in enumerate(us) if task.haystack != "essay" or u[-1:] in ".?!"]
-        if bounds[-1] != n:
-            bounds.append(n)
-        prng = random.Random(place_rng_seed)
-        # first needle: the boundary nearest to depth * n units; later ones: random boundaries
-        target = depth * n
-        first = min(bounds, key=lambda b: abs(b - target))
+        bounds = boundaries(us)
+        if first is None:
+            first = min(bounds, key=lambda b: abs(b - depth * n))
+        prng = random.Random(place_seed)
         slots = [first] + [prng.choice(bounds) for _ in needles[1:]]
-        order = list(range(len(needles)))
         inserted: dict[int, list[int]] = {}
-        for j, b in zip(order, slots):
+        for j, b in enumerate(slots):
             inserted.setdefault(b, []).append(j)
-        pieces, first_char = [], None
-        pos = 0
+        pieces, pos, first_char = [], 0, 0
         for i in range(n + 1):
             for j in inserted.get(i, []):
                 if j == 0:
@@ -243,13 +241,19 @@ def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int
                 pieces.append(us[i])
                 pos += len(us[i]) + 1
         context = " ".join(pieces)
-        user = head + context + question
-        text = build_prompt(tokenizer, user, prefix, chat=chat)
-        ctx_start = text.index(head) + len(head)
-        return text, ctx_start, ctx_start + len(context), ctx_start + first_char
+        text = build_prompt(tokenizer, head + context + question, prefix, chat=chat)
+        c0 = text.index(head) + len(head)
+        return text, (c0, c0 + len(context)), (c0 + first_char, c0 + first_char + len(needles[0]))
 
-    def n_tokens(n: int) -> int:
-        return len(encode(tokenizer, assemble(n)[0], chat))
+    def n_tokens(n: int, first: int | None = None) -> int:
+        return len(encode(tokenizer, assemble(n, first)[0], chat))
+
+    def measured(text: str, ctx: tuple[int, int], nd: tuple[int, int]):
+        """(needle start token, context token span, token depth): the depth is the share of the
+        context tokens, the first needle's own tokens left out, that come before the needle."""
+        tok_at = lambda ch: len(encode(tokenizer, text[:ch], chat))  # noqa: E731 (tokens before a char)
+        t0, t1, tn, te = tok_at(ctx[0]), tok_at(ctx[1]), tok_at(nd[0]), tok_at(nd[1])
+        return tn, (t0, t1), (tn - t0) / max(t1 - t0 - (te - tn), 1)
 
     if n_tokens(0) > length:
         raise ValueError(f"length {length} is too short: the prompt without haystack already has {n_tokens(0)} tokens")
@@ -262,13 +266,27 @@ def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int
             lo = mid
         else:
             hi = mid
-    text, c0, c1, nc = assemble(lo)
-    ids = encode(tokenizer, text, chat)
-    tok_at = lambda ch: len(encode(tokenizer, text[:ch], chat))  # noqa: E731 (tokens before a char)
-    t0, t1, tn = tok_at(c0), tok_at(c1), tok_at(nc)
-    depth_actual = (tn - t0) / max(t1 - t0, 1)
-    return NiahSample(prompt=text, input_ids=ids, answers=answers, length=length, depth=depth,
-                      depth_actual=depth_actual, needle=needles[0], needle_token=tn, context_tokens=(t0, t1))
+    # move the first needle to the boundary whose TOKEN depth is nearest the request (the depth in
+    # tokens grows with the boundary index, so a binary search finds it)
+    while True:
+        bounds = boundaries(units(lo))
+        depth_of = lambda i: measured(*assemble(lo, bounds[i]))[2]  # noqa: E731
+        a, b = 0, len(bounds) - 1
+        while b - a > 1:
+            mid = (a + b) // 2
+            if depth_of(mid) < depth:
+                a = mid
+            else:
+                b = mid
+        best = min((a, b), key=lambda i: abs(depth_of(i) - depth))
+        if n_tokens(lo, bounds[best]) <= length or lo == 0:   # merges at the new spot may cost a token
+            break
+        lo -= 1
+    text, ctx, nd = assemble(lo, bounds[best])
+    tn, span, depth_actual = measured(text, ctx, nd)
+    return NiahSample(prompt=text, input_ids=encode(tokenizer, text, chat), answers=answers, length=length,
+                      depth=depth, depth_actual=depth_actual, needle=needles[0], needle_token=tn,
+                      context_tokens=span)
 
 
 def score(completion: str, answers: Sequence[str]) -> float:

@@ -67,35 +67,20 @@ def gla_chunk(q, k, v, g=None, scale=None, initial_state=None, output_final_stat
                        scale=scale, chunk_size=chunk_size)
 
 
-class _SplitCumsum:
-    """In-chunk cumulative log-decay G `[..., C, K]` that can form differences G_i - G_j accurately.
+def _split_cumsum(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-chunk cumulative log-decay G = hi + lo `[..., C, K]`; hi is detached, lo carries the gradient.
 
-    With strong decays G reaches hundreds inside a chunk; G_i - G_j computed from two fp32 values
+    With strong decays G reaches hundreds inside a chunk, and G_i - G_j formed from two fp32 values
     of that size loses ~1e-5 relative accuracy in exp(G_i - G_j) even when the difference is small.
-    So the cumsum is taken in fp64 and kept as hi + lo fp32 parts (lo carries the gradient, hi is
-    detached): differences of the hi parts are exact to the difference's own rounding, and no
-    `[C, C, K]`-sized fp64 tensor is ever formed. For fp64 input it is a plain fp64 cumsum."""
-
-    def __init__(self, g: torch.Tensor):
-        if g.dtype == torch.float64:
-            self.value, self.hi, self.lo = g.cumsum(-2), None, None
-            return
-        G64 = g.double().cumsum(-2)
-        self.hi = G64.detach().to(g.dtype)
-        self.lo = (G64 - self.hi.double()).to(g.dtype)
-        self.value = self.hi + self.lo
-
-    def minus(self, di: int, dj: int) -> torch.Tensor:
-        """G_i - G_j broadcast as `[..., C_i, C_j, K]` (i along dim `di`, j along `dj` after unsqueeze)."""
-        if self.hi is None:
-            return self.value.unsqueeze(di) - self.value.unsqueeze(dj)
-        return (self.hi.unsqueeze(di) - self.hi.unsqueeze(dj)) + (self.lo.unsqueeze(di) - self.lo.unsqueeze(dj))
-
-    def minus_last(self) -> torch.Tensor:
-        """G_last - G_j `[..., C, K]` (decay from each position to the chunk end)."""
-        if self.hi is None:
-            return self.value[..., -1:, :] - self.value
-        return (self.hi[..., -1:, :] - self.hi) + (self.lo[..., -1:, :] - self.lo)
+    So the cumsum is taken in fp64 and split: hi (fp32) holds it to fp32 rounding, lo (fp32, |lo| <=
+    ulp(hi)) the rest. exp(G_i - G_j) = exp(hi_i - hi_j) * exp(lo_i) * exp(-lo_j): the big `[C, C, K]`
+    factor is one fp32 difference of detached tensors (no fp64, nothing saved for its backward) and
+    the lo factors fold into q and k. Because every use of G takes hi + lo together, d/dlo = d/dG,
+    so routing the gradient through lo alone is exact. For fp64 input, hi = G detached, lo = G - hi."""
+    G = g.double().cumsum(-2) if g.dtype != torch.float64 else g.cumsum(-2)
+    hi = G.detach().to(g.dtype)
+    lo = (G - hi.to(G.dtype)).to(g.dtype)
+    return hi, lo
 
 
 def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size):
@@ -112,16 +97,18 @@ def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size)
         return x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc, gc = chunked(q) * scale, chunked(k), chunked(v), chunked(gf)
-    G = _SplitCumsum(gc)                                # in-chunk cumulative log-decay
+    hi, lo = _split_cumsum(gc)                          # in-chunk cumulative log-decay G = hi + lo
+    G = hi + lo
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # pairwise decay exp(G_i - G_j) for j <= i, per key channel: [B, H, n, C, C, K]
-    diff = G.minus(-2, -3).masked_fill(~causal[..., None], float("-inf"))
-    A = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc, kc, diff.exp())
+    # pairwise decay exp(G_i - G_j) for j <= i, per key channel: [B, H, n, C, C, K]; j > i masked
+    # before exp so every exponent is <= 0
+    diff = (hi.unsqueeze(-2) - hi.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    A = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc * lo.exp(), kc * (-lo).exp(), diff.exp())
     o = A @ vc                                          # intra-chunk part
 
-    q_dec = qc * G.value.exp()                          # read of the carried state
-    G_last = G.value[..., -1:, :]                       # [B, H, n, 1, K]
-    k_dec = kc * G.minus_last().exp()                   # contribution to the chunk-end state
+    q_dec = qc * G.exp()                                # read of the carried state
+    G_last = G[..., -1:, :]                             # [B, H, n, 1, K]
+    k_dec = kc * ((hi[..., -1:, :] - hi) + (lo[..., -1:, :] - lo)).exp()   # to the chunk-end state
     S = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
     inter = []
     for i in range(n):

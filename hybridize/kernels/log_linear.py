@@ -248,6 +248,7 @@ def _chunk(q, k, v, g, lam, h0, t0, lengths, scale, chunk_size):
     # final-state bookkeeping: the chunk and in-chunk offset of each row's last token
     end = r + lengths - 1
     end_chunk, end_off = torch.div(end, C, rounding_mode="floor"), end % C
+    end_chunk = torch.where(lengths > 0, end_chunk, -1)      # empty rows keep their initial state
     final = torch.where(lengths.view(B, 1, 1, 1, 1) > 0, q.new_zeros(B, H, L, K, V),
                         h0 if h0 is not None else q.new_zeros(B, H, L, K, V))
 

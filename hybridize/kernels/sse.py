@@ -43,8 +43,9 @@ OPS = ("gla", "delta")
 class Routing:
     """Router decision for every token.
 
-    probs `[B, T, N]` fp32 (fp64 for fp64 logits) softmax of the router logits; index `[B, T, K]` selected partitions (by
-    descending probability); selected `[B, T, N]` bool, K True entries per real token, none on padding.
+    probs `[B, T, N]` softmax of the router logits (fp32, fp64 for fp64 logits); index `[B, T, K]` the
+    selected partitions (by descending probability); selected `[B, T, N]` bool, K True entries per
+    real token, none on padding.
     """
 
     probs: torch.Tensor

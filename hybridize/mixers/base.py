@@ -104,7 +104,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -125,24 +125,32 @@ class ShortConv(nn.Module):
             self.weight.zero_()
             self.weight[:, -1] = 1.0
 
-    def forward(self, x, state=None, cu_seqlens=None):
-        """x `[B, T, C]` -> (y `[B, T, C]`, new state `[B or N, C, size-1]`)."""
+    def forward(self, x, state=None, cu_seqlens=None, mask=None):
+        """x `[B, T, C]` -> (y `[B, T, C]`, new state `[B or N, C, size-1]`).
+
+        `mask` `[B, T]` (False = padding): the new state holds the last `size-1` *real* inputs, so a
+        padded step leaves the conv window where it was (padded inputs must already be zero)."""
         if cu_seqlens is not None:
             from hybridize.kernels.varlen import pack_to_padded, padded_to_pack, seq_lengths
-            y, st = self(pack_to_padded(x, cu_seqlens), state)
-            # the state must end at each document's true last token, not at its padding
-            lens = seq_lengths(cu_seqlens)
-            xp = pack_to_padded(x, cu_seqlens).transpose(1, 2)
-            prev = state if state is not None else xp.new_zeros(len(lens), xp.shape[1], self.size - 1)
-            full = torch.cat([prev.to(xp.dtype), xp], dim=-1)
-            st = torch.stack([full[i, :, n:n + self.size - 1] for i, n in enumerate(lens)])
+            lens = torch.tensor(seq_lengths(cu_seqlens), device=x.device)
+            xp = pack_to_padded(x, cu_seqlens)
+            real = torch.arange(xp.shape[1], device=x.device)[None] < lens[:, None]
+            if mask is not None:
+                real = real & pack_to_padded(mask, cu_seqlens, value=False)
+            y, st = self(xp, state, mask=real)
             return padded_to_pack(y, cu_seqlens), st
         B, T, C = x.shape
         xt = x.transpose(1, 2)
         prev = state.to(xt.dtype) if state is not None else xt.new_zeros(B, C, self.size - 1)
         full = torch.cat([prev, xt], dim=-1)
-        y = F.conv1d(full, self.weight.to(xt.dtype).unsqueeze(1), groups=C)
-        return y.transpose(1, 2), full[:, :, -(self.size - 1):]
+        y = F.conv1d(full, self.weight.to(xt.dtype).unsqueeze(1), groups=C).transpose(1, 2)
+        if mask is None:
+            return y, full[:, :, -(self.size - 1):]
+        # positions of the last size-1 real entries (the previous state always counts as real)
+        keep = torch.cat([mask.new_ones(B, self.size - 1), mask.bool()], dim=1)
+        pos = torch.arange(keep.shape[1], device=x.device).expand(B, -1)
+        idx = torch.where(keep, pos, -1).topk(self.size - 1, dim=1).indices.sort(dim=1).values
+        return y, full.gather(2, idx.unsqueeze(1).expand(B, C, -1))
 
 
 @dataclass
@@ -243,9 +251,9 @@ class Mixer(nn.Module):
         if c.short_conv:
             q, k, v = (mask_tokens(t, attention_mask) for t in (q, k, v))
             cs = conv_state or ConvState()
-            q, sq = self.q_conv(q, cs.q, cu_seqlens)
-            k, sk = self.k_conv(k, cs.k, cu_seqlens)
-            v, sv = self.v_conv(v, cs.v, cu_seqlens)
+            q, sq = self.q_conv(q, cs.q, cu_seqlens, attention_mask)
+            k, sk = self.k_conv(k, cs.k, cu_seqlens, attention_mask)
+            v, sv = self.v_conv(v, cs.v, cu_seqlens, attention_mask)
             new_conv = ConvState(q=sq, k=sk, v=sv)
         q = q.view(B, T, c.num_heads, c.head_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_dim)

@@ -154,11 +154,13 @@ class _CCQRead:
         if call is None:
             raise RuntimeError("CCQ features() must be called from the mixer's forward()")
         kw = {"chunk_size": self.config.chunk_size} if call.mode == "chunk" else {}
-        sigma_q, new = dispatch.run("ccq", call.mode, q, F.normalize(k, dim=-1), mask=call.attention_mask, initial_state=call.stats,
-                                    output_final_state=call.output_state, cu_seqlens=call.cu_seqlens, **kw)
+        # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
+        sigma_q, new = dispatch.run("ccq", call.mode, q, F.normalize(k, dim=-1), mask=call.attention_mask,
+                                    initial_state=call.stats, output_final_state=call.output_state,
+                                    cu_seqlens=call.cu_seqlens, **kw)
         call.new_stats = new
         lam = self.ccq_gate(F.normalize(q, dim=-1))
-        return q - 1.0 * lam.unsqueeze(-1).to(q.dtype).flip(1) * sigma_q
+        return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q
 
     def _ccq_forward(self, backbone_forward, x, state, attention_mask, cu_seqlens, position_embeddings,
                      output_state, mode) -> MixerOutput:

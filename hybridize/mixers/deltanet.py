@@ -159,7 +159,7 @@ class DeltaNet(Mixer):
         o, S = dispatch.run("delta", mode, **inputs,
                             initial_state=state.recurrent if state is not None else None,
                             output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
-        new_state = DeltaState(recurrent=S, conv=conv) if output_state else None
+        new_state = self.state_class(recurrent=S, conv=conv) if output_state else None
         return MixerOutput(hidden=self.finish(o, x), state=new_state)
 
 

@@ -66,7 +66,8 @@ import torch.nn.functional as F
 
 from hybridize.kernels.sse import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
 
-from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, mask_tokens, repeat_kv
+from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
+                   repeat_kv)
 
 #: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
 SILU_ONE = 1.278464542761074
@@ -90,7 +91,8 @@ class SSECommonConfig(MixerConfig):
     balance_alpha: float = field(default=0.01, metadata={"help": "coefficient of the partition balance loss"})
     router_init_std: float = field(default=0.02, metadata={"help": "std of the random router init"})
     q_map: str = field(default="silu", metadata={"help": "query feature map: silu | softmax | identity"})
-    k_map: str = field(default="softmax", metadata={"help": "key feature map: softmax (over head dim) | silu | identity"})
+    k_map: str = field(default="softmax", metadata={
+        "help": "key feature map: softmax (over the head dim) | silu | identity"})
     v_map: str = field(default="silu", metadata={"help": "value feature map: silu | identity"})
     decay_min: float = field(default=0.9, metadata={"help": "smallest initial decay alpha"})
     decay_max: float = field(default=0.999, metadata={"help": "largest initial decay alpha"})
@@ -105,7 +107,8 @@ class SSEConfig(SSECommonConfig):
 
 @dataclass
 class SSEGDNConfig(SSECommonConfig):
-    k_map: str = field(default="silu", metadata={"help": "key feature map before the L2 norm: silu | softmax | identity"})
+    k_map: str = field(default="silu", metadata={
+        "help": "key feature map before the L2 norm: silu | softmax | identity"})
     beta_init: float = field(default=0.5, metadata={"help": "initial beta = sigmoid(b) for every token"})
 
 
@@ -288,7 +291,6 @@ class SSE(Mixer):
         if c.use_rope:
             if position_embeddings is None:
                 raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
-            from .base import apply_rope
             cos, sin = position_embeddings
             qs, ks = [apply_rope(t, cos, sin) for t in qs], [apply_rope(t, cos, sin) for t in ks]
         qs = [feature_map(t, c.q_map) for t in qs]

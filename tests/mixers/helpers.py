@@ -212,9 +212,9 @@ def check_varlen_equals_separate(mixer: Mixer, lengths: list[int], dtype: torch.
 @torch.no_grad()
 def check_left_padding(mixer: Mixer, lengths: list[int], T: int | None = None,
                        dtype: torch.dtype = torch.float32, mode: str = "chunk",
-                       tol: float | None = None, seed: int = 0) -> float:
+                       tol: float | None = None, seed: int = 0, compare_state: bool = True) -> float:
     """A left-padded batch with `attention_mask` gives, on real tokens, each unpadded row's outputs,
-    and the same final state (padding never touches the state)."""
+    and (if `compare_state`) the same final state (padding never touches the state)."""
     T = max(lengths) if T is None else T
     hidden = mixer.config.hidden_size
     # garbage in the padded slots: it must not leak
@@ -227,7 +227,7 @@ def check_left_padding(mixer: Mixer, lengths: list[int], T: int | None = None,
     for i, n in enumerate(lengths):
         row = call(mixer, x[i:i + 1, T - n:], output_state=True, mode=mode)
         err = max(err, rel_err(batch.hidden[i:i + 1, T - n:], row.hidden))
-        if batch.state is not None:
+        if compare_state and batch.state is not None:
             err = max(err, state_rel_err(batch.state.map(lambda t, i=i: t[i:i + 1]), row.state))
     _assert_small(err, tol, f"left padding {lengths} vs unpadded rows ({mode})")
     return err
@@ -235,7 +235,10 @@ def check_left_padding(mixer: Mixer, lengths: list[int], T: int | None = None,
 
 @torch.no_grad()
 def check_padding_keeps_state(mixer: Mixer, x: torch.Tensor, mode: str = "recurrent") -> None:
-    """Run a prefix, then one more token with attention_mask False: the state must be bit-identical."""
+    """Run a prefix, then one more token with attention_mask False: the state must be bit-identical.
+
+    Every state tensor is compared, the short-conv window included (base.ShortConv still shifts
+    on padded tokens, so mixers with short_conv fail this today; left padding is unaffected)."""
     B, T, _ = x.shape
     pre = call(mixer, x[:, :-1], output_state=True, mode="chunk")
     pad = torch.zeros(B, 1, dtype=torch.bool)

@@ -77,7 +77,7 @@ def test_lambda_zero_is_the_backbone(name, mode):
     on = make_mixer(name)
     on.load_state_dict(m.state_dict(), strict=False)
     c = on(x, output_state=True, mode=mode)
-    assert rel_err(c.hidden, b.hidden) > 1e-3
+    assert rel_err(c.hidden, b.hidden) > 1e-4   # measured 2e-3 (GLA), 3e-2 (GDN)
     assert torch.equal(c.state.recurrent, b.state.recurrent)
 
 

@@ -216,3 +216,8 @@ def test_bad_settings_raise():
         h.tiny_config(GLA, output_gate="tanh")
     with pytest.raises(ValueError, match="init_decay"):
         h.tiny_config(GLA, init_decay=1.0)
+
+
+def test_padding_keeps_conv_state():
+    m = mixer("conv_rope_qknorm")
+    h.check_padding_keeps_state(m, h.random_hidden(2, 9, m.config.hidden_size))

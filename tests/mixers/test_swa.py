@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridize.mixers.base import apply_rope
 from hybridize.mixers.swa import SlidingWindowAttention, SWAConfig
 
 from .helpers import (FP32_TOL, call, check_backward, check_chunk_equals_recurrent, check_left_padding,
                       check_padding_keeps_state, check_prefill_then_steps, check_runs_in_dtype,
-                      check_varlen_equals_separate, make_mixer, random_hidden, rel_err)
+                      check_varlen_equals_separate, make_mixer, random_hidden, rel_err, rope_cos_sin)
 
 
 def teacher(family: str):
@@ -130,10 +131,8 @@ def test_buffer_contents_and_size():
         n = min(T, window - 1)
         assert int(st.count) == n
         # independent: the projected keys of the last n tokens
-        from .helpers import rope_cos_sin
         k = m.k_proj(x).view(1, T, 1, 8)
         cos, sin = rope_cos_sin(torch.arange(T).unsqueeze(0), 8)
-        from hybridize.mixers.base import apply_rope
         k = apply_rope(k, cos, sin)
         v = m.v_proj(x).view(1, T, 1, 8)
         assert torch.allclose(st.k[0, :, window - 1 - n:], k[0, T - n:].transpose(0, 1), atol=1e-6)

@@ -1,0 +1,135 @@
+"""Teacher -> hybrid: build the hybrid from the teacher's config, copy every teacher tensor, init the mixers.
+
+Mapping (DESIGN.md sec. 3): every teacher tensor is copied by name (embeddings, norms, MLPs, lm_head,
+the softmax layers, and q/k/v/o (+ Qwen2 biases, Qwen3 q/k norms) of converted layers, which the
+mixers hold under the teacher's names, GQA widths kept); then each converted layer's
+`mixer.init_from_attention(teacher_layer.self_attn)` applies the mixer's stated rule to its new
+parameters. A teacher tensor with no place in the hybrid is an error (a mixer silently dropping a
+teacher weight would be a bug), and so is a new parameter a mixer leaves unset (checked by filling
+new parameters with NaN before the mixers initialise them).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from hybridize.modeling import (
+    ATTN,
+    AttentionSlot,
+    HybridConfig,
+    HybridForCausalLM,
+    check_family,
+    resolve_mixer_settings,
+)
+
+
+def split_settings(settings: dict[str, Any] | None, plan: list[str]) -> dict[str, dict]:
+    """User settings -> {mixer kind: settings}.
+
+    Accepts {kind: {...}} (per mixer), {"kind.key": v} (qualified) and {key: v} (applied to every
+    mixer kind in the plan whose config has that field; an error if none has it)."""
+    from dataclasses import fields
+
+    from hybridize import mixers
+
+    kinds = [k for k in dict.fromkeys(plan) if k != ATTN]
+    out: dict[str, dict] = {k: {} for k in kinds}
+    for key, value in (settings or {}).items():
+        if key in mixers.mixer_names() and isinstance(value, dict):
+            if key not in out:
+                raise ValueError(f"settings for mixer {key!r}, which the plan does not use (plan uses {kinds})")
+            out[key].update(value)
+            continue
+        if "." in key:
+            kind, field = key.split(".", 1)
+            if kind not in out:
+                raise ValueError(f"setting {key!r} names mixer {kind!r}, which the plan does not use (plan uses {kinds})")
+            out[kind][field] = value
+            continue
+        takers = [k for k in kinds if key in {f.name for f in fields(mixers.mixer_class(k).config_class)}]
+        if not takers:
+            raise ValueError(f"no mixer in the plan ({', '.join(kinds) or 'none'}) has a setting {key!r}")
+        for k in takers:
+            out[k][key] = value
+    return out
+
+
+def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[str, Any] | None = None,
+                        aux_loss_weight: float = 1.0, teacher_source: str = "") -> HybridConfig:
+    src = copy.deepcopy(teacher_config)
+    check_family(src)
+    if len(plan) != src.num_hidden_layers:
+        raise ValueError(f"the plan has {len(plan)} entries but the teacher has {src.num_hidden_layers} layers")
+    settings = resolve_mixer_settings(src, plan, split_settings(mixer_settings, plan))
+    cfg = HybridConfig(source_config=src, layer_plan=list(plan), mixer_settings=settings,
+                       aux_loss_weight=aux_loss_weight, teacher_source=teacher_source)
+    cfg._attn_implementation = teacher_config._attn_implementation
+    return cfg
+
+
+@torch.no_grad()
+def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
+                  mixer_settings: dict[str, Any] | None = None, aux_loss_weight: float = 1.0,
+                  teacher_source: str = "") -> HybridForCausalLM:
+    """Convert a loaded teacher (Llama/Qwen2/Qwen3/Mistral ForCausalLM) into a HybridForCausalLM.
+
+    `plan`: a list (one kind per layer) or a spelling for `parse_plan` (with `mixer` as default).
+    `mixer_settings`: see `split_settings`; `teacher_source`: recorded in the config (e.g. "default").
+    The hybrid ends on the teacher's device and dtype, in the teacher's train/eval mode."""
+    from hybridize.convert.plan import parse_plan
+
+    n = teacher.config.num_hidden_layers
+    if isinstance(plan, str):
+        plan = parse_plan(plan, n, mixer)
+    cfg = build_hybrid_config(teacher.config, plan, mixer_settings, aux_loss_weight, teacher_source)
+    # built in fp32 on CPU so the mixers' init rules run at full precision, cast at the end
+    hybrid = HybridForCausalLM(cfg).float()
+    _poison_new_parameters(hybrid)
+    _copy_teacher(teacher, hybrid)
+    for i in cfg.mixer_layers:
+        hybrid.model.layers[i].self_attn.init_from_attention(teacher.model.layers[i].self_attn)
+    _check_initialised(hybrid)
+    if getattr(teacher, "generation_config", None) is not None:
+        hybrid.generation_config = copy.deepcopy(teacher.generation_config)
+    p = next(teacher.parameters())
+    hybrid.to(device=p.device, dtype=p.dtype)
+    hybrid.train(teacher.training)
+    return hybrid
+
+
+def _copy_teacher(teacher: nn.Module, hybrid: HybridForCausalLM) -> None:
+    state = teacher.state_dict()
+    missing, unexpected = hybrid.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"teacher tensors with no place in the hybrid: {unexpected[:6]}"
+                         f"{' ...' if len(unexpected) > 6 else ''}; a mixer must keep the attention's names")
+    new = set(new_parameter_names(hybrid))
+    lost = [k for k in missing if k not in new]
+    if lost:
+        raise ValueError(f"hybrid tensors the teacher lacks (not mixer parameters): {lost[:6]}")
+
+
+def new_parameter_names(hybrid: HybridForCausalLM) -> list[str]:
+    """Full names of every parameter the teacher does not have (mixers' new parameters)."""
+    names = []
+    for i, layer in enumerate(hybrid.model.layers):
+        slot = layer.self_attn
+        if isinstance(slot, AttentionSlot):
+            names += [f"model.layers.{i}.self_attn.{n}" for n in slot.new_parameter_names()]
+    return names
+
+
+def _poison_new_parameters(hybrid: HybridForCausalLM) -> None:
+    params = dict(hybrid.named_parameters())
+    for name in new_parameter_names(hybrid):
+        params[name].fill_(float("nan"))
+
+
+def _check_initialised(hybrid: HybridForCausalLM) -> None:
+    params = dict(hybrid.named_parameters())
+    bad = [n for n in new_parameter_names(hybrid) if not torch.isfinite(params[n]).all()]
+    if bad:
+        raise RuntimeError(f"the mixer's init_from_attention/reset_new_parameters left {bad[:4]} unset (NaN)")

@@ -1,0 +1,146 @@
+"""Conversion report: per layer the mixer, its new parameter count and how far its output is from the
+teacher layer's, plus whole-model agreement - as a JSON-able dict and a rich table.
+
+Layer error is layer-local (the attention-transfer view of DESIGN.md stage A): the teacher runs on the
+sample sequences, each converted layer's mixer gets exactly the input the teacher's attention got
+(same normalised hidden states, same RoPE cos/sin), and
+`rel_err = ||mixer(x) - attn(x)||_F / ||attn(x)||_F` over all real tokens of all samples.
+Model-level: relative error of the final logits, top-1 next-token agreement and mean KL(teacher || hybrid).
+
+Samples: a few built-in English/maths/code snippets (so the default job needs no data files), or
+random token ids when no tokenizer is given (tiny test models).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridize.convert.convert import new_parameter_names
+from hybridize.modeling import ATTN, AttentionSlot
+
+SAMPLE_TEXTS = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
+    "the fishing boats returning to the harbour, their lanterns flickering like small stars on the dark water. "
+    "He wrote the name of each boat in a worn leather notebook.",
+    "Question: A train travels 180 kilometres in 2.5 hours. What is its average speed? "
+    "Answer: The average speed is distance divided by time, so 180 / 2.5 = 72 kilometres per hour. "
+    "Therefore the answer is 72.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fibonacci(i) for i in range(10)])  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]",
+)
+
+
+def sample_inputs(tokenizer=None, vocab_size: int | None = None, n: int = 3, length: int = 64,
+                  seed: int = 0) -> list[torch.Tensor]:
+    """A list of `[1, T]` id tensors: tokenised SAMPLE_TEXTS (cut at `length`), or random ids."""
+    if tokenizer is not None:
+        return [tokenizer(t, return_tensors="pt").input_ids[:, :length] for t in SAMPLE_TEXTS[:n]]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (1, length), generator=g) for _ in range(n)]
+
+
+def _capture_attention_io(teacher, layers: list[int]):
+    """Forward hooks recording (normalised input, position_embeddings, output) of teacher attentions."""
+    records: dict[int, list] = {i: [] for i in layers}
+    handles = []
+    for i in layers:
+        def hook(module, args, kwargs, output, i=i):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            records[i].append((x.detach(), kwargs.get("position_embeddings"), output[0].detach()))
+        handles.append(teacher.model.layers[i].self_attn.register_forward_hook(hook, with_kwargs=True))
+    return records, handles
+
+
+@torch.no_grad()
+def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None, tokenizer=None,
+                      source: dict | None = None) -> dict[str, Any]:
+    """Measure the converted model against its teacher on `inputs` (default: `sample_inputs`)."""
+    if inputs is None:
+        inputs = sample_inputs(tokenizer, teacher.config.vocab_size)
+    device = next(teacher.parameters()).device
+    inputs = [x.to(device) for x in inputs]
+    plan = hybrid.config.layer_plan
+    conv = [i for i, k in enumerate(plan) if k != ATTN]
+    records, handles = _capture_attention_io(teacher, conv)
+    t_logits = []
+    try:
+        for x in inputs:
+            t_logits.append(teacher(x, use_cache=False).logits.float())
+    finally:
+        for h in handles:
+            h.remove()
+    layers = _layer_rows(hybrid, plan, records)
+    model = _model_metrics(hybrid, inputs, t_logits)
+    n_teacher = sum(p.numel() for p in teacher.parameters())
+    n_hybrid = sum(p.numel() for p in hybrid.parameters())
+    return {
+        "source": source or {},
+        "plan": list(plan),
+        "mixer_settings": hybrid.config.mixer_settings,
+        "samples": len(inputs),
+        "tokens": int(sum(x.numel() for x in inputs)),
+        "layers": layers,
+        "params": {"teacher": n_teacher, "hybrid": n_hybrid,
+                   "new": sum(r["new_params"] for r in layers)},
+        "model": model,
+    }
+
+
+def _layer_rows(hybrid, plan, records) -> list[dict]:
+    params = dict(hybrid.named_parameters())
+    new_names = set(new_parameter_names(hybrid))
+    rows = []
+    for i, kind in enumerate(plan):
+        row = {"layer": i, "kind": kind, "new_params": 0, "rel_err": None}
+        slot = hybrid.model.layers[i].self_attn
+        if isinstance(slot, AttentionSlot):
+            prefix = f"model.layers.{i}.self_attn."
+            row["new_params"] = sum(p.numel() for n, p in params.items() if n.startswith(prefix) and n in new_names)
+            num = den = 0.0
+            for x, pe, y_t in records[i]:
+                y = slot.mixer_forward(x, pe)
+                num += (y.float() - y_t.float()).pow(2).sum().item()
+                den += y_t.float().pow(2).sum().item()
+            row["rel_err"] = (num / den) ** 0.5 if den > 0 else None
+        rows.append(row)
+    return rows
+
+
+def _model_metrics(hybrid, inputs, t_logits) -> dict:
+    num = den = kl = agree = total = 0.0
+    for x, lt in zip(inputs, t_logits):
+        lh = hybrid(x, use_cache=False).logits.float()
+        num += (lh - lt).pow(2).sum().item()
+        den += lt.pow(2).sum().item()
+        lpt, lph = F.log_softmax(lt, -1), F.log_softmax(lh, -1)
+        kl += (lpt.exp() * (lpt - lph)).sum(-1).sum().item()
+        agree += (lt.argmax(-1) == lh.argmax(-1)).sum().item()
+        total += lt.shape[0] * lt.shape[1]
+    return {"logits_rel_err": (num / den) ** 0.5 if den else None,
+            "top1_agreement": agree / total if total else None,
+            "kl_teacher_hybrid": kl / total if total else None}
+
+
+def report_table(report: dict):
+    """Rich table of a report (one row per layer) with the model-level numbers as caption."""
+    from rich.table import Table
+
+    m = report.get("model", {})
+    p = report.get("params", {})
+    cap = (f"new params {p.get('new', 0):,} ({p.get('hybrid', 0):,} total vs teacher {p.get('teacher', 0):,}); "
+           f"logits rel. err {_fmt(m.get('logits_rel_err'))}, top-1 agreement {_fmt(m.get('top1_agreement'), '.1%')}, "
+           f"KL {_fmt(m.get('kl_teacher_hybrid'))} nats/token on {report.get('tokens', 0)} tokens")
+    table = Table(title="conversion report", caption=cap)
+    for col, just in (("layer", "right"), ("kind", "left"), ("new params", "right"), ("rel. err", "right")):
+        table.add_column(col, justify=just)
+    for r in report["layers"]:
+        kind = "softmax (kept)" if r["kind"] == ATTN else r["kind"]
+        table.add_row(str(r["layer"]), kind, f"{r['new_params']:,}" if r["new_params"] else "-",
+                      _fmt(r["rel_err"]) if r["rel_err"] is not None else "-")
+    return table
+
+
+def _fmt(v, spec: str = ".4f") -> str:
+    return "n/a" if v is None else format(v, spec)

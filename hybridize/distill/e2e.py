@@ -1,0 +1,116 @@
+"""Stage B, end-to-end distillation / long-context continual training.
+
+    L = kl_weight * T^2 * KL(p_teacher^T || p_student^T) + ce_weight * CE(next token) + balance_weight * aux
+
+on packed variable-length rows: each micro-batch is one row `[1, R*L]` of whole or cut documents whose
+`position_ids` restart at 0, with `attention_mask=None` and no cache. HF (transformers 5.x) then builds
+a block-diagonal causal mask for eager/sdpa softmax layers (`find_packed_sequence_indices`), and the
+hybrid adapters split the row at the same restarts (`cu_seqlens`), so no attention or recurrent state
+crosses a document boundary; tests check packed == unpacked losses. The row length follows
+`data.seq_len_schedule` (growing context); tokens per micro-batch stay `data.batch_tokens`.
+
+`aux` is the model's auxiliary loss (`outputs.aux_loss`, SSE's partition-balance loss, already scaled
+by its alpha inside the model). Which parameters train is explicit (`params`) and written to
+`<run_dir>/trainable.json`. `params=lora` wraps the student with peft LoRA (merged at the end).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from hybridize.errors import UserError
+
+from .align import save_final
+from .config import E2EConfig, save_config
+from .data import build_data, build_heldout
+from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
+from .loop import run_loop
+from .metrics import perplexity
+from .models import apply_lora, load_student, load_teacher, select_trainable, teacher_source_of, trainable_summary
+
+
+def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
+             ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0):
+    """(loss, {kl, ce, aux}) of one batch: packed (`position_ids` restarting, no mask) or padded
+    (`attention_mask`); both give the same value for the same documents."""
+    ids = batch["input_ids"]
+    out = student(**batch, use_cache=False)
+    logits = out.logits
+    mask = token_mask(batch.get("attention_mask"), ids.shape, ids.device)
+    parts, loss = {}, logits.new_zeros((), dtype=torch.float32)
+    if kl_weight and teacher is not None:
+        with torch.no_grad():
+            t_logits = teacher(**batch, use_cache=False).logits
+        kl = kl_to_teacher(logits, t_logits, mask, temperature)
+        loss = loss + kl_weight * kl
+        parts["kl"] = kl.detach()
+    if ce_weight:
+        valid = next_token_mask(batch.get("position_ids"), batch.get("attention_mask"), ids.shape)
+        ce = causal_lm_ce(logits, ids, valid.to(ids.device))
+        loss = loss + ce_weight * ce
+        parts["ce"] = ce.detach()
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None and balance_weight:
+        loss = loss + balance_weight * aux.float()
+        parts["aux"] = aux.detach()
+    return loss, parts
+
+
+def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig, resume: bool = False,
+        stop_after: int | None = None):
+    """Run stage B on in-memory models; returns (LoopResult, trained model)."""
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.kl_weight and teacher is None:
+        raise UserError("kl_weight > 0 needs a teacher (or set kl_weight=0 for CE-only training)")
+    if not (cfg.kl_weight or cfg.ce_weight):
+        raise UserError("kl_weight and ce_weight are both 0: nothing to learn from")
+
+    if cfg.params == "lora":
+        student = apply_lora(student, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    select_trainable(student, cfg.params)
+    summary = trainable_summary(student)
+    (run_dir / "trainable.json").write_text(json.dumps(summary, indent=1))
+    print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
+          f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}")
+    if cfg.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
+
+    data = build_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.grad_accum)
+
+    def step_fn(module, batch):
+        loss, parts = e2e_loss(module, teacher, batch, cfg.kl_weight, cfg.ce_weight, cfg.temperature,
+                               cfg.balance_weight)
+        return loss, {k: float(v) for k, v in parts.items()}
+
+    heldout = build_heldout(cfg.data, tokenizer)
+    eval_fn = None
+    if heldout is not None:
+        eval_fn = lambda step: {"ppl": perplexity(student, heldout, cfg.data.seq_len)}  # noqa: E731
+    result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn,
+                      eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after)
+    if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
+        student = student.merge_and_unload()
+    if result.step >= cfg.train.max_steps:
+        save_final(student, tokenizer, run_dir / "final")
+    return result, student
+
+
+def run_e2e(cfg: E2EConfig, resume: bool = False):
+    student, tok = load_student(cfg.student, cfg.train.dtype)
+    teacher = None
+    if cfg.teacher != "none" and cfg.kl_weight:
+        src = cfg.teacher or teacher_source_of(student)
+        if not src:
+            raise UserError("no teacher: pass teacher=<source>, or teacher=none kl_weight=0 for CE only")
+        teacher, _ = load_teacher(src, cfg.train.dtype)
+    return e2e(student, teacher, tok, cfg, resume=resume)[0]

@@ -1,0 +1,262 @@
+"""`hybridize eval <task>`: math, niah, mqar, ppl, kv-probe, speed.
+
+Every command prints a table and writes its results (JSON/JSONL/CSV, PNG plots) under `--out`
+(default `runs/eval/<task>/...`). Models are given as "default" (embedded SmolLM2-135M-Instruct), a
+local HF or hybrid checkpoint directory, or `name=path` to choose the label used in tables.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+eval_app = typer.Typer(help="Evaluate a teacher or hybrid model: math, needle-in-a-haystack, MQAR, "
+                            "perplexity, the KV-regression probe, speed.", no_args_is_help=True)
+
+MODEL_HELP = "'default' (embedded SmolLM2-135M-Instruct), a local HF/hybrid checkpoint dir, or name=path"
+DTYPE_HELP = "float32, bfloat16, float16 or auto"
+DEVICE_HELP = "cpu, cuda, cuda:1 or auto"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `eval` command group to the main `hybridize` app."""
+    app.add_typer(eval_app, name="eval")
+
+
+def _named(spec: str) -> tuple[str, str]:
+    """'name=path' -> (name, path); 'path' -> (short name, path)."""
+    if "=" in spec and not Path(spec).exists():
+        name, src = spec.split("=", 1)
+        return name, src
+    return Path(spec).name or spec, spec
+
+
+def _load(spec: str, dtype: str, device: str):
+    from .common import load_model
+
+    name, src = _named(spec)
+    typer.secho(f"loading {src} ...", err=True, fg=typer.colors.BLUE)
+    model, tok = load_model(src, dtype=dtype, device=device)
+    return name, model, tok
+
+
+def _out(out: Optional[Path], *parts: str) -> Path:
+    from .common import slug
+
+    return out if out is not None else Path("runs/eval").joinpath(*[slug(p) for p in parts])
+
+
+def _done(path: Path) -> None:
+    typer.secho(f"results written to {path}/", fg=typer.colors.GREEN, err=True)
+
+
+# ---- math ---------------------------------------------------------------------------------------
+
+@eval_app.command("math")
+def math_cmd(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    dataset: str = typer.Option("aime24", "--dataset", "-d",
+                                help="aime24, aime25, math500, amc23, olympiadbench, gsm8k, a JSONL with "
+                                     "problem/answer, or 'all' (with --check-checker)"),
+    samples: Optional[int] = typer.Option(None, help="completions per problem (avg@k); default 32 for AIME, else 1"),
+    greedy: bool = typer.Option(False, help="greedy decoding, one completion per problem"),
+    temperature: float = typer.Option(1.0, help="sampling temperature (SSE protocol 1.0)"),
+    top_p: float = typer.Option(0.7, help="nucleus p (SSE protocol 0.7)"),
+    max_new_tokens: int = typer.Option(4096, help="generation budget per completion"),
+    limit: Optional[int] = typer.Option(None, help="evaluate the first N problems only"),
+    batch_size: int = typer.Option(8, help="sequences generated together"),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: if the tokenizer has one)"),
+    check_checker: bool = typer.Option(False, "--check-checker",
+                                       help="no model: score the dataset's own answers/solutions and shuffled answers"),
+    seed: int = typer.Option(0, help="sampling seed"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/math/<model>/<dataset>)"),
+):
+    """Math benchmarks with boxed answers checked by math-verify: avg@k, pass@k, per-problem JSONL."""
+    from .common import print_table, write_csv, write_json
+    from .math import DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math, load_math_dataset
+
+    if check_checker:
+        names = list(DATASETS) if dataset == "all" else [dataset]
+        rows = []
+        for n in names:
+            r = run_check(load_math_dataset(n, limit))
+            rows.append({"dataset": n, **{k: v for k, v in r.items() if k != "failed_boxed_ids"}})
+        cols = ["dataset", "n", "answers_boxed", "answers_raw", "solutions", "n_solutions", "shuffled",
+                "shuffled_same_string"]
+        print_table(rows, cols, title="answer checker on reference answers (want ~1) and shuffled answers (want ~0)")
+        d = _out(out, "math", "check_checker")
+        write_csv(d / "check_checker.csv", rows, cols)
+        write_json(d / "check_checker.json", rows)
+        _done(d)
+        return
+    if dataset == "all":
+        raise typer.BadParameter("'all' works only with --check-checker; pick one dataset")
+    name, m, tok = _load(model, dtype, device)
+    cfg = MathEvalConfig(dataset=dataset, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
+                         max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, chat=chat, seed=seed)
+    d = _out(out, "math", name, Path(dataset).stem)
+    s = evaluate_math(m, tok, cfg, d)
+    print_table([{"model": name, **s}], title=f"math: {dataset}")
+    _done(d)
+
+
+# ---- needle in a haystack -----------------------------------------------------------------------
+
+@eval_app.command("niah")
+def niah_cmd(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    task: str = typer.Option("s-niah-1", help="s-niah-1|2|3, mk-niah-1|2|3, mv-niah, mq-niah (RULER)"),
+    lengths: str = typer.Option("1k,2k,4k", help="prompt lengths in tokens, e.g. '1k,2k,4k' (k = 1024)"),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="needle depths in [0, 1]"),
+    samples: int = typer.Option(4, help="prompts per (length, depth) cell"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="answer budget (default 64, 48 per value for multi-value)"),
+    batch_size: int = typer.Option(1, help="prompts generated together"),
+    essays: Optional[str] = typer.Option(None, help="haystack: text file, JSONL with 'text', or hub dataset "
+                                                    "(default: shared paul_graham_essays.txt)"),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: if present)"),
+    seed: int = typer.Option(0, help="seed of keys and values"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/niah/<model>/<task>)"),
+):
+    """RULER-style needle-in-a-haystack: accuracy table (length x depth) and heatmap PNG."""
+    from .common import parse_float_list, parse_int_list, print_table
+    from .niah import NiahConfig, evaluate_niah, get_task
+
+    get_task(task)
+    cfg = NiahConfig(task=task, lengths=tuple(parse_int_list(lengths)), depths=tuple(parse_float_list(depths)),
+                     samples=samples, max_new_tokens=max_new_tokens, batch_size=batch_size, essays=essays,
+                     chat=chat, seed=seed)
+    name, m, tok = _load(model, dtype, device)
+    d = _out(out, "niah", name, task)
+    s = evaluate_niah(m, tok, cfg, d)
+    print_table(s["table"], title=f"{task} accuracy ({name}); overall {s['accuracy']:.3f}")
+    _done(d)
+
+
+# ---- MQAR ---------------------------------------------------------------------------------------
+
+@eval_app.command("mqar")
+def mqar_cmd(
+    mixers: str = typer.Option("attention,linear_attn,gla,deltanet",
+                               help="comma-separated: 'attention' and/or hybridize.mixers names"),
+    seq_len: int = typer.Option(128, help="sequence length"),
+    num_kv: int = typer.Option(16, help="key-value pairs per sequence"),
+    vocab: int = typer.Option(256, help="vocabulary size"),
+    d_model: int = typer.Option(64, help="model width"),
+    layers: int = typer.Option(2, help="blocks"),
+    heads: int = typer.Option(2, help="heads per mixer"),
+    steps: int = typer.Option(1000, help="training steps"),
+    batch_size: int = typer.Option(32, help="training batch size"),
+    lr: float = typer.Option(3e-3, help="peak learning rate"),
+    test_size: int = typer.Option(512, help="held-out sequences"),
+    setting: List[str] = typer.Option([], "--setting", "-s", help="mixer setting name=value (repeatable), e.g. short_conv=true"),
+    seed: int = typer.Option(0, help="seed"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/mqar)"),
+):
+    """Train small models from scratch on multi-query associative recall and report test accuracy."""
+    from .common import print_table
+    from .mqar import MqarConfig, parse_settings, run_mqar
+
+    cfg = MqarConfig(mixers=tuple(x.strip() for x in mixers.split(",") if x.strip()), seq_len=seq_len, num_kv=num_kv,
+                     vocab=vocab, d_model=d_model, layers=layers, heads=heads, steps=steps, batch_size=batch_size,
+                     lr=lr, test_size=test_size, mixer_settings=parse_settings(setting), seed=seed, device=device)
+    d = _out(out, "mqar")
+    rows = run_mqar(cfg, d)
+    print_table(rows, ["mixer", "accuracy", "final_loss", "params", "train_s"],
+                title=f"MQAR: L={seq_len}, {num_kv} pairs, vocab {vocab}, d={d_model}, {layers} layers, {steps} steps")
+    _done(d)
+
+
+# ---- perplexity ---------------------------------------------------------------------------------
+
+@eval_app.command("ppl")
+def ppl_cmd(
+    model: List[str] = typer.Option(["default"], "--model", "-m", help=MODEL_HELP + " (repeat to compare)"),
+    text: str = typer.Option("wikitext2", help="'wikitext2' (shared data) or a .txt / .jsonl file"),
+    lengths: str = typer.Option("256,512,1k,2k,4k", help="context lengths in tokens"),
+    tokens: int = typer.Option(16384, help="tokens scored at every length"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/ppl/<model>)"),
+):
+    """Perplexity vs context length (length extrapolation) with plots."""
+    from .common import print_table, save_line_plot, write_csv
+    from .perplexity import PplConfig, compare_rows, evaluate_ppl
+
+    from .common import parse_int_list
+
+    cfg = PplConfig(text=text, lengths=tuple(parse_int_list(lengths)), tokens=tokens)
+    results = {}
+    for spec in model:
+        name, m, tok = _load(spec, dtype, device)
+        results[name] = evaluate_ppl(m, tok, cfg, _out(out, "ppl", name) if len(model) == 1 else
+                                     (out or Path("runs/eval/ppl")) / name)
+        del m
+    rows = compare_rows(results, sorted(cfg.lengths))
+    print_table(rows, title=f"perplexity on {text} ({tokens} tokens per length)")
+    d = _out(out, "ppl", *([] if len(model) > 1 else list(results)))
+    write_csv(d / "ppl_compare.csv", rows)
+    save_line_plot(d / "ppl_compare.png", {n: ([r["length"] for r in rows], [r[n] for r in rows]) for n in results},
+                   xlabel="context length (tokens)", ylabel="perplexity", title=text, logx=True)
+    _done(d)
+
+
+# ---- KV-regression probe ------------------------------------------------------------------------
+
+@eval_app.command("kv-probe")
+def kv_probe_cmd(
+    dim: int = typer.Option(64, help="key/value width d"),
+    length: int = typer.Option(1000, help="pairs per sequence for the fixed-length tables"),
+    lengths: str = typer.Option("500,4000,32000", help="lengths of the scaling table"),
+    trials: int = typer.Option(2, help="independent sequences averaged"),
+    methods: str = typer.Option("linear_attn,deltanet,gdn,gla,qdelta,rls", help="methods to compare"),
+    decay: float = typer.Option(0.999, help="constant decay of gdn / gla"),
+    seed: int = typer.Option(0, help="data seed"),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/kv_probe)"),
+):
+    """Seed 003's key-value regression probe: relationships, normalisation, retrieval, short conv, scaling."""
+    from .common import parse_int_list
+    from .kv_probe import ProbeConfig, run_probe
+
+    cfg = ProbeConfig(dim=dim, length=length, lengths=tuple(parse_int_list(lengths)), trials=trials,
+                      methods=tuple(x.strip() for x in methods.split(",") if x.strip()), decay=decay, seed=seed)
+    d = _out(out, "kv_probe")
+    run_probe(cfg, d)
+    _done(d)
+
+
+# ---- speed --------------------------------------------------------------------------------------
+
+@eval_app.command("speed")
+def speed_cmd(
+    model: List[str] = typer.Option(["default"], "--model", "-m",
+                                    help=MODEL_HELP + " (repeat: e.g. -m teacher=default -m hybrid=runs/h)"),
+    lengths: str = typer.Option("1k,2k,4k,8k", help="context lengths in tokens"),
+    batch_sizes: str = typer.Option("1", help="batch sizes, e.g. '1,8'"),
+    decode_tokens: int = typer.Option(32, help="decode steps timed after each prefill"),
+    repeats: int = typer.Option(1, help="runs per cell (median)"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/speed)"),
+):
+    """Prefill/decode tokens per second, cache size and peak memory, models side by side."""
+    from .common import parse_int_list, print_table
+    from .speed import COLUMNS, SpeedConfig, run_speed
+
+    cfg = SpeedConfig(lengths=tuple(parse_int_list(lengths)), batch_sizes=tuple(parse_int_list(batch_sizes)),
+                      decode_tokens=decode_tokens, repeats=repeats)
+    models = {}
+    for spec in model:
+        name, m, _ = _load(spec, dtype, device)
+        if name in models:
+            name = f"{name}_{len(models)}"
+        models[name] = m
+    d = _out(out, "speed")
+    rows = run_speed(models, cfg, d)
+    print_table(rows, COLUMNS, title="speed (decode_speedup: vs the first model)")
+    _done(d)

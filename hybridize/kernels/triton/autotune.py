@@ -1,0 +1,50 @@
+"""Cap Triton's autotuner to the `top` most preferred configs of every kernel.
+
+fla-core tunes each kernel over up to ~36 configs the first time it sees a new autotune key (head
+count, head dims, dtype, varlen flag, ...; for most kernels not the sequence length): 45-205 s per op
+on an H100. `limit_autotune(top)` keeps only the `top` configs closest to num_warps=4, num_stages=2
+(stable order otherwise) after the kernel's own pruning, so a new key costs a few compilations.
+With top >= 2 a config that fails to compile is still survived (Triton times it as inf).
+The price is a possibly slower config than full tuning; `benchmarks/RESULTS.md` says which was used.
+Winning configs are cached on disk by Triton (`cache_results`, fla's default), so later processes
+reuse them. `HYBRIDIZE_AUTOTUNE_TOP=<n>` applies this when the adapter activates; 0 disables.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+_ORIGINAL = None
+
+
+def _rank(cfg) -> tuple:
+    return (abs(math.log2(max(cfg.num_warps, 1)) - 2), abs(cfg.num_stages - 2))
+
+
+def limit_autotune(top: int) -> None:
+    """Patch `triton.runtime.autotuner.Autotuner.prune_configs` to keep the `top` preferred configs."""
+    global _ORIGINAL
+    from triton.runtime.autotuner import Autotuner
+
+    if _ORIGINAL is None:
+        _ORIGINAL = Autotuner.prune_configs
+    if top <= 0:
+        Autotuner.prune_configs = _ORIGINAL
+        return
+    original = _ORIGINAL
+
+    def prune_configs(self, kwargs):
+        configs = original(self, kwargs)
+        if len(configs) <= top:
+            return configs
+        return sorted(configs, key=_rank)[:top]
+
+    Autotuner.prune_configs = prune_configs
+
+
+def limit_from_env() -> int:
+    """Apply `HYBRIDIZE_AUTOTUNE_TOP` if set; returns the cap in force (0 = none)."""
+    top = int(os.environ.get("HYBRIDIZE_AUTOTUNE_TOP", "0") or 0)
+    if top > 0:
+        limit_autotune(top)
+    return top
