@@ -12,9 +12,10 @@ counted). Sigma_t q_t is `hybridize.kernels.ccq` (chunked: linear attention with
 recurrent: the paper's Algorithm 2). The decode state is the backbone state plus (C_t, mu_t, t).
 
 Reuse of the backbone: `CCQGLA` subclasses `GLA`, `CCQGDN` subclasses `GatedDeltaNet`; each
-overrides only `features` (the backbone's front end: projections, feature maps, gates, GQA repeat,
-padding) to swap q for q_clean, and `forward` to carry the statistics in and out of the call. The
-write (keys, values, gates, beta) and the output path (norm, gate, o_proj) are the backbone's code.
+overrides only the backbones' `transform_query` hook, which gets q, k as the op would (after the
+front end: projections, feature maps, GQA repeat, padding) plus the incoming state, and returns
+q_clean and the new statistics, which the backbone's `forward` merges into its state. The write
+(keys, values, gates, beta) and the output path (norm, gate, o_proj) are the backbone's code.
 
 Reading of the paper for this codebase (documented departures):
 - Statistics use the L2-normalised keys *as the backbone's op sees them* (after its feature map, bias,
@@ -28,14 +29,9 @@ Reading of the paper for this codebase (documented departures):
 - W_lambda is one linear map K -> 1 per head (`ccq_weight` `[H, K]`, `ccq_bias` `[H]`, appendix D);
   init: weight 0 and sigmoid(bias) = `ccq_gate_init` = 0.1, so every gate starts at 0.1 and the weight
   still gets a gradient. `ccq_fixed_lambda` pins lambda to a constant (0 turns CCQ off: the backbone).
-
-The backbone hook: `features` is the seam the wrapper uses; the call-level inputs it needs (the
-statistics state, mode, whether to return a state) are handed over in `self._ccq_call` for the
-duration of one `forward`, and the new statistics come back the same way.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -46,7 +42,7 @@ import torch.nn.functional as F
 
 from hybridize.kernels import dispatch
 
-from .base import MixerConfig, MixerOutput, MixerState
+from .base import MixerConfig, MixerState
 from .deltanet import DeltaState, GatedDeltaNet, GatedDeltaNetConfig
 from .gla import GLA, GLAConfig, GLAState
 
@@ -101,25 +97,12 @@ class CCQGDNState(DeltaState, _CCQStats):
     """Gated DeltaNet state (recurrent `[N, H, K, V]`, conv) plus (C_t, mu_t, t)."""
 
 
-@dataclass
-class _Call:
-    """What one forward hands to the `features` hook, and what the hook hands back."""
-
-    stats: tuple | None          # (C, mu, t) coming in, or None
-    attention_mask: torch.Tensor | None
-    cu_seqlens: torch.Tensor | None
-    mode: str
-    output_state: bool
-    new_stats: tuple | None = None
-
-
 # ---- the shared read-side logic ----------------------------------------------------------------
 
 class _CCQRead:
     """Mixin holding the gate parameters and the query cleaning; used before the backbone in the MRO."""
 
     config: Any
-    _ccq_call: _Call | None = None
 
     def _build_ccq(self) -> None:
         c = self.config
@@ -146,41 +129,23 @@ class _CCQRead:
         logits = torch.einsum("bthk,hk->bth", q_unit.to(acc), self.ccq_weight.to(acc)) + self.ccq_bias.to(acc)
         return torch.sigmoid(logits)
 
-    def ccq_clean(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """q, k `[B, T, H, K]` as the backbone op would get them -> q_clean = q - lambda Sigma_t q.
-
-        Uses and fills `self._ccq_call` (statistics in/out, mask, cu_seqlens, mode)."""
-        call = self._ccq_call
-        if call is None:
-            raise RuntimeError("CCQ features() must be called from the mixer's forward()")
-        kw = {"chunk_size": self.config.chunk_size} if call.mode == "chunk" else {}
-        # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
-        sigma_q, new = dispatch.run("ccq", call.mode, q, F.normalize(k, dim=-1), mask=call.attention_mask,
-                                    initial_state=call.stats, output_final_state=call.output_state,
-                                    cu_seqlens=call.cu_seqlens, **kw)
-        call.new_stats = new
-        lam = self.ccq_gate(F.normalize(q, dim=-1))
-        return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q
-
-    def _ccq_forward(self, backbone_forward, x, state, attention_mask, cu_seqlens, position_embeddings,
-                     output_state, mode) -> MixerOutput:
-        """Run the backbone's forward with the cleaning hook armed, then attach the statistics."""
-        mode = self.pick_mode(mode, x.shape[1], state)
+    def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
+        """The backbone hook: q, k `[B, T, H, K]` as the op gets them -> (q_clean = q - lambda Sigma_t q,
+        new statistics as state fields, empty unless `output_state`)."""
         stats = None
         if state is not None and getattr(state, "key_moment", None) is not None:
             stats = (state.key_moment, state.key_mean, state.key_count)
-        self._ccq_call = _Call(stats, attention_mask, cu_seqlens, mode, output_state)
-        try:
-            out = backbone_forward(x, state, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                                   position_embeddings=position_embeddings, output_state=output_state, mode=mode)
-            new = self._ccq_call.new_stats
-        finally:
-            self._ccq_call = None
-        if output_state:
-            C, mu, t = new
-            fields = {f.name: getattr(out.state, f.name) for f in dataclasses.fields(out.state)}
-            out.state = self.state_class(**{**fields, "key_moment": C, "key_mean": mu, "key_count": t})
-        return out
+        kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
+        # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
+        sigma_q, new = dispatch.run("ccq", mode, q, F.normalize(k, dim=-1), mask=attention_mask,
+                                    initial_state=stats, output_final_state=output_state,
+                                    cu_seqlens=cu_seqlens, **kw)
+        lam = self.ccq_gate(F.normalize(q, dim=-1))
+        q_clean = q - lam.unsqueeze(-1).to(q.dtype) * sigma_q
+        if not output_state:
+            return q_clean, {}
+        C, mu, t = new
+        return q_clean, {"key_moment": C, "key_mean": mu, "key_count": t}
 
 
 # ---- the two wrappers ----------------------------------------------------------------------------
@@ -201,16 +166,6 @@ class CCQGLA(_CCQRead, GLA):
         super().reset_new_parameters()
         self._reset_ccq()
 
-    def features(self, x, attention_mask=None, cu_seqlens=None, position_embeddings=None, conv_state=None):
-        q, k, v, g, conv = super().features(x, attention_mask, cu_seqlens, position_embeddings, conv_state)
-        return self.ccq_clean(q, k), k, v, g, conv
-
-    def forward(self, x, state: CCQGLAState | None = None, attention_mask=None, cu_seqlens=None,
-                position_embeddings=None, output_state: bool = False, mode: str | None = None) -> MixerOutput:
-        """x `[B, T, hidden]` -> MixerOutput(hidden, CCQGLAState if `output_state`)."""
-        return self._ccq_forward(super().forward, x, state, attention_mask, cu_seqlens, position_embeddings,
-                                 output_state, mode)
-
 
 class CCQGDN(_CCQRead, GatedDeltaNet):
     """Gated DeltaNet whose read uses the CCQ-cleaned query; the delta-rule write is GDN's."""
@@ -227,17 +182,6 @@ class CCQGDN(_CCQRead, GatedDeltaNet):
         """Gated DeltaNet's rules, plus the CCQ gate (weight 0, sigmoid(bias) = ccq_gate_init)."""
         super().reset_new_parameters()
         self._reset_ccq()
-
-    def features(self, x, state=None, attention_mask=None, cu_seqlens=None, position_embeddings=None):
-        inputs, conv = super().features(x, state, attention_mask, cu_seqlens, position_embeddings)
-        inputs["q"] = self.ccq_clean(inputs["q"], inputs["k"])
-        return inputs, conv
-
-    def forward(self, x, state: CCQGDNState | None = None, attention_mask=None, cu_seqlens=None,
-                position_embeddings=None, output_state: bool = False, mode: str | None = None) -> MixerOutput:
-        """x `[B, T, hidden]` -> MixerOutput(hidden, CCQGDNState if `output_state`)."""
-        return self._ccq_forward(super().forward, x, state, attention_mask, cu_seqlens, position_embeddings,
-                                 output_state, mode)
 
 
 __all__ = ["CCQGLA", "CCQGLAConfig", "CCQGLAState", "CCQGDN", "CCQGDNConfig", "CCQGDNState"]

@@ -21,6 +21,9 @@ Departures from the GDN paper / fla layer, all for conversion from a pretrained 
 - beta lies in (0, 1) (no negative-eigenvalue variant).
 
 Padding (attention_mask False): k = 0, beta = 0 and g = 0 on those tokens, so the state is untouched.
+
+Subclass hooks: `log_decay` (GDN), `erase_direction` (Q-Delta) and `transform_query` (between the
+front end and the op: swaps the read query and adds fields to the returned state; used by CCQ).
 """
 from __future__ import annotations
 
@@ -118,6 +121,11 @@ class DeltaNet(Mixer):
         """p `[B, T, H, K]` of the erase term (I - beta k p^T); None means p = k."""
         return None
 
+    def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
+        """Hook for read-side wrappers (CCQ): q, k `[B, T, H, K]` as the op gets them -> (query the op
+        reads with, extra fields merged into the returned state). Default: unchanged q, no fields."""
+        return q, {}
+
     # ---- forward ----------------------------------------------------------------------------
     def features(self, x, state=None, attention_mask=None, cu_seqlens=None, position_embeddings=None):
         """x `[B, T, hidden]` -> dict of the op inputs (q, k, v `[B, T, H, D]`, beta, g `[B, T, H]`,
@@ -155,11 +163,13 @@ class DeltaNet(Mixer):
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs a packed batch of size 1, got batch {x.shape[0]}")
         inputs, conv = self.features(x, state, attention_mask, cu_seqlens, position_embeddings)
+        inputs["q"], extra_state = self.transform_query(inputs["q"], inputs["k"], state, attention_mask,
+                                                        cu_seqlens, mode, output_state)
         kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
         o, S = dispatch.run("delta", mode, **inputs,
                             initial_state=state.recurrent if state is not None else None,
                             output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
-        new_state = self.state_class(recurrent=S, conv=conv) if output_state else None
+        new_state = self.state_class(recurrent=S, conv=conv, **extra_state) if output_state else None
         return MixerOutput(hidden=self.finish(o, x), state=new_state)
 
 

@@ -21,6 +21,9 @@ which is x W_k in the paper's plain setting. The paper's row-balance auxiliary l
 
 Optional per-head RMSNorm on the output (`output_norm`, off by default; weight 1 at init).
 Padding (`attention_mask` False) gets zero key, value and log-decay, so the state is untouched.
+
+Subclass hooks: `log_decay` / `read_out` (GLA's gates) and `transform_query` (between the front end
+and the op: swaps the read query and adds fields to the returned state; used by CCQ).
 """
 from __future__ import annotations
 
@@ -108,7 +111,7 @@ class LinearAttentionState(MixerState):
 
 class LinearAttention(Mixer):
     """Ungated linear attention; the base of the GLA mixer (which adds gates through the hooks
-    `log_decay` and `read_out`)."""
+    `log_decay` and `read_out`) and of CCQGLA (which swaps the read query through `transform_query`)."""
 
     name = "linear_attn"
     config_class = LinearAttentionConfig
@@ -156,6 +159,11 @@ class LinearAttention(Mixer):
         k, v, g = (mask_tokens(t, attention_mask) for t in (k, v, g))
         return q, k, v, g, conv
 
+    def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
+        """Hook for read-side wrappers (CCQ): q, k `[B, T, H, K]` as the op gets them -> (query the op
+        reads with, extra fields merged into the returned state). Default: unchanged q, no fields."""
+        return q, {}
+
     def forward(self, x, state: LinearAttentionState | None = None, attention_mask=None, cu_seqlens=None,
                 position_embeddings=None, output_state: bool = False, mode: str | None = None) -> MixerOutput:
         """x `[B, T, hidden]` -> MixerOutput(hidden `[B, T, hidden]`, state if `output_state`)."""
@@ -170,10 +178,11 @@ class LinearAttention(Mixer):
                                  f"{c.num_heads} heads; pass the state this mixer returned for the same batch")
         q, k, v, g, conv = self.features(x, attention_mask, cu_seqlens, position_embeddings,
                                          state.conv if state is not None else None)
+        q, extra_state = self.transform_query(q, k, state, attention_mask, cu_seqlens, mode, output_state)
         extra = {"chunk_size": c.chunk_size} if mode == "chunk" else {}
         o, S = dispatch.run("gla", mode, q, k, v, g, scale=c.read_scale, initial_state=initial,
                             output_final_state=output_state, cu_seqlens=cu_seqlens, **extra)
         o = self.read_out(o, x)
         hidden = self.o_proj(o.reshape(B, T, -1).to(x.dtype))
-        new_state = self.state_class(recurrent=S, conv=conv) if output_state else None
+        new_state = self.state_class(recurrent=S, conv=conv, **extra_state) if output_state else None
         return MixerOutput(hidden=hidden, state=new_state)

@@ -1,6 +1,8 @@
 """DeltaNet ("deltanet") and Gated DeltaNet ("gdn") mixers: generic contract checks, an independent
-hand-written reference of the whole layer, and the init rules."""
+hand-written reference of the whole layer, the init rules and the transform_query hook."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -175,3 +177,38 @@ def test_bad_settings_raise():
         build_mixer("deltanet", {"beta_init": 1.0}, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="qk_activation"):
         build_mixer("deltanet", {"qk_activation": "relu"}, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
+
+
+@dataclass
+class _TaggedState(DeltaState):
+    tag: torch.Tensor | None = None
+
+
+class _DoubledQuery(GatedDeltaNet):
+    """Reads with 2 q through the `transform_query` hook and returns sum(k) as an extra state field."""
+
+    state_class = _TaggedState
+
+    def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
+        self.seen = (q, k, mode, output_state)
+        return 2 * q, ({"tag": k.sum()} if output_state else {})
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@torch.no_grad()
+def test_transform_query_hook(mode):
+    """The hook gets q, k as `features` returns them; its query is the one read (without output norm and
+    gate the layer is linear in q, so the output doubles), the write is untouched, its dict joins the state."""
+    base = make_mixer("gdn", output_norm=False, output_gate=False)
+    probe = _DoubledQuery(base.config)
+    probe.load_state_dict(base.state_dict())
+    x = random_hidden(2, 9, base.config.hidden_size)
+    ref = base(x, output_state=True, mode=mode)
+    out = probe(x, output_state=True, mode=mode)
+    inputs, _ = base.features(x)
+    assert torch.equal(probe.seen[0], inputs["q"]) and torch.equal(probe.seen[1], inputs["k"])
+    assert probe.seen[2:] == (mode, True)
+    assert rel_err(out.hidden, 2 * ref.hidden) < FP32_TOL
+    assert torch.equal(out.state.recurrent, ref.state.recurrent)
+    assert isinstance(out.state, _TaggedState) and torch.equal(out.state.tag, inputs["k"].sum())
+    assert probe(x, mode=mode).state is None

@@ -1,6 +1,9 @@
 """LinearAttention mixer: chunk == recurrent, prefill + steps == full, varlen == separate, left padding,
-row-sparse top-k, an independent quadratic fp64 reference, bf16, gradients, teacher init."""
+row-sparse top-k, an independent quadratic fp64 reference, bf16, gradients, teacher init, and the
+transform_query hook."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -183,3 +186,38 @@ def test_bad_settings_raise():
     m = mixer()
     with pytest.raises(ValueError, match="does not fit"):
         m(h.random_hidden(2, 3, 16), state=random_state(m, 3))
+
+
+@dataclass
+class _TaggedState(LinearAttentionState):
+    tag: torch.Tensor | None = None
+
+
+class _DoubledQuery(LinearAttention):
+    """Reads with 2 q through the `transform_query` hook and returns sum(k) as an extra state field."""
+
+    state_class = _TaggedState
+
+    def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
+        self.seen = (q, k, mode, output_state)
+        return 2 * q, ({"tag": k.sum()} if output_state else {})
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@torch.no_grad()
+def test_transform_query_hook(mode):
+    """The hook gets q, k as `features` returns them; its query is the one read (the read is linear in
+    q and o_proj has no bias, so the output doubles), the write is untouched, its dict joins the state."""
+    base = mixer()
+    probe = _DoubledQuery(base.config)
+    probe.load_state_dict(base.state_dict())
+    x = h.random_hidden(2, 9, base.config.hidden_size)
+    ref = base(x, output_state=True, mode=mode)
+    out = probe(x, output_state=True, mode=mode)
+    q, k, *_ = base.features(x)
+    assert torch.equal(probe.seen[0], q) and torch.equal(probe.seen[1], k)
+    assert probe.seen[2:] == (mode, True)
+    assert h.rel_err(out.hidden, 2 * ref.hidden) < h.FP32_TOL
+    assert torch.equal(out.state.recurrent, ref.state.recurrent)
+    assert isinstance(out.state, _TaggedState) and torch.equal(out.state.tag, k.sum())
+    assert probe(x, mode=mode).state is None
