@@ -12,6 +12,7 @@ import os
 from typing import Callable
 
 _GPU: dict[tuple[str, str], Callable] = {}
+_gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
 _backend = os.environ.get("HYBRIDIZE_KERNELS", "auto")
 _BACKENDS = ("auto", "torch", "gpu")
 
@@ -41,6 +42,11 @@ def run(op: str, mode: str, *args, **kwargs):
         raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
     first = args[0] if args else next(iter(kwargs.values()))
     if first.is_cuda and _backend != "torch":
+        global _gpu_tried
+        if not _gpu_tried:
+            _gpu_tried = True
+            from . import fla_adapter
+            fla_adapter.activate()
         fn = _GPU.get((op, mode))
         if fn is not None:
             return fn(*args, **kwargs)

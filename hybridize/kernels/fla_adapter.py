@@ -9,12 +9,12 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 | ------------------ | ----------------------------------------------------------------------------- |
 | gla / chunk        | `chunk_gla` (scalar or absent gate broadcast to the key channels)             |
 | gla / recurrent    | `fused_recurrent_gla`                                                         |
-| delta / chunk      | g and p None: `chunk_delta_rule`; p None: GDN = fla's `chunk_gated_delta_rule`|
+| delta / chunk      | g, p None, 16-bit: `chunk_delta_rule`; p None: GDN = fla's gated delta rule  |
 |                    | forward + fla's backward with our PyTorch `chunk_bwd_dqkwg`; p given: Comba,  |
 |                    | same scheme, with p_fla = exp(g) * p                                          |
 | delta / recurrent  | `fused_recurrent_gated_delta_rule` / `fused_recurrent_comba` (forward only:   |
 |                    | with gradients required the chunk path above is used)                        |
-| log_linear / chunk | `chunk_log_linear_attn` when there is no state in or out and no clamped level |
+| log_linear / chunk | `chunk_log_linear_attn` (on fp32 copies) when no state in/out, no clamped level|
 | ccq / chunk        | key-sum read C_t q through `chunk_gla` (values = keys), cumsum for mu, t      |
 
 Conventions mapped here:
@@ -216,8 +216,9 @@ def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, o
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     c = lambda t: t.contiguous()  # noqa: E731
+    beta = beta.to(q.dtype)  # fla's kernels take beta in the activation dtype
     cu, h0 = _cu(cu_seqlens), _state(initial_state)
-    if p is None and g is None:
+    if p is None and g is None and q.dtype != torch.float32:  # fla's ungated kernel is 16-bit only
         o, st = fla().chunk_delta_rule(c(q), c(k), c(v), c(beta), scale=scale, initial_state=h0,
                                        output_final_state=output_final_state, cu_seqlens=cu)
         return o.to(v.dtype), st
@@ -237,6 +238,7 @@ def delta_recurrent(q, k, v, beta, g=None, p=None, scale=None, initial_state=Non
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     c = lambda t: t.contiguous()  # noqa: E731
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    beta = beta.to(q.dtype)
     kw = dict(scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
               cu_seqlens=_cu(cu_seqlens))
     gf = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else c(g.float())
@@ -262,13 +264,31 @@ def log_linear_chunk(q, k, v, g, level_scales, scale=None, initial_state=None, o
             or q.shape[-1] % 64 or v.shape[-1] & (v.shape[-1] - 1)):
         return _fallback("log_linear", "chunk", *args, **kwargs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    c = lambda t: t.contiguous()  # noqa: E731
-    o, _ = fla().chunk_log_linear_attn(c(q), c(k), c(v), c(g.float()), c(level_scales.float()),
+    # fla 0.6.0's log-linear kernel does not compile for bf16 q/k/v on Triton 3.6 (gpu_check): fp32 inputs
+    c = lambda t: t.float().contiguous()  # noqa: E731
+    o, _ = fla().chunk_log_linear_attn(c(q), c(k), c(v), c(g), c(level_scales),
                                        cu_seqlens=_cu(cu_seqlens), scale=scale)
     return o.to(v.dtype), None
 
 
 # ---- ccq covariance read -----------------------------------------------------------------------
+
+def cumsum_time(x, block: int = 128):
+    """`x.cumsum(1)` for x `[B, T, ...]`, as a two-level scan (within blocks of `block` steps, then over
+    block totals). PyTorch scans a non-innermost dim sequentially per column: with T = 64k and
+    H * K = 2048 columns that took ~30 ms on an H100 (first device run); this takes T / block + block
+    sequential steps instead of T."""
+    B, T = x.shape[:2]
+    n = -(-T // block)
+    if n <= 1:
+        return x.cumsum(1)
+    pad = n * block - T
+    xp = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+    inner = xp.reshape(B, n, block, *x.shape[2:]).cumsum(2)
+    totals = inner[:, :, -1]
+    offsets = totals.cumsum(1) - totals                                     # exclusive scan over blocks
+    return (inner + offsets.unsqueeze(2)).reshape(B, n * block, *x.shape[2:])[:, :T]
+
 
 def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None):
     """Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t); C_t q_t is linear attention with values = keys."""
@@ -289,16 +309,16 @@ def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_
         t0 = t0.to(device=q.device, dtype=torch.long)
         S0 = C0.float() * t0.float().view(-1, 1, 1, 1)
         M0 = mu0.float() * t0.float().view(-1, 1, 1)
-    kb = kf.to(q.dtype)
+    kb = k if mask is None else kf.to(q.dtype)
     Sq, S_end = fla().chunk_gla(q.contiguous(), kb.contiguous(), kb.contiguous(), _gate_for_keys(None, q),
                                 scale=1.0, initial_state=S0, output_final_state=True, cu_seqlens=cu)
     Sq = Sq.float()
     if cu is None:
-        M = M0.unsqueeze(1) + kf.cumsum(1)                                  # [B, T, H, K]
+        M = M0.unsqueeze(1) + cumsum_time(kf)                               # [B, T, H, K]
         t = t0.unsqueeze(1) + m.long().cumsum(1)                            # [B, T]
     else:  # restart the running sums at every document start
         seq = torch.repeat_interleave(torch.arange(nseq, device=q.device), cu[1:] - cu[:-1])
-        csum = kf[0].cumsum(0)                                              # [T, H, K]
+        csum = cumsum_time(kf)[0]                                           # [T, H, K]
         before = torch.cat([csum.new_zeros(1, H, K), csum])[cu[:-1]]        # [N, H, K] sum before start
         M = (csum - before[seq] + M0[seq]).unsqueeze(0)
         pos = torch.arange(T, device=q.device) - cu[:-1][seq] + 1

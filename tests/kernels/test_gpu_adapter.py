@@ -166,3 +166,13 @@ def test_ccq_chunk_matches_recurrent(fake_fla, varlen):
     assert _rel(out[0], ref[0]) < 1e-5
     for a, b in zip(out[1], ref[1]):
         assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 127, 128, 300])
+def test_cumsum_time_matches_cumsum(T):
+    x = torch.randn(2, T, 3, 4, dtype=torch.float64, requires_grad=True)
+    y = fla_adapter.cumsum_time(x, block=16)
+    assert torch.allclose(y, x.cumsum(1))
+    (g,) = torch.autograd.grad((y * torch.arange(T, dtype=torch.float64)[None, :, None, None]).sum(), x)
+    assert torch.allclose(g, torch.arange(T, dtype=torch.float64).flip(0).cumsum(0).flip(0)[None, :, None, None]
+                          .expand_as(x))
