@@ -76,15 +76,16 @@ def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> s
 
 
 def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dtype: str = "float32",
-                device: str = "cpu", samples: int = 3, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 24,
+                device: str = "cpu", samples: int = 3, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16,
                 overwrite: bool = False, console=None) -> dict:
     """The whole `convert` command; returns the report dict (also written to OUT/report.json)."""
     from rich.console import Console
 
-    from hybridize.convert.convert import convert_model
+    from hybridize.convert.convert import convert_model, split_settings
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
     from hybridize.convert.sources import describe_source, load_config, load_model
+    from hybridize.modeling import resolve_mixer_settings
 
     console = console or Console()
     tdtype = _torch_dtype(dtype)
@@ -95,6 +96,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     plan = parse_plan(layers, config.num_hidden_layers, mixer)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
                                          f"{config.num_hidden_layers} layers)"))
+    resolve_mixer_settings(config, plan, split_settings(settings, plan))  # bad settings fail before loading
     _prepare_out(out, overwrite)
     teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
     t_load = time.perf_counter()
@@ -140,7 +142,7 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ..."),
         samples: int = typer.Option(3, "--samples", help="built-in sample texts for the report (1-3)"),
         prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", help="quick greedy generation check ('' skips)"),
-        max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+        max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
         overwrite: bool = typer.Option(False, "--overwrite", help="write into a non-empty --out"),
     ) -> None:
         """Convert a pretrained decoder into a hybrid checkpoint and print a conversion report."""

@@ -156,8 +156,10 @@ def plan_table(plan: list[str], title: str | None = None):
     from rich.table import Table
 
     n_conv = sum(k != ATTN for k in plan)
-    table = Table(title=title or "layer plan",
-                  caption=f"{n_conv} of {len(plan)} layers converted, {len(plan) - n_conv} softmax")
+    title = title or "layer plan"
+    caption = f"{n_conv} of {len(plan)} layers converted, {len(plan) - n_conv} softmax"
+    # wide enough that title and caption do not wrap
+    table = Table(title=title, caption=caption, min_width=min(max(len(title), len(caption)) + 4, 100))
     table.add_column("layers", justify="right")
     table.add_column("kind")
     for lo, hi, kind in plan_runs(plan):

@@ -8,7 +8,7 @@ sample sequences, each converted layer's mixer gets exactly the input the teache
 Model-level: relative error of the final logits, top-1 next-token agreement and mean KL(teacher || hybrid).
 
 Samples: a few built-in English/maths/code snippets (so the default job needs no data files), or
-random token ids when no tokenizer is given (tiny test models).
+random token ids when no tokenizer is given (tiny test models); they run as one right-padded batch.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SAMPLE_TEXTS = (
 )
 
 
-def sample_inputs(tokenizer=None, vocab_size: int | None = None, n: int = 3, length: int = 64,
+def sample_inputs(tokenizer=None, vocab_size: int | None = None, n: int = 3, length: int = 48,
                   seed: int = 0) -> list[torch.Tensor]:
     """A list of `[1, T]` id tensors: tokenised SAMPLE_TEXTS (cut at `length`), or random ids."""
     if tokenizer is not None:
@@ -53,6 +53,20 @@ def _capture_attention_io(teacher, layers: list[int]):
     return records, handles
 
 
+def right_pad(inputs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[1, T_i]` ids -> one batch `[N, T_max]` right-padded, and `[N, T_max]` bool of real tokens.
+
+    Causal models never look ahead, so right padding leaves every real token's output unchanged:
+    one batched forward replaces N separate ones, and padding positions are simply not scored."""
+    t_max = max(x.shape[1] for x in inputs)
+    ids = torch.full((len(inputs), t_max), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(inputs), t_max, dtype=torch.bool)
+    for i, x in enumerate(inputs):
+        ids[i, :x.shape[1]] = x[0]
+        valid[i, :x.shape[1]] = True
+    return ids, valid
+
+
 @torch.no_grad()
 def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None, tokenizer=None,
                       source: dict | None = None) -> dict[str, Any]:
@@ -60,19 +74,17 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
     if inputs is None:
         inputs = sample_inputs(tokenizer, teacher.config.vocab_size)
     device = next(teacher.parameters()).device
-    inputs = [x.to(device) for x in inputs]
+    ids, valid = (t.to(device) for t in right_pad(inputs))
     plan = hybrid.config.layer_plan
     conv = [i for i, k in enumerate(plan) if k != ATTN]
     records, handles = _capture_attention_io(teacher, conv)
-    t_logits = []
     try:
-        for x in inputs:
-            t_logits.append(teacher(x, use_cache=False).logits.float())
+        t_logits = teacher(ids, use_cache=False).logits.float()
     finally:
         for h in handles:
             h.remove()
-    layers = _layer_rows(hybrid, plan, records)
-    model = _model_metrics(hybrid, inputs, t_logits)
+    layers = _layer_rows(hybrid, plan, records, valid)
+    model = _model_metrics(hybrid, ids, valid, t_logits)
     n_teacher = sum(p.numel() for p in teacher.parameters())
     n_hybrid = sum(p.numel() for p in hybrid.parameters())
     return {
@@ -80,7 +92,7 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
         "plan": list(plan),
         "mixer_settings": hybrid.config.mixer_settings,
         "samples": len(inputs),
-        "tokens": int(sum(x.numel() for x in inputs)),
+        "tokens": int(valid.sum()),
         "layers": layers,
         "params": {"teacher": n_teacher, "hybrid": n_hybrid,
                    "new": sum(r["new_params"] for r in layers)},
@@ -88,7 +100,7 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
     }
 
 
-def _layer_rows(hybrid, plan, records) -> list[dict]:
+def _layer_rows(hybrid, plan, records, valid) -> list[dict]:
     params = dict(hybrid.named_parameters())
     new_names = set(new_parameter_names(hybrid))
     rows = []
@@ -98,29 +110,24 @@ def _layer_rows(hybrid, plan, records) -> list[dict]:
         if isinstance(slot, AttentionSlot):
             prefix = f"model.layers.{i}.self_attn."
             row["new_params"] = sum(p.numel() for n, p in params.items() if n.startswith(prefix) and n in new_names)
-            num = den = 0.0
-            for x, pe, y_t in records[i]:
-                y = slot.mixer_forward(x, pe)
-                num += (y.float() - y_t.float()).pow(2).sum().item()
-                den += y_t.float().pow(2).sum().item()
-            row["rel_err"] = (num / den) ** 0.5 if den > 0 else None
+            (x, pe, y_t), = records[i]
+            y = slot.mixer_forward(x, pe)[valid].float()
+            y_t = y_t[valid].float()
+            den = y_t.pow(2).sum().item()
+            row["rel_err"] = ((y - y_t).pow(2).sum().item() / den) ** 0.5 if den > 0 else None
         rows.append(row)
     return rows
 
 
-def _model_metrics(hybrid, inputs, t_logits) -> dict:
-    num = den = kl = agree = total = 0.0
-    for x, lt in zip(inputs, t_logits):
-        lh = hybrid(x, use_cache=False).logits.float()
-        num += (lh - lt).pow(2).sum().item()
-        den += lt.pow(2).sum().item()
-        lpt, lph = F.log_softmax(lt, -1), F.log_softmax(lh, -1)
-        kl += (lpt.exp() * (lpt - lph)).sum(-1).sum().item()
-        agree += (lt.argmax(-1) == lh.argmax(-1)).sum().item()
-        total += lt.shape[0] * lt.shape[1]
-    return {"logits_rel_err": (num / den) ** 0.5 if den else None,
-            "top1_agreement": agree / total if total else None,
-            "kl_teacher_hybrid": kl / total if total else None}
+def _model_metrics(hybrid, ids, valid, t_logits) -> dict:
+    lh = hybrid(ids, use_cache=False).logits.float()[valid]
+    lt = t_logits[valid]
+    den = lt.pow(2).sum().item()
+    lpt, lph = F.log_softmax(lt, -1), F.log_softmax(lh, -1)
+    n = lt.shape[0]
+    return {"logits_rel_err": ((lh - lt).pow(2).sum().item() / den) ** 0.5 if den else None,
+            "top1_agreement": (lt.argmax(-1) == lh.argmax(-1)).float().mean().item() if n else None,
+            "kl_teacher_hybrid": (lpt.exp() * (lpt - lph)).sum(-1).mean().item() if n else None}
 
 
 def report_table(report: dict):
@@ -129,10 +136,10 @@ def report_table(report: dict):
 
     m = report.get("model", {})
     p = report.get("params", {})
-    cap = (f"new params {p.get('new', 0):,} ({p.get('hybrid', 0):,} total vs teacher {p.get('teacher', 0):,}); "
+    cap = (f"new params {p.get('new', 0):,} ({p.get('hybrid', 0):,} vs teacher {p.get('teacher', 0):,})\n"
            f"logits rel. err {_fmt(m.get('logits_rel_err'))}, top-1 agreement {_fmt(m.get('top1_agreement'), '.1%')}, "
-           f"KL {_fmt(m.get('kl_teacher_hybrid'))} nats/token on {report.get('tokens', 0)} tokens")
-    table = Table(title="conversion report", caption=cap)
+           f"KL {_fmt(m.get('kl_teacher_hybrid'))} nats/token ({report.get('tokens', 0)} tokens)")
+    table = Table(title="conversion report", caption=cap, min_width=min(max(map(len, cap.splitlines())) + 4, 120))
     for col, just in (("layer", "right"), ("kind", "left"), ("new params", "right"), ("rel. err", "right")):
         table.add_column(col, justify=just)
     for r in report["layers"]:

@@ -143,14 +143,14 @@ def niah_cmd(
 def mqar_cmd(
     mixers: str = typer.Option("attention,linear_attn,gla,deltanet",
                                help="comma-separated: 'attention' and/or hybridize.mixers names"),
-    seq_len: int = typer.Option(128, help="sequence length"),
-    num_kv: int = typer.Option(16, help="key-value pairs per sequence"),
-    vocab: int = typer.Option(256, help="vocabulary size"),
+    seq_len: int = typer.Option(64, help="sequence length"),
+    num_kv: int = typer.Option(8, help="key-value pairs per sequence"),
+    vocab: int = typer.Option(128, help="vocabulary size"),
     d_model: int = typer.Option(64, help="model width"),
     layers: int = typer.Option(2, help="blocks"),
     heads: int = typer.Option(2, help="heads per mixer"),
-    steps: int = typer.Option(1000, help="training steps"),
-    batch_size: int = typer.Option(32, help="training batch size"),
+    steps: int = typer.Option(2000, help="training steps (short runs under-train attention: see mqar.py)"),
+    batch_size: int = typer.Option(64, help="training batch size"),
     lr: float = typer.Option(3e-3, help="peak learning rate"),
     test_size: int = typer.Option(512, help="held-out sequences"),
     setting: List[str] = typer.Option([], "--setting", "-s", help="mixer setting name=value (repeatable), e.g. short_conv=true"),
@@ -185,10 +185,8 @@ def ppl_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/ppl/<model>)"),
 ):
     """Perplexity vs context length (length extrapolation) with plots."""
-    from .common import print_table, save_line_plot, write_csv
+    from .common import parse_int_list, print_table, save_line_plot, write_csv
     from .perplexity import PplConfig, compare_rows, evaluate_ppl
-
-    from .common import parse_int_list
 
     cfg = PplConfig(text=text, lengths=tuple(parse_int_list(lengths)), tokens=tokens)
     results = {}

@@ -83,6 +83,26 @@ def _split_cumsum(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+#: largest in-chunk total log-decay for which the factorised scores are used (e^40 is far from fp32 overflow)
+FACTORISED_MAX_SPAN = 40.0
+
+
+def _intra_chunk_scores(qc, kc, hi, lo, causal):
+    """A_ij = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, `[B, H, n, C, C]`.
+
+    Fast path: exp(G_i - G_j) = exp(G_i - G_0) * exp(G_0 - G_j) folds into q and k and A is one matmul;
+    both factors are bounded by exp(span), span = G_0 - G_last, so it is taken only when every chunk's
+    span is <= FACTORISED_MAX_SPAN (the usual case: gates near 1). Otherwise the pairwise decay tensor
+    `[B, H, n, C, C, K]` is formed explicitly, j > i masked before exp so every exponent is <= 0."""
+    span = hi[..., :1, :] - hi[..., -1:, :]
+    if float(span.max()) <= FACTORISED_MAX_SPAN:
+        rel = (hi - hi[..., :1, :]) + (lo - lo[..., :1, :])          # G_i - G_0 <= 0
+        A = (qc * rel.exp()) @ (kc * (-rel).exp()).transpose(-1, -2)
+        return A.masked_fill(~causal, 0.0)
+    diff = (hi.unsqueeze(-2) - hi.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    return torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc * lo.exp(), kc * (-lo).exp(), diff.exp())
+
+
 def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -100,10 +120,7 @@ def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size)
     hi, lo = _split_cumsum(gc)                          # in-chunk cumulative log-decay G = hi + lo
     G = hi + lo
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # pairwise decay exp(G_i - G_j) for j <= i, per key channel: [B, H, n, C, C, K]; j > i masked
-    # before exp so every exponent is <= 0
-    diff = (hi.unsqueeze(-2) - hi.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    A = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc * lo.exp(), kc * (-lo).exp(), diff.exp())
+    A = _intra_chunk_scores(qc, kc, hi, lo, causal)
     o = A @ vc                                          # intra-chunk part
 
     q_dec = qc * G.exp()                                # read of the carried state

@@ -54,7 +54,8 @@ class ToyMixer(Mixer):
         if attention_mask is not None:
             a = torch.where(attention_mask[..., None], a, torch.ones_like(a))
         if cu_seqlens is not None:
-            q, k, v, a = (pack_to_padded(t, cu_seqlens) for t in (q, k, v))+(pack_to_padded(a, cu_seqlens, 1.0),)
+            q, k, v = (pack_to_padded(t, cu_seqlens) for t in (q, k, v))
+            a = pack_to_padded(a, cu_seqlens, 1.0)
         B, T, H, D = q.shape
         S = state.S if (state is not None and state.S is not None) else q.new_zeros(B, H, D, D, dtype=torch.float32)
         outs = []
