@@ -77,10 +77,11 @@ def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> s
 
 def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dtype: str = "float32",
                 device: str = "cpu", samples: int = 3, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16,
-                overwrite: bool = False, console=None) -> dict:
+                overwrite: bool = False, console=None, calibrate: bool = True) -> dict:
     """The whole `convert` command; returns the report dict (also written to OUT/report.json)."""
     from rich.console import Console
 
+    from hybridize.convert.calibrate import calibration_inputs
     from hybridize.convert.convert import convert_model, split_settings
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
@@ -100,7 +101,9 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     _prepare_out(out, overwrite)
     teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
     t_load = time.perf_counter()
-    hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=str(src)).eval()
+    calib = calibration_inputs(teacher, tokenizer) if calibrate else None
+    hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=str(src),
+                           calibration_inputs=calib).eval()
     t_conv = time.perf_counter()
     inputs = sample_inputs(tokenizer, teacher.config.vocab_size, n=samples)
     report = conversion_report(teacher, hybrid, inputs, source=source)
@@ -144,10 +147,13 @@ def register(app: typer.Typer) -> None:
         prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", help="quick greedy generation check ('' skips)"),
         max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
         overwrite: bool = typer.Option(False, "--overwrite", help="write into a non-empty --out"),
+        calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate",
+                                       help="fit each converted layer's output gain to its teacher layer on "
+                                            "teacher-generated text (hybridize.convert.calibrate)"),
     ) -> None:
         """Convert a pretrained decoder into a hybrid checkpoint and print a conversion report."""
         run_convert(src, layers, mixer, out, parse_settings(mixer_settings), dtype, device, samples, prompt,
-                    max_new_tokens, overwrite)
+                    max_new_tokens, overwrite, calibrate=calibrate)
 
     if any(getattr(c, "name", None) == "generate" for c in app.registered_commands):
         return

@@ -73,11 +73,14 @@ def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[st
 @torch.no_grad()
 def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
                   mixer_settings: dict[str, Any] | None = None, aux_loss_weight: float = 1.0,
-                  teacher_source: str = "") -> HybridForCausalLM:
+                  teacher_source: str = "",
+                  calibration_inputs: list[torch.Tensor] | None = None) -> HybridForCausalLM:
     """Convert a loaded teacher (Llama/Qwen2/Qwen3/Mistral ForCausalLM) into a HybridForCausalLM.
 
     `plan`: a list (one kind per layer) or a spelling for `parse_plan` (with `mixer` as default).
     `mixer_settings`: see `split_settings`; `teacher_source`: recorded in the config (e.g. "default").
+    `calibration_inputs`: `[1, T]` id tensors; when given, each converted layer's output gain is fitted to
+    its teacher layer on them (`hybridize.convert.calibrate`).
     The hybrid ends on the teacher's device and dtype, in the teacher's train/eval mode."""
     from hybridize.convert.plan import parse_plan
 
@@ -96,6 +99,9 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
         hybrid.generation_config = copy.deepcopy(teacher.generation_config)
     p = next(teacher.parameters())
     hybrid.to(device=p.device, dtype=p.dtype)
+    if calibration_inputs:
+        from hybridize.convert.calibrate import calibrate_output_gain
+        calibrate_output_gain(teacher, hybrid, calibration_inputs)
     hybrid.train(teacher.training)
     return hybrid
 
