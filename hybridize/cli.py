@@ -22,6 +22,7 @@ app = typer.Typer(
 AREAS = (
     "hybridize.convert.cli",
     "hybridize.eval.cli",
+    "hybridize.distill.cli",
 )
 
 for _module in AREAS:

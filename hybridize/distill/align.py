@@ -27,6 +27,7 @@ from .data import build_data, build_heldout
 from .losses import LAYER_LOSSES
 from .loop import run_loop
 from .metrics import perplexity
+from .loop import make_accelerator
 from .models import converted_layers, decoder_layers, mixer_of, load_student, load_teacher, select_trainable, \
     teacher_source_of, trainable_summary
 
@@ -42,31 +43,35 @@ class TeacherTap:
         self.teacher = teacher
         self.layers = sorted(layers)
         self.records: dict[int, tuple[dict, torch.Tensor]] = {}
+        self.wanted, self.stop_at = set(self.layers), self.layers[-1]
         attn = {i: decoder_layers(teacher)[i].self_attn for i in self.layers}
         self.handles = [m.register_forward_hook(self._hook(i), with_kwargs=True) for i, m in attn.items()]
 
     def _hook(self, i: int):
-        last = self.layers[-1]
-
         def hook(module, args, kwargs, output):
+            if i not in self.wanted:
+                return None
             kw = dict(kwargs)
             if args:  # hidden_states given positionally
                 kw["hidden_states"] = args[0]
             out = output[0] if isinstance(output, tuple) else output
             self.records[i] = (kw, out.detach())
-            if i == last:
+            if i == self.stop_at:
                 raise _Stop
         return hook
 
     @torch.no_grad()
-    def run(self, batch: dict) -> dict[int, tuple[dict, torch.Tensor]]:
+    def run(self, batch: dict, layers: list[int] | None = None) -> dict[int, tuple[dict, torch.Tensor]]:
+        """Teacher forward on `batch`; records of `layers` (default: all tapped layers)."""
         self.records = {}
+        self.wanted = set(self.layers if layers is None else layers)
+        self.stop_at = max(self.wanted)
         extra = mixer_inputs(batch)
         try:
             self.teacher(**batch, use_cache=False)
         except _Stop:
             pass
-        missing = set(self.layers) - set(self.records)
+        missing = self.wanted - set(self.records)
         if missing:
             raise RuntimeError(f"teacher layers {sorted(missing)} did not run")
         for kw, _ in self.records.values():
@@ -125,8 +130,11 @@ class LayerAligner(nn.Module):
         self.loss_fn = LAYER_LOSSES[loss]
 
     def forward(self, records: dict[int, tuple[dict, torch.Tensor]]):
+        """Mean loss over the layers present in `records` (all adapters, or the step's subset)."""
         losses, auxes = {}, []
         for key, adapter in self.adapters.items():
+            if int(key) not in records:
+                continue
             kw, target = records[int(key)]
             kw = adapter_kwargs(kw, mixer_of(adapter) is not None)
             out = adapter(**kw)
@@ -164,13 +172,23 @@ def align(student: nn.Module, teacher: nn.Module, tokenizer, cfg: AlignConfig, r
     print(f"align: layers {layers}; training {summary['trainable']:,} of {summary['total']:,} parameters "
           f"({cfg.params})")
 
-    teacher.eval().requires_grad_(False)
+    acc = make_accelerator(cfg.train)
+    # the teacher runs outside accelerate's prepare: put both models where the batches will be
+    teacher.to(acc.device).eval().requires_grad_(False)
+    student.to(acc.device)
     tap = TeacherTap(teacher, layers)
     aligner = LayerAligner({i: conv[i] for i in layers}, cfg.loss, cfg.balance_weight)
-    data = build_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.grad_accum)
+    data = _StepTagged(build_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.grad_accum))
+
+    def layers_at(step: int) -> list[int]:
+        k = cfg.layers_per_step
+        if not k or k >= len(layers):
+            return layers
+        start = (step * k) % len(layers)
+        return [layers[(start + j) % len(layers)] for j in range(k)]
 
     def step_fn(module, batch):
-        records = tap.run(batch)
+        records = tap.run(batch, layers_at(batch.pop("_step", 0)))
         loss, per_layer = module(records)
         return loss, {(f"L{i}" if i != "aux" else "aux"): float(v.detach()) for i, v in per_layer.items()}
 
@@ -179,13 +197,32 @@ def align(student: nn.Module, teacher: nn.Module, tokenizer, cfg: AlignConfig, r
     if heldout is not None:
         eval_fn = lambda step: {"ppl": perplexity(student, heldout, cfg.data.seq_len)}  # noqa: E731
     try:
-        result = run_loop(cfg.train, aligner, step_fn, data, resume=resume, eval_fn=eval_fn,
+        result = run_loop(cfg.train, aligner, step_fn, data, resume=resume, eval_fn=eval_fn, accelerator=acc,
                           eval_every=cfg.data.eval_every, desc="align", stop_after=stop_after)
     finally:
         tap.close()
     if result.step >= cfg.train.max_steps:
         save_final(student, tokenizer, run_dir / "final")
     return result
+
+
+class _StepTagged:
+    """Wraps the data so each batch carries its optimizer step (the layer rotation depends on it)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def __setattr__(self, name, value):
+        if name == "data":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.data, name, value)
+
+    def batch(self, step: int, micro: int) -> dict:
+        return {**self.data.batch(step, micro), "_step": step}
 
 
 def save_final(model, tokenizer, out: Path) -> None:

@@ -49,6 +49,7 @@ class TrainArgs:
     threads: int = _f(0, "torch CPU threads (0 = leave as is)")
     nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
+    max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none")
 
 
 @dataclass
@@ -94,6 +95,8 @@ class AlignConfig:
                               "| comma-separated globs over parameter names")
     layers: list = _f([], "converted layer indices to train (empty = all)")
     balance_weight: float = _f(1.0, "multiplier on the mixers' auxiliary (SSE balance) losses")
+    layers_per_step: int = _f(0, "train only this many layers per step, rotating through them (0 = all): "
+                                 "the losses are layer-local, so this only divides the per-step cost")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
     data: DataArgs = field(default_factory=DataArgs)
 
@@ -167,17 +170,24 @@ class DemoConfig:
                              "teacher generates it)")
     heldout_text: str = _f("", "held-out text (empty: ../shared/data/wikitext2/test.txt when present, "
                                "else teacher-generated)")
-    eval_tokens: int = _f(2048, "held-out tokens for perplexity")
+    mixer_settings: dict = _f({"chunk_size": 16}, "mixer settings for the converter (chunk 16 is the fastest "
+                                                   "CPU chunk size for SSE at head_dim 64; numerically the same)")
+    eval_tokens: int = _f(1024, "held-out tokens for perplexity")
     eval_seq_len: int = _f(512, "perplexity window")
-    align_steps: int = _f(60, "stage A optimizer steps")
-    align_lr: float = _f(1e-3, "stage A learning rate")
-    e2e_steps: int = _f(40, "stage B optimizer steps")
+    align_steps: int = _f(24, "stage A optimizer steps")
+    align_lr: float = _f(2e-3, "stage A learning rate")
+    e2e_steps: int = _f(8, "stage B optimizer steps")
     e2e_lr: float = _f(3e-4, "stage B learning rate")
-    seq_len: int = _f(256, "training row length")
-    batch_tokens: int = _f(512, "tokens per micro-batch")
+    e2e_params: str = _f("mixer", "what trains in stage B (see distill e2e params)")
+    seq_len: int = _f(128, "training row length")
+    batch_tokens: int = _f(128, "tokens per micro-batch")
     generated_tokens: int = _f(768, "teacher-generated tokens per text when no data folder exists")
     threads: int = _f(0, "torch CPU threads (0 = all cores)")
     seed: int = _f(0, "seed")
+    device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
+    mixed_precision: str = _f("no", "training autocast: no | bf16")
+    align_minutes: float = _f(0.0, "wall-clock budget of stage A in minutes (0 = none)")
+    e2e_minutes: float = _f(0.0, "wall-clock budget of stage B in minutes (0 = none)")
 
 
 # ---- loading ------------------------------------------------------------------------------------

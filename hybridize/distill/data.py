@@ -14,7 +14,6 @@ Order: for a given row length the rows are shuffled by `seed`, `epoch` and sched
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,12 +261,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else 0
-
-
 __all__ = ["shared_data", "load_rows", "load_texts", "row_texts", "tokenize_docs", "pack_rows", "flatten_rows",
-           "pad_docs", "pack_docs_exact", "PackedData", "parse_schedule", "heldout_ids", "read_jsonl", "math"]
+           "pad_docs", "pack_docs_exact", "PackedData", "parse_schedule", "heldout_ids", "read_jsonl", "build_data",
+           "build_heldout", "default_train_source"]
 
 
 def default_train_source() -> str:

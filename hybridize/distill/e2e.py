@@ -27,7 +27,7 @@ from .align import save_final
 from .config import E2EConfig, save_config
 from .data import build_data, build_heldout
 from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
-from .loop import run_loop
+from .loop import make_accelerator, run_loop
 from .metrics import perplexity
 from .models import apply_lora, load_student, load_teacher, select_trainable, teacher_source_of, trainable_summary
 
@@ -82,8 +82,10 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
           f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}")
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if teacher is not None:
-        teacher.eval().requires_grad_(False)
+    acc = make_accelerator(cfg.train)
+    student.to(acc.device)
+    if teacher is not None:  # runs outside accelerate's prepare: put it where the batches will be
+        teacher.to(acc.device).eval().requires_grad_(False)
 
     data = build_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.grad_accum)
 
@@ -96,7 +98,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     eval_fn = None
     if heldout is not None:
         eval_fn = lambda step: {"ppl": perplexity(student, heldout, cfg.data.seq_len)}  # noqa: E731
-    result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn,
+    result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn, accelerator=acc,
                       eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after)
     if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
         student = student.merge_and_unload()

@@ -12,7 +12,6 @@ DeepSpeed: an `accelerate launch --config_file <deepspeed.yaml>` run goes throug
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +107,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     bar = tqdm(total=train.max_steps, initial=step, desc=desc, disable=not (train.progress and acc.is_main_process),
                dynamic_ncols=True)
     t0, last_loss, skipped, done_here = time.perf_counter(), float("nan"), 0, 0
+    stopped_on_time = False
     module.train()
     try:
         while step < train.max_steps:
@@ -163,15 +163,19 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                 checkpoint(step)
             if stop_after is not None and done_here >= stop_after:
                 break
+            if train.max_minutes and time.perf_counter() - t0 > 60 * train.max_minutes:
+                acc.print(f"{desc}: time budget of {train.max_minutes} min reached at step {step}")
+                stopped_on_time = True
+                break
     except KeyboardInterrupt:
         bar.close()
         checkpoint(step)
         raise UserError(f"interrupted at step {step}; checkpoint saved in {run_dir}/checkpoints - "
                         f"rerun the same command with --resume") from None
     bar.close()
-    if step >= train.max_steps or stop_after is not None:
+    if step >= train.max_steps or stop_after is not None or stopped_on_time:
         checkpoint(step)
-    if eval_fn is not None and step >= train.max_steps:
+    if eval_fn is not None and (step >= train.max_steps or stopped_on_time):
         log.write(step=step, **eval_fn(step))
     if acc.is_main_process:
         keys = tuple(k for k in ("loss", "kl", "ce", "aux") if any(k in r for r in log.read()))
@@ -179,6 +183,3 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     return LoopResult(step=step, tokens=tokens, seconds=time.perf_counter() - t0, last_loss=last_loss,
                       run_dir=run_dir)
 
-
-def isfinite(x: float) -> bool:
-    return math.isfinite(x)

@@ -135,7 +135,6 @@ def write_texts(path: Path, n: int = 24, seed: int = 0) -> Path:
 def smol_tokenizer():
     """The embedded SmolLM2 tokenizer (ChatML template): from the converter's dense cache when there,
     else from the GGUF (slower)."""
-    import os
     from transformers import AutoTokenizer
     from hybridize.convert.sources import cache_root, default_gguf_path
 

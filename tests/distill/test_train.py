@@ -134,3 +134,12 @@ def test_nan_loss_stops_with_one_line_error_and_checkpoint(tmp_path):
     with pytest.raises(UserError, match="loss is nan at step 0"):
         e2e(s, t, ToyTokenizer(), cfg)
     assert (tmp_path / "nan" / "checkpoints" / "step-000000" / "trainer_state.json").is_file()
+
+
+def test_align_layers_per_step_rotates(tmp_path):
+    teacher = tiny_llama(0)
+    student = toy_convert(teacher, layers=(0, 2), copy_weights=False)
+    cfg = _cfg(AlignConfig, tmp_path, "rot", steps=3, layers_per_step=1)
+    align(student, teacher, ToyTokenizer(), cfg)
+    rows = [json.loads(x) for x in (tmp_path / "rot" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(k for k in r if k.startswith("L")) for r in rows] == [["L0"], ["L2"], ["L0"]]

@@ -1,0 +1,83 @@
+"""CLI of the distillation stages: `hybridize distill align|e2e|sft|traces` and `hybridize demo`.
+
+Every stage takes an optional `--recipe` (a YAML file, or a name under `recipes/`, e.g.
+`smollm2-135m/align`) and then `key=value` overrides (dotted for sections: `train.lr=3e-4`,
+`data.seq_len=512`); `--resume` continues the run in `train.run_dir` from its newest complete checkpoint;
+`--show` prints every setting with its default and help. Multi-GPU / DeepSpeed: run the same command
+under `accelerate launch --config_file recipes/accelerate/<file>.yaml -m hybridize.cli distill ...`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .config import AlignConfig, DemoConfig, E2EConfig, SFTStageConfig, TracesConfig, describe, load_config
+
+RECIPE = typer.Option(None, "--recipe", "-r", help="YAML recipe: a path or a name under recipes/ "
+                                                   "(e.g. smollm2-135m/align)")
+RESUME = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in train.run_dir")
+SHOW = typer.Option(False, "--show", help="print every setting (key, default, help) and exit")
+OVERRIDES = typer.Argument(None, help="key=value overrides, applied after the recipe (e.g. train.lr=3e-4)",
+                           show_default=False)
+
+
+def _show(cls) -> None:
+    for key, default, help_ in describe(cls):
+        typer.echo(f"{key:28s} {default!r:24s} {help_}")
+
+
+def register(app: typer.Typer) -> None:
+    distill = typer.Typer(help="Distil a converted model from its teacher: align (A), e2e (B), sft (C), traces.",
+                          no_args_is_help=True)
+
+    @distill.command("align")
+    def align_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
+                  resume: bool = RESUME, show: bool = SHOW):
+        """Stage A, attention transfer: each converted layer matches its teacher attention's output."""
+        if show:
+            return _show(AlignConfig)
+        from .align import run_align
+        r = run_align(load_config(AlignConfig, recipe, overrides), resume=resume)
+        typer.echo(f"align: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
+
+    @distill.command("e2e")
+    def e2e_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
+                resume: bool = RESUME, show: bool = SHOW):
+        """Stage B: KL to the teacher's logits + CE on packed long sequences (context schedule, LoRA or full)."""
+        if show:
+            return _show(E2EConfig)
+        from .e2e import run_e2e
+        r = run_e2e(load_config(E2EConfig, recipe, overrides), resume=resume)
+        typer.echo(f"e2e: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
+
+    @distill.command("sft")
+    def sft_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
+                resume: bool = RESUME, show: bool = SHOW):
+        """Stage C: SFT on reasoning traces (a dataset or `distill traces` output) with TRL's SFTTrainer."""
+        if show:
+            return _show(SFTStageConfig)
+        from .sft import run_sft
+        r = run_sft(load_config(SFTStageConfig, recipe, overrides), resume=resume)
+        typer.echo(f"sft: {r.global_step} steps, train loss {r.training_loss:.4g}")
+
+    @distill.command("traces")
+    def traces_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
+                   show: bool = SHOW):
+        """The teacher writes completions for prompts (JSONL; rerun to continue an interrupted file)."""
+        if show:
+            return _show(TracesConfig)
+        from .traces import run_traces
+        path = run_traces(load_config(TracesConfig, recipe, overrides))
+        typer.echo(f"traces: {path}")
+
+    app.add_typer(distill, name="distill")
+
+    @app.command("demo")
+    def demo_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE, show: bool = SHOW):
+        """Main job: convert the embedded SmolLM2-135M (5:1 SSE-H), stage A + short stage B on CPU, and print
+        teacher vs student perplexity before/after (writes runs/demo/)."""
+        if show:
+            return _show(DemoConfig)
+        from .demo import run_demo
+        run_demo(load_config(DemoConfig, recipe, overrides))

@@ -1,0 +1,100 @@
+"""`hybridize distill traces`: the teacher writes completions ("reasoning traces") for prompts, as JSONL
+that stage C reads (`prompt_field=problem completion_field=completion`).
+
+Each output line keeps the prompt row's columns and adds `completion`, `sample` (0..k-1), `prompt_index`
+and `teacher`. Lines are appended and flushed per batch; rerunning the same command skips
+(prompt_index, sample) pairs already in the file, so an interrupted run loses at most one batch.
+Generation: chat template when the tokenizer has one, left padding, greedy at temperature 0, else
+sampling with `temperature`/`top_p` from a seeded generator.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hybridize.errors import UserError
+
+from .config import TracesConfig, save_config
+from .data import load_rows, read_jsonl, shared_data
+from .models import load_teacher
+
+
+def default_prompts() -> str:
+    p = shared_data("gsm8k/train.jsonl")
+    if p is None:
+        raise UserError("no prompts given: set prompts=<jsonl/parquet file or hub dataset> "
+                        "(../shared/data/gsm8k is not present here)")
+    return str(p)
+
+
+def render_prompt(tokenizer, text: str, system: str = "") -> str:
+    if getattr(tokenizer, "chat_template", None):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return (system + "\n" if system else "") + text + "\n"
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0) -> list[str]:
+    """Completions of already-rendered prompts (left-padded batch)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    kw.update(dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False))
+    out = model.generate(**enc, **kw)
+    return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") -> Path:
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out.with_suffix(".config.yaml"))
+    ds = load_rows(cfg.prompts or default_prompts(), cfg.split, cfg.num_prompts)
+    if cfg.prompt_field not in ds.column_names:
+        raise UserError(f"prompts have no column {cfg.prompt_field!r}; columns: {ds.column_names}")
+    done = {(r.get("prompt_index"), r.get("sample")) for r in read_jsonl(out)}
+    todo = [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
+    if not todo:
+        print(f"traces: all {len(ds) * cfg.samples_per_prompt} completions already in {out}")
+        return out
+    torch.manual_seed(cfg.seed)
+    t0, n_tok = time.perf_counter(), 0
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(todo), desc="traces", dynamic_ncols=True)
+    for b in range(0, len(todo), cfg.batch_size):
+        chunk = todo[b:b + cfg.batch_size]
+        rows = [ds[i] for i, _ in chunk]
+        bad = [i for (i, _), r in zip(chunk, rows) if not isinstance(r.get(cfg.prompt_field), str)]
+        if bad:
+            print(f"warning: prompt rows {bad} have no string {cfg.prompt_field!r}; skipped")
+        keep = [(c, r) for c, r in zip(chunk, rows) if isinstance(r.get(cfg.prompt_field), str)]
+        if not keep:
+            continue
+        prompts = [render_prompt(tokenizer, r[cfg.prompt_field], cfg.system_prompt) for _, r in keep]
+        texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        with out.open("a") as f:
+            for ((i, k), r), t in zip(keep, texts):
+                rec = {**{c: v for c, v in r.items() if isinstance(v, (str, int, float, bool, type(None)))},
+                       "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name}
+                f.write(json.dumps(rec) + "\n")
+                n_tok += len(tokenizer(t, add_special_tokens=False)["input_ids"])
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
+    bar.close()
+    print(f"traces: wrote {len(todo)} completions ({n_tok} tokens, {time.perf_counter() - t0:.0f} s) to {out}")
+    return out
+
+
+def run_traces(cfg: TracesConfig) -> Path:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tok = load_teacher(cfg.teacher, cfg.dtype)
+    if tok is None:
+        raise UserError(f"teacher {cfg.teacher!r} came without a tokenizer")
+    return write_traces(model, tok, cfg, cfg.teacher)
