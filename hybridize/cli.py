@@ -23,6 +23,7 @@ AREAS = (
     "hybridize.convert.cli",
     "hybridize.eval.cli",
     "hybridize.distill.cli",
+    "hybridize.rl.cli",
 )
 
 for _module in AREAS:

@@ -174,9 +174,9 @@ class DemoConfig:
                                                    "CPU chunk size for SSE at head_dim 64; numerically the same)")
     eval_tokens: int = _f(1024, "held-out tokens for perplexity")
     eval_seq_len: int = _f(512, "perplexity window")
-    align_steps: int = _f(24, "stage A optimizer steps")
+    align_steps: int = _f(200, "stage A optimizer steps")
     align_lr: float = _f(2e-3, "stage A learning rate")
-    e2e_steps: int = _f(8, "stage B optimizer steps")
+    e2e_steps: int = _f(60, "stage B optimizer steps")
     e2e_lr: float = _f(3e-4, "stage B learning rate")
     e2e_params: str = _f("mixer", "what trains in stage B (see distill e2e params)")
     seq_len: int = _f(128, "training row length")
@@ -186,8 +186,9 @@ class DemoConfig:
     seed: int = _f(0, "seed")
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     mixed_precision: str = _f("no", "training autocast: no | bf16")
-    align_minutes: float = _f(0.0, "wall-clock budget of stage A in minutes (0 = none)")
-    e2e_minutes: float = _f(0.0, "wall-clock budget of stage B in minutes (0 = none)")
+    align_minutes: float = _f(7.0, "wall-clock budget of stage A in minutes (0 = none); keeps the demo "
+                                   "under 15 minutes on a slow CPU")
+    e2e_minutes: float = _f(3.0, "wall-clock budget of stage B in minutes (0 = none)")
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Settings of `hybridize grpo`: dataclasses with `help` metadata, filled from a YAML recipe and then from
+`key=value` overrides (dotted keys reach sections: `grpo.num_generations=8`, `lora.enabled=true`).
+
+Resolution order and loading are the distillation stages' (`hybridize.distill.config`): dataclass defaults
+< recipe < overrides, unknown keys rejected with the list of known ones. The `grpo` section holds the
+TRL `GRPOConfig` fields we choose defaults for; `grpo.extra` passes any other GRPOConfig field through.
+Defaults follow the SSE paper's RL setting where it states one (8 samples per prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridize.distill.config import _f, describe, load_config, save_config, to_dict  # noqa: F401 (re-exported)
+from hybridize.eval.math import BOXED_INSTRUCTION
+
+
+@dataclass
+class DataArgs:
+    """Math prompts: where they come from and how they are turned into chat prompts."""
+
+    train: list = _f(["gsm8k"], "prompt sets: gsm8k | math | aime (the ../shared/data copies), a JSONL file "
+                                "with problem/answer, or a hub dataset owner/name[@config][:split]")
+    limit: int = _f(0, "use at most this many prompts after shuffling and length filtering (0 = all)")
+    shuffle_seed: int = _f(0, "seed of the prompt order")
+    max_prompt_tokens: int = _f(512, "drop prompts longer than this many tokens (chat template included)")
+    instruction: str = _f(BOXED_INSTRUCTION, "appended to every problem (on its own line)")
+    system: str = _f("", "system message (empty = none)")
+    chat: str = _f("auto", "use the tokenizer's chat template: auto (when it has one) | on | off")
+    eval: str = _f("", "held-out prompts (same forms as train) scored before and after training (empty = none)")
+    eval_limit: int = _f(64, "held-out prompts scored")
+    eval_max_new_tokens: int = _f(0, "generation budget of the held-out scoring (0 = grpo.max_completion_length)")
+
+
+@dataclass
+class RewardArgs:
+    """Reward = correct * [math-verify says the boxed answer equals the reference] + format * [a boxed answer]."""
+
+    correct: float = _f(1.0, "weight of the verified-correctness reward")
+    format: float = _f(0.1, "weight of the format reward (a closed, non-empty \\boxed{} answer)")
+
+
+@dataclass
+class LoraArgs:
+    enabled: bool = _f(False, "train LoRA adapters (peft) instead of all weights")
+    r: int = _f(16, "LoRA rank")
+    alpha: int = _f(32, "LoRA alpha")
+    dropout: float = _f(0.0, "LoRA dropout")
+    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                              "module names LoRA wraps (mixers keep the attention's q/k/v/o names)")
+    modules_to_save: list = _f([], "modules trained in full next to the adapters (e.g. a mixer's new gates)")
+
+
+@dataclass
+class GRPOArgs:
+    """TRL GRPOConfig fields (same names); `extra` holds any other GRPOConfig field."""
+
+    num_generations: int = _f(8, "completions per prompt (the group; SSE paper: 8)")
+    max_completion_length: int = _f(512, "generation budget per completion, tokens")
+    per_device_train_batch_size: int = _f(8, "completions per device per micro-batch (a multiple of the group "
+                                             "across devices and accumulation)")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    steps_per_generation: int = _f(0, "optimizer steps per generation batch (0 = TRL default)")
+    num_iterations: int = _f(1, "PPO-style epochs per generation batch (mu)")
+    learning_rate: float = _f(1e-6, "peak learning rate")
+    lr_scheduler_type: str = _f("constant", "transformers scheduler name")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm")
+    max_steps: int = _f(100, "optimizer steps")
+    beta: float = _f(0.0, "KL coefficient to the reference model (0 = no reference model)")
+    epsilon: float = _f(0.2, "PPO clip range")
+    loss_type: str = _f("", "TRL loss type (empty = TRL default)")
+    scale_rewards: str = _f("group", "advantage scaling: group | batch | none")
+    temperature: float = _f(1.0, "rollout sampling temperature")
+    top_p: float = _f(1.0, "rollout nucleus p")
+    top_k: int = _f(0, "rollout top-k (0 = off)")
+    gradient_checkpointing: bool = _f(True, "recompute activations in the backward (TRL default)")
+    extra: dict = _f({}, "any other GRPOConfig field, e.g. {chat_template_kwargs: {enable_thinking: false}}")
+
+
+@dataclass
+class GRPORunConfig:
+    """`hybridize grpo`: GRPO on math prompts with verified rewards, through TRL's GRPOTrainer."""
+
+    model: str = _f("", "model folder (a hybrid from `hybridize convert` / distill), 'default', or a hub id")
+    output_dir: str = _f("runs/grpo", "run folder: checkpoint-N/, metrics.jsonl, reward.png, config.yaml, final/")
+    seed: int = _f(0, "seed (TRL makes it device-specific)")
+    dtype: str = _f("auto", "training dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16")
+    device: str = _f("auto", "auto | cpu | cuda")
+    fast_generation: bool = _f(True, "rollouts through hybridize.rl.fast_generate (static buffers, CUDA graphs); "
+                                     "falls back to model.generate for settings it does not support")
+    cuda_graphs: str = _f("auto", "CUDA graphs in the fast path: auto | on | off")
+    save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)")
+    save_total_limit: int = _f(2, "checkpoints kept")
+    logging_steps: int = _f(1, "metrics line every N optimizer steps")
+    threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    progress: bool = _f(True, "progress bar")
+    data: DataArgs = field(default_factory=DataArgs)
+    rewards: RewardArgs = field(default_factory=RewardArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    grpo: GRPOArgs = field(default_factory=GRPOArgs)
+
+
+def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | None = None) -> GRPORunConfig:
+    """Defaults < recipe (a path or a name under recipes/, e.g. `smollm2-135m/grpo`) < overrides."""
+    return load_config(GRPORunConfig, recipe, overrides)

@@ -1,0 +1,151 @@
+"""Math prompts for GRPO: problem/answer records from local JSONL or the hub, turned into chat prompts.
+
+Sources (`load_problems(spec)`):
+- a short name: `gsm8k` (GSM8K train), `math` (MATH train, 7.5k), `aime` (AIME 1983-2023), read from the
+  shared data folder (`$HYBRIDIZE_DATA_DIR`, else `../shared/data` next to the repository) when present,
+  else (GSM8K only) from the hub `openai/gsm8k`; `gsm8k-test` / `math500` / `aime24` ... (held-out sets, the
+  evaluation's names) for scoring;
+- a JSONL file with `problem` (or `question`) and `answer` fields (extra fields are kept as columns);
+- a hub dataset `owner/name[@config][:split]` with the same fields (GSM8K's `#### N` answers are cut to N).
+
+Records are normalised by the evaluation's reader (`hybridize.eval.math`), so training and evaluation
+agree on what the answer is. The prompt is the evaluation's: the problem, a new line, the boxed-answer
+instruction, inside the chat template when the tokenizer has one (TRL applies the template itself to a
+conversational `prompt` column; plain text is used without one).
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from hybridize.errors import UserError
+
+#: short name -> (path under the shared data folder, hub id, hub config, hub split)
+TRAIN_SETS = {
+    "gsm8k": ("gsm8k/train.jsonl", "openai/gsm8k", "main", "train"),
+    "math": ("math_train/math_train.jsonl", None, None, "train"),
+    "aime": ("aime_1983_2023/aime_1983_2023.jsonl", None, None, "train"),
+    "gsm8k-test": ("gsm8k/test.jsonl", "openai/gsm8k", "main", "test"),
+}
+_ALIASES = {"gsm8k-train": "gsm8k", "math-train": "math", "math_train": "math", "aime_1983_2023": "aime"}
+
+
+def _from_jsonl(path: Path) -> list[dict]:
+    from hybridize.eval.common import read_jsonl
+    from hybridize.eval.math import _normalise_record
+
+    rows = read_jsonl(path)
+    recs = [{**r, **_normalise_record(r, i)} for i, r in enumerate(rows)]
+    bad = [i for i, r in enumerate(recs) if not r["problem"]]
+    if bad:
+        raise UserError(f"{path}: records {bad[:5]} have no 'problem' (or 'question') field")
+    return [r for r in recs if r["answer"] not in (None, "")]
+
+
+def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
+    from hybridize.eval.math import _normalise_record
+
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # offline, unknown name, ...
+        raise UserError(f"cannot load hub dataset {name} ({type(e).__name__}); give a local JSONL with "
+                        "problem/answer fields or set HYBRIDIZE_DATA_DIR") from e
+    recs = [{**dict(r), **_normalise_record(dict(r), i)} for i, r in enumerate(ds)]
+    return [r for r in recs if r["problem"] and r["answer"] not in (None, "")]
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """`owner/name[@config][:split]` -> (name, config, split); split defaults to train."""
+    name, _, split = spec.partition(":")
+    name, _, config = name.partition("@")
+    return name, config or None, split or "train"
+
+
+def load_problems(spec: str) -> list[dict]:
+    """Records with at least `problem`, `answer`, `id` (see the module docstring for `spec`)."""
+    from hybridize.eval.common import data_file
+    from hybridize.eval.math import DATASETS, load_math_dataset
+
+    key = _ALIASES.get(spec.lower(), spec.lower())
+    if Path(spec).is_file():
+        return _from_jsonl(Path(spec))
+    if key in TRAIN_SETS:
+        rel, hub, config, split = TRAIN_SETS[key]
+        local = data_file(rel)
+        if local is not None:
+            return _from_jsonl(local)
+        if hub is None:
+            raise UserError(f"{spec}: no local copy ({rel} under HYBRIDIZE_DATA_DIR or ../shared/data); "
+                            "give a JSONL file with problem/answer or a hub owner/name[@config][:split]")
+        return _from_hub(hub, config, split)
+    if key in DATASETS:  # held-out evaluation sets by the evaluation's names
+        return load_math_dataset(key)
+    if "/" in spec and not spec.endswith((".jsonl", ".json")):
+        return _from_hub(*parse_hub_spec(spec))
+    raise UserError(f"unknown prompt set {spec!r}: give one of {', '.join(TRAIN_SETS)}, "
+                    f"{', '.join(DATASETS)}, a JSONL file with problem/answer, or a hub owner/name[@config][:split]")
+
+
+def use_chat(tokenizer, chat: str) -> bool:
+    from hybridize.eval.common import has_chat_template
+
+    if chat not in ("auto", "on", "off"):
+        raise UserError(f"data.chat must be auto, on or off, got {chat!r}")
+    has = has_chat_template(tokenizer)
+    if chat == "on" and not has:
+        raise UserError("data.chat=on but the tokenizer has no chat template; use data.chat=off")
+    return has if chat == "auto" else chat == "on"
+
+
+def make_prompt(problem: str, instruction: str, system: str, chat: bool):
+    """The `prompt` column: a message list (TRL applies the chat template) or plain text."""
+    user = f"{problem}\n{instruction}" if instruction else problem
+    if not chat:
+        return (f"{system}\n\n" if system else "") + user
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def prompt_length(tokenizer, prompt, chat: bool, template_kwargs: dict | None = None) -> int:
+    if chat:
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                            **(template_kwargs or {}))
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return len(ids)
+    return len(tokenizer(prompt)["input_ids"])
+
+
+def build_records(specs: list[str] | str, tokenizer, *, instruction: str, system: str = "", chat: str = "auto",
+                  max_prompt_tokens: int = 0, limit: int = 0, seed: int = 0,
+                  template_kwargs: dict | None = None) -> list[dict]:
+    """Shuffled prompt records `{"prompt", "answer", "problem", "id", "source"}`, long prompts dropped.
+
+    Stops tokenizing once `limit` prompts are accepted (GSM8K has 7.5k problems; a run may need 100)."""
+    specs = [specs] if isinstance(specs, str) else list(specs)
+    if not specs:
+        raise UserError("data.train is empty: name at least one prompt set (e.g. gsm8k)")
+    recs = []
+    for spec in specs:
+        recs += [{**r, "source": spec} for r in load_problems(spec)]
+    random.Random(seed).shuffle(recs)
+    is_chat = use_chat(tokenizer, chat)
+    out = []
+    for r in recs:
+        prompt = make_prompt(r["problem"], instruction, system, is_chat)
+        if max_prompt_tokens and prompt_length(tokenizer, prompt, is_chat, template_kwargs) > max_prompt_tokens:
+            continue
+        out.append({"prompt": prompt, "answer": str(r["answer"]), "problem": r["problem"], "id": str(r["id"]),
+                    "source": r["source"]})
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise UserError(f"no prompts left from {specs} (max_prompt_tokens={max_prompt_tokens} too small?)")
+    return out
+
+
+def to_dataset(records: list[dict]):
+    """A `datasets.Dataset` with the columns TRL needs (`prompt`) and the reward functions read (`answer`)."""
+    import datasets
+
+    return datasets.Dataset.from_list(records)

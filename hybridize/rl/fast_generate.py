@@ -1,0 +1,601 @@
+"""Fast rollouts: a static-buffer decode loop for hybrid (and plain) decoders, with CUDA graphs on GPU.
+
+Why: GRPO spends most of its time generating, and `model.generate` is host-bound for small batches
+(DESIGN.md sec. 7: 75-125 ms per decode step on an H100 whatever the model size). vLLM does not know our
+mixers, so this module is a gpt-fast-style loop for the model classes we have:
+
+- prefill once with the model's own forward (the same call HF generate makes: HybridCache, 2-D mask,
+  position ids from the mask, `logits_to_keep=1`);
+- copy the prefill cache into static buffers: `[B, Hkv, L_buf, D]` keys/values per softmax layer
+  (`L_buf` = prompt + new tokens rounded up to `bucket`), the fixed-size `MixerState` per mixer layer;
+- decode one token per step by calling the decoder layers directly on those buffers (softmax layers
+  see a `StaticKV` cache written with `index_copy_` at a device-side position; mixer slots run their
+  recurrent step and write their state back in place), sample on the device, write the token into a
+  static output buffer - no host synchronisation except one finished-check every `check_every` steps;
+- on CUDA, capture one decode step as a CUDA graph and replay it (one graph per batch size / buffer
+  length / parameter storage, kept for reuse across calls - the rollouts of a GRPO run share shapes).
+
+Same tokens as HF generate: sampling uses HF's own logits processors (temperature, top-k, top-p,
+min-p; anything else falls back to `model.generate`) and draws with `argmax(p / Exp(1))`, which is
+exactly what `torch.multinomial(p, 1)` computes internally (same generator calls) minus its host-side
+validity check. Finished rows emit the pad token as in HF; the output is cut where HF stops (all rows
+finished or the budget reached). Without CUDA graphs the attention reads keys `[:L]` (the exact length,
+a host-side count, no sync), so prefill and decode run the same operations on the same values as the
+HF cached path: tokens and logits are identical (tested on CPU, greedy and seeded sampling). With
+CUDA graphs the attention reads the whole buffer with future slots masked, which can change logits in
+the last bits (different reduction lengths); tokens still agree except at near-ties (measured on an
+H100, bf16, random weights, greedy: 8/8 rows identical to HF generate at every tested shape; the graph
+replays give exactly the tokens of the same masked layout run eagerly, sampling included). One difference
+that does not change the returned tokens: the loop may run up to `check_every - 1` steps past the
+point where every row finished, so the global RNG ends in a different state than after HF generate.
+
+Not supported (falls back to `model.generate`, with the reason in `last_fallback_reason`): beams,
+several return sequences, repetition penalties and other input-dependent processors, streamers,
+`return_dict_in_generate`, attention implementations other than sdpa/eager, models whose decoder
+layers do not follow the Llama layout.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FastGenConfig:
+    cuda_graphs: str = field(default="auto", metadata={"help": "auto (on for CUDA) | on | off"})
+    bucket: int = field(default=256, metadata={"help": "round the KV buffer length up to a multiple of this "
+                                                       "(graphs are reused across prompt lengths)"})
+    check_every: int = field(default=32, metadata={"help": "decode steps between finished-checks (host syncs)"})
+    max_sessions: int = field(default=2, metadata={"help": "captured graphs (and their buffers) kept for reuse"})
+    exact_lengths: bool = field(default=True, metadata={
+        "help": "eager decode reads keys [:length] (bitwise HF); False reads the whole buffer with a mask, "
+                "as a CUDA graph does (to test that path on CPU)"})
+    record_logits: bool = field(default=False, metadata={
+        "help": "keep every step's fp32 logits [B, V] in `FastGenerator.last_logits` (eager decode only; tests)"})
+    fallback: bool = field(default=True, metadata={"help": "use model.generate when a setting is unsupported "
+                                                           "(else raise)"})
+
+
+_ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+_ATTN_IMPLS = ("sdpa", "eager")
+# generate() arguments that change nothing in the sampled tokens
+_IGNORED_KWARGS = {"use_cache", "logits_to_keep", "synced_gpus"}
+
+
+# ---------------------------------------------------------------------------------------------
+# model anatomy
+# ---------------------------------------------------------------------------------------------
+def _text_config(model):
+    cfg = model.config
+    return getattr(cfg, "source_config", None) or cfg
+
+
+def _unsupported_model(model) -> str | None:
+    base = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if base is None or not hasattr(base, name):
+            return f"the model has no model.{name} (not a Llama-layout decoder)"
+    if getattr(model, "lm_head", None) is None:
+        return "the model has no lm_head"
+    impl = getattr(_text_config(model), "_attn_implementation", None) or "eager"
+    if impl not in _ATTN_IMPLS:
+        return f"attention implementation {impl!r} (fast path supports {', '.join(_ATTN_IMPLS)})"
+    return None
+
+
+def _is_mixer_layer(layer) -> bool:
+    from hybridize.modeling import AttentionSlot
+
+    return isinstance(layer.self_attn, AttentionSlot)
+
+
+# ---------------------------------------------------------------------------------------------
+# static cache
+# ---------------------------------------------------------------------------------------------
+class StaticKV:
+    """Keys/values of one softmax layer in a preallocated `[B, Hkv, L_buf, D]` buffer.
+
+    `update` writes the new token at the device-side slot `pos` `[1]` and returns the keys the
+    attention reads: `[:, :, :length]` when `length` (a host int) is set, else the whole buffer."""
+
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
+        self.keys, self.values, self.pos = keys, values, pos
+        self.length: int | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        self.keys.index_copy_(2, self.pos, k.to(self.keys.dtype))
+        self.values.index_copy_(2, self.pos, v.to(self.values.dtype))
+        if self.length is None:
+            return self.keys, self.values
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+
+def _mixer_layer_class():
+    from hybridize.modeling import MixerCacheLayer
+
+    class StaticMixerLayer(MixerCacheLayer):
+        """A mixer's decode state; with `static` set the new state is copied into the held tensors
+        (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF)."""
+
+        def __init__(self, state):
+            super().__init__()
+            self.state, self.static = state, False
+            self.is_initialized = True
+
+        def update_state(self, state, num_new_tokens: int) -> None:
+            if state is None:
+                raise RuntimeError("the mixer returned no state in a decode step")
+            if not self.static:
+                self.state = state
+                return
+            dst, src = self.state.tensors(), state.tensors()
+            if len(dst) != len(src) or any(d.shape != s.shape for d, s in zip(dst, src)):
+                raise RuntimeError("a mixer's decode state changed layout between steps")
+            for d, s in zip(dst, src):
+                if d.data_ptr() != s.data_ptr():
+                    d.copy_(s)
+
+    return StaticMixerLayer
+
+
+class StaticCache:
+    """Duck-typed cache handed to the decoder layers: `update` for softmax layers (HF attention API),
+    `layers[i]` a MixerCacheLayer for mixer slots (what `AttentionSlot` reads)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def set_length(self, length: int | None) -> None:
+        for layer in self.layers:
+            if isinstance(layer, StaticKV):
+                layer.length = length
+
+    def set_static(self, static: bool) -> None:
+        """Static: mixer layers copy each new state into the tensors they hold (fresh, contiguous
+        copies of the current state, so kernels see the same alignment in warm-up and capture)."""
+        for layer in self.layers:
+            if not isinstance(layer, StaticKV):
+                if static and not layer.static:
+                    layer.state = layer.state.map(lambda t: t.clone())
+                layer.static = static
+
+
+# ---------------------------------------------------------------------------------------------
+# one decode session: static buffers (+ a CUDA graph)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Sampling:
+    do_sample: bool
+    processors: list
+    eos: torch.Tensor | None   # [E] long
+    pad: int
+
+
+class _Session:
+    """Buffers for one (batch, buffer length) shape. `load` fills them from a prefill, `step` decodes one
+    token (eager), `capture` records `step` as a CUDA graph, `run` replays it."""
+
+    def __init__(self, model, cache, batch: int, length: int, device, mask_dtype, sliding: list[int | None]):
+        self.model, self.cache, self.B, self.L = model, cache, batch, length
+        self.device = device
+        z = dict(device=device, dtype=torch.long)
+        self.tok = torch.zeros(batch, 1, **z)          # last sampled token
+        self.pos = torch.zeros(batch, 1, **z)          # its position id
+        self.slot = torch.zeros(1, **z)                # buffer index the next token is written to
+        self.step_idx = torch.zeros(1, **z)            # output column of the next sampled token
+        self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)   # prompt mask + ones
+        self.unfinished = torch.ones(batch, **z)
+        self.arange = torch.arange(length, device=device)
+        self.out = torch.zeros(batch, length, **z)     # sampled tokens (column j = j-th new token)
+        self.mask_dtype = mask_dtype                   # None: bool mask (sdpa); else additive (eager)
+        self.sliding = sliding                         # per layer: window or None
+        self.graph = None
+        self.exact_length: int | None = None           # host-side length in eager mode
+        self.use_mask = True
+        self.sampling: _Sampling | None = None
+        self.recorded: list | None = None              # per-step logits when recording
+
+    # -- masks --------------------------------------------------------------------------------
+    def _mask(self, window: int | None):
+        if self.exact_length is not None and not self.use_mask and window is None:
+            return None
+        allowed = self.valid & (self.arange <= self.slot)
+        if window is not None:
+            allowed = allowed & (self.arange > self.slot - window)
+        if self.exact_length is not None:
+            allowed = allowed[:, :self.exact_length]
+        allowed = allowed[:, None, None, :]
+        if self.mask_dtype is None:
+            return allowed
+        zero = torch.zeros((), dtype=self.mask_dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)
+
+    # -- the decode step ----------------------------------------------------------------------
+    def step(self) -> None:
+        m = self.model
+        base = m.model
+        h = base.embed_tokens(self.tok)
+        pe = base.rotary_emb(h, self.pos)
+        masks: dict = {}
+        for i, layer in enumerate(base.layers):
+            w = self.sliding[i]
+            if w not in masks:
+                masks[w] = self._mask(w)
+            h = layer(h, attention_mask=masks[w], position_embeddings=pe, position_ids=self.pos,
+                      past_key_values=self.cache, use_cache=True)
+        h = base.norm(h)
+        logits = m.lm_head(h[:, -1:, :])[:, -1].to(dtype=torch.float32)
+        nxt = self.select(logits)
+        self.out.index_copy_(1, self.step_idx, nxt[:, None])
+        self.tok.copy_(nxt[:, None])
+        self.pos.add_(1)
+        self.slot.add_(1)
+        self.step_idx.add_(1)
+
+    def select(self, logits: torch.Tensor) -> torch.Tensor:
+        """HF's token choice: processors, then multinomial (as argmax(p / Exp(1))) or argmax; pad
+        for finished rows; EOS marks rows finished. `logits` `[B, V]` fp32 -> tokens `[B]`."""
+        s = self.sampling
+        if self.recorded is not None:
+            self.recorded.append(logits.clone())
+        scores = logits
+        for proc in s.processors:
+            scores = proc(self.tok, scores)
+        if s.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            nxt = torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+        else:
+            nxt = torch.argmax(scores, dim=-1)
+        if s.eos is not None:
+            nxt = nxt * self.unfinished + s.pad * (1 - self.unfinished)
+            # not torch.isin: for larger id lists it sorts with data-dependent sizes (a host sync)
+            self.unfinished.mul_((nxt[:, None] != s.eos[None, :]).all(dim=1).long())
+        return nxt
+
+    # -- CUDA graph -----------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Record one `step`. The step before must have run eagerly in static mode on the same tensors,
+        so nothing is compiled or autotuned (a host sync) while capturing."""
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            self.step()
+        self.graph = g
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+
+class FastGenerator:
+    """`FastGenerator(model)(input_ids, attention_mask, generation_config=..., **kw)` -> `[B, T + n]`
+    token ids like `model.generate`, through the static decode loop when the settings allow it.
+
+    `input_ids` `[B, T]` left-padded, `attention_mask` `[B, T]` (1 = real token). Holds CUDA graphs
+    (and their buffers) between calls; `reset()` drops them. `stats` has the last call's timings."""
+
+    def __init__(self, model: nn.Module, config: FastGenConfig | None = None):
+        self.model = model
+        self.config = config or FastGenConfig()
+        self._sessions: dict = {}
+        self.last_fallback_reason: str | None = None
+        self.last_logits: list | None = None
+        self.stats: dict = {}
+
+    def reset(self) -> None:
+        self._sessions.clear()
+
+    # -- settings -------------------------------------------------------------------------------
+    def _resolve(self, input_ids, generation_config, kwargs):
+        """(generation config, sampling, max_new) or a string saying why the fast path cannot run."""
+        m = self.model
+        kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+        if "streamer" in kwargs or "logits_processor" in kwargs or "stopping_criteria" in kwargs:
+            return "streamer / custom logits processors / stopping criteria"
+        extra = set(kwargs) - {f for f in dir(generation_config or m.generation_config) if not f.startswith("_")}
+        if extra:
+            return f"model kwargs {sorted(extra)}"
+        try:
+            gc, model_kwargs = m._prepare_generation_config(generation_config, **kwargs)
+        except Exception as e:  # API drift across transformers versions
+            return f"cannot resolve the generation config ({type(e).__name__}: {e})"
+        if model_kwargs:
+            return f"model kwargs {sorted(model_kwargs)}"
+        if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
+            return "beam search / several return sequences"
+        if gc.return_dict_in_generate or gc.output_scores or gc.output_logits:
+            return "return_dict_in_generate / output_scores"
+        if getattr(gc, "assistant_model", None) is not None or gc.prompt_lookup_num_tokens:
+            return "assisted decoding"
+        if gc.cache_implementation not in (None, "dynamic"):
+            return f"cache_implementation={gc.cache_implementation!r}"
+        T = input_ids.shape[1]
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - T
+        if max_new < 1:
+            return f"nothing to generate (max_new_tokens={max_new})"
+        try:
+            procs = m._get_logits_processor(generation_config=gc, input_ids_seq_length=T,
+                                            device=str(input_ids.device))
+        except Exception as e:
+            return f"cannot build HF's logits processors ({type(e).__name__}: {e})"
+        bad = [type(p).__name__ for p in procs if type(p).__name__ not in _ALLOWED_PROCESSORS]
+        if bad:
+            return f"logits processors {bad} (supported: {', '.join(_ALLOWED_PROCESSORS)})"
+        eos = gc.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+        eos_t = torch.tensor(eos, device=input_ids.device, dtype=torch.long) if eos else None
+        return gc, _Sampling(bool(gc.do_sample), list(procs), eos_t, int(pad)), int(max_new)
+
+    def _use_graphs(self, device) -> bool:
+        mode = self.config.cuda_graphs
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {mode!r}")
+        return device.type == "cuda" and mode != "off"
+
+    # -- entry point ----------------------------------------------------------------------------
+    def __call__(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        m = self.model
+        reason = _unsupported_model(m) if input_ids is not None else "no input_ids (inputs_embeds?)"
+        resolved = None
+        if reason is None:
+            resolved = self._resolve(input_ids, generation_config, kwargs)
+            if isinstance(resolved, str):
+                reason, resolved = resolved, None
+        self.last_fallback_reason = reason
+        if reason is not None:
+            if not self.config.fallback:
+                raise ValueError(f"fast generation cannot run: {reason}; set fallback=True to use model.generate")
+            log.info("fast generation falls back to model.generate: %s", reason)
+            return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
+                                    generation_config=generation_config, **kwargs)
+        self._gc, sampling, max_new = resolved
+        with torch.no_grad(), _no_checkpointing(m):
+            return self._generate(input_ids, attention_mask, sampling, max_new)
+
+    # -- prefill + decode -------------------------------------------------------------------------
+    def _prefill(self, input_ids, attention_mask):
+        """The model's own forward on the prompt, as HF generate calls it. Returns (logits `[B, V]`
+        fp32, cache, position ids `[B, T]`, mask or None)."""
+        m = self.model
+        from hybridize.modeling import HybridCache, HybridConfig
+
+        am = attention_mask
+        if am is not None:
+            pos = am.long().cumsum(-1) - 1
+            pos = pos.masked_fill(am == 0, 0)
+            if bool((am == 1).all()):
+                am = None
+        else:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        cache = HybridCache(m.config) if isinstance(m.config, HybridConfig) else None
+        if cache is None:
+            from transformers import DynamicCache
+            cache = DynamicCache(config=m.config)
+        out = m(input_ids=input_ids, attention_mask=am, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values, pos, am
+
+    def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling):
+        """A session whose buffers hold the prefill `cache`. With graphs, sessions are kept and reused
+        when the shapes, the sampling settings (baked into the graph) and the parameters' storage match."""
+        m = self.model
+        tc = _text_config(m)
+        key = None
+        if use_graphs:
+            key = (B, L, dtype, device, _sampling_key(sampling), tuple(p.data_ptr() for p in m.parameters()))
+            if key in self._sessions:
+                sess = self._sessions.pop(key)
+                self._sessions[key] = sess   # most recently used last
+                self._load(sess, cache, T)
+                return sess
+        types = list(getattr(tc, "layer_types", None) or [])
+        window = getattr(tc, "sliding_window", None)
+        sliding = [window if (i < len(types) and types[i] == "sliding_attention" and window) else None
+                   for i in range(len(m.model.layers))]
+        StaticMixerLayer = _mixer_layer_class()
+        pos_slot = torch.zeros(1, device=device, dtype=torch.long)
+        layers = []
+        for i, layer in enumerate(m.model.layers):
+            src = cache.layers[i]
+            if _is_mixer_layer(layer):
+                layers.append(StaticMixerLayer(src.state.map(lambda t: t.clone())))
+            else:
+                k, v = src.keys, src.values
+                keys = k.new_zeros(B, k.shape[1], L, k.shape[3])
+                values = v.new_zeros(B, v.shape[1], L, v.shape[3])
+                layers.append(StaticKV(keys, values, pos_slot))
+        impl = getattr(tc, "_attn_implementation", None) or "eager"
+        # HF's sdpa takes a bool mask, its eager attention an additive float mask
+        sess = _Session(m, StaticCache(layers), B, L, device, None if impl == "sdpa" else dtype, sliding)
+        sess.slot = pos_slot   # the KV layers and the mask share the slot counter
+        sess.sampling = sampling
+        self._load(sess, cache, T)
+        if key is not None:
+            self._sessions[key] = sess
+            while len(self._sessions) > self.config.max_sessions:
+                self._sessions.pop(next(iter(self._sessions)))
+        return sess
+
+    @staticmethod
+    def _load(sess: _Session, cache, T: int) -> None:
+        for dst, src in zip(sess.cache.layers, cache.layers):
+            if isinstance(dst, StaticKV):
+                dst.keys[:, :, :T].copy_(src.keys)
+                dst.values[:, :, :T].copy_(src.values)
+                dst.keys[:, :, T:].zero_()   # never-written slots must not hold NaN (0 * NaN = NaN)
+                dst.values[:, :, T:].zero_()
+            else:
+                if dst.static:
+                    for d, s in zip(dst.state.tensors(), src.state.tensors()):
+                        d.copy_(s)
+                else:
+                    dst.state = src.state.map(lambda t: t.clone())
+
+    def _generate(self, input_ids, attention_mask, sampling: _Sampling, max_new: int) -> torch.Tensor:
+        m = self.model
+        device = input_ids.device
+        B, T = input_ids.shape
+        t0 = time.perf_counter()
+        logits, cache, pos, am = self._prefill(input_ids, attention_mask)
+        use_graphs = self._use_graphs(device)
+        bucket = max(1, int(self.config.bucket))
+        L = -(-(T + max_new) // bucket) * bucket
+        dtype = m.lm_head.weight.dtype
+        bad = [i for i, layer in enumerate(cache.layers)
+               if hasattr(layer, "keys") and not _is_mixer_layer(m.model.layers[i]) and layer.keys.shape[2] != T]
+        if bad:  # e.g. a sliding-window cache layer that dropped old keys
+            self.last_fallback_reason = f"cache layers {bad} do not hold the whole prompt"
+            log.info("fast generation falls back to model.generate: %s", self.last_fallback_reason)
+            return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
+                                    generation_config=self._gc)
+        exact = self.config.exact_lengths and not use_graphs
+        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling)
+        del cache
+        sampling = sess.sampling
+        sess.out.fill_(sampling.pad)
+        sess.valid.fill_(True)
+        if attention_mask is not None:
+            sess.valid[:, :T].copy_(attention_mask.bool())
+        sess.use_mask = am is not None
+        sess.unfinished.fill_(1)
+        sess.pos.copy_(pos[:, -1:] + 1)   # position of the first generated token
+        sess.slot.fill_(T)
+        sess.step_idx.fill_(0)
+        sess.recorded = [] if self.config.record_logits and not use_graphs else None
+        # the first token comes from the prefill logits
+        first = sess.select(logits)
+        sess.out[:, 0].copy_(first)
+        sess.tok.copy_(first[:, None])
+        sess.step_idx.fill_(1)
+        t_prefill = time.perf_counter() - t0
+        n_done, check = 1, max(1, int(self.config.check_every))
+        if sampling.eos is not None and not bool(sess.unfinished.any()):
+            check = 0
+        n_done = self._decode(sess, sampling, T, max_new, n_done, check, use_graphs, exact)
+        sess.exact_length = None
+        sess.cache.set_length(None)
+        out = sess.out[:, :n_done]
+        if sampling.eos is not None:
+            # HF stops after the step at which the last row finished: cut there
+            fin = (out[:, :, None] == sampling.eos).any(dim=-1)
+            col = torch.arange(n_done, device=device)
+            first_eos = torch.where(fin, col, n_done).min(dim=1).values   # [B]
+            stop = int(first_eos.max().item()) + 1
+            out = out[:, :min(stop, n_done)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        self.last_logits = sess.recorded
+        sess.recorded = None
+        self.stats = {"prefill_s": t_prefill, "decode_s": total - t_prefill, "new_tokens": out.shape[1],
+                      "steps": n_done, "graphs": sess.graph is not None, "batch": B, "prompt_len": T}
+        return torch.cat([input_ids, out.clone()], dim=1)
+
+    @staticmethod
+    def _decode(sess: _Session, sampling: _Sampling, T: int, max_new: int, n_done: int, check: int,
+                use_graphs: bool, exact: bool, warmup: int = 2) -> int:
+        """Decode until `max_new` tokens or every row finished (checked every `check` steps); the first
+        `warmup` steps of a new graph session run eagerly (compilation, autotuning; the last of them on
+        the static state tensors), then one step is captured and replayed. Returns the number of tokens in `sess.out`."""
+        while check and n_done < max_new:
+            if use_graphs and sess.graph is None and n_done == warmup:
+                sess.cache.set_static(True)   # the last eager step runs exactly what gets captured
+            if use_graphs and sess.graph is None and n_done > warmup:
+                try:
+                    sess.capture()
+                except Exception as e:  # a mixer op that cannot be captured: stay eager
+                    log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                    use_graphs = False
+                    sess.graph = None
+                    sess.cache.set_static(False)
+                    torch.cuda.synchronize()
+            if sess.graph is not None:
+                sess.graph.replay()
+            else:
+                if exact:
+                    sess.exact_length = T + n_done
+                    sess.cache.set_length(T + n_done)
+                sess.step()
+            n_done += 1
+            if sampling.eos is not None and (n_done % check == 0 or n_done == max_new):
+                if not bool(sess.unfinished.any()):
+                    break
+        return n_done
+
+
+def _sampling_key(s: _Sampling) -> tuple:
+    procs = tuple((type(p).__name__, tuple(sorted((k, repr(v)) for k, v in vars(p).items()))) for p in s.processors)
+    eos = tuple(s.eos.tolist()) if s.eos is not None else None
+    return (s.do_sample, procs, eos, s.pad)
+
+
+@contextmanager
+def _no_checkpointing(model: nn.Module):
+    """Gradient checkpointing drops the cache in training mode: switch it off for the call."""
+    flagged = [mod for mod in model.modules() if getattr(mod, "gradient_checkpointing", False)]
+    for mod in flagged:
+        mod.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for mod in flagged:
+            mod.gradient_checkpointing = True
+
+
+# ---------------------------------------------------------------------------------------------
+# plugging it in
+# ---------------------------------------------------------------------------------------------
+def find_generator_model(model: nn.Module) -> nn.Module | None:
+    """The HF model inside `model` (through PEFT / DDP wrappers) that owns `lm_head` and `model.layers`:
+    the first such module in `model.modules()` order, i.e. the outermost."""
+    for mod in model.modules():
+        inner = mod._modules.get("model")
+        if "lm_head" in mod._modules and inner is not None and hasattr(inner, "layers") and hasattr(mod, "generate"):
+            return mod
+    return None
+
+
+@contextmanager
+def fast_generate_installed(model: nn.Module, generator: FastGenerator | None = None):
+    """Within the block `target.generate` (the HF model inside `model`) is the fast path; callers that
+    go through `model.generate` (TRL, PEFT) use it unchanged. Yields the generator (or None)."""
+    target = find_generator_model(model)
+    if target is None:
+        yield None
+        return
+    gen = generator if generator is not None and generator.model is target else FastGenerator(target)
+    had = "generate" in vars(target)
+    old = vars(target).get("generate")
+    target.generate = gen
+    try:
+        yield gen
+    finally:
+        if had:
+            target.generate = old
+        else:
+            del target.generate
+
+
+def fast_generate(model, input_ids, attention_mask=None, generation_config=None, config: FastGenConfig | None = None,
+                  **kwargs) -> torch.Tensor:
+    """One-shot helper: `model.generate`-compatible output through the fast path (no graph reuse)."""
+    return FastGenerator(model, config)(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=generation_config, **kwargs)
+
+
+__all__ = ["FastGenConfig", "FastGenerator", "fast_generate", "fast_generate_installed", "find_generator_model"]

@@ -1,0 +1,204 @@
+"""The fast rollout path gives the same tokens as HF `generate` (the plain cached path).
+
+Independent reference: `model.generate` on the same model, inputs and seed. Checked on tiny hybrids
+(GLA, SSE, Gated DeltaNet mixers + one softmax layer), a plain Llama and a Qwen3-family hybrid, greedy
+and seeded sampling (temperature / top-k / top-p), left-padded batches, EOS early stop; plus the
+masked whole-buffer attention that CUDA graphs use, the fallback for unsupported settings, and
+installing the path into a model (what the trainer does). A CUDA-graph test runs only on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate, fast_generate_installed
+from tests.rl.helpers import byte_tokenizer, tiny_hybrid, tiny_teacher
+
+PAD = byte_tokenizer().pad_token_id
+
+
+def _batch(B=3, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :3] = 0
+    am[1, :1] = 0
+    ids[am == 0] = PAD
+    return ids, am
+
+
+def _both(model, gen, kw, seed=1, ids=None, am=None):
+    if ids is None:
+        ids, am = _batch()
+    torch.manual_seed(seed)
+    ref = model.generate(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+    torch.manual_seed(seed)
+    out = gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+    return ref, out
+
+
+def _hf_logits(model, ids, am, kw, seed=1):
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=am, pad_token_id=PAD, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, [x.float() for x in out.logits]
+
+
+SETTINGS = [
+    dict(do_sample=False, max_new_tokens=24),
+    dict(do_sample=True, max_new_tokens=24),
+    dict(do_sample=True, temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=24),
+]
+EOS = list(range(0, 256, 12))   # many EOS ids: rows finish at different steps
+
+
+@pytest.mark.parametrize("mixer", ["gla", "sse", "gdn"])
+def test_same_tokens_as_hf_generate(mixer):
+    model, _ = tiny_hybrid(mixer=mixer)
+    gen = FastGenerator(model)
+    for kw in SETTINGS:
+        for eos in (None, EOS):
+            ref, out = _both(model, gen, {**kw, "eos_token_id": eos})
+            assert gen.last_fallback_reason is None
+            assert out.shape == ref.shape, (kw, eos)
+            assert torch.equal(out, ref), (kw, eos)
+
+
+@pytest.mark.parametrize("mixer", ["sse", "gdn"])
+def test_same_logits_as_hf_generate(mixer):
+    """Every step's logits are bitwise equal (same operations on the same values), softmax layer
+    included: a wrong position id or cache slot shows here even when tokens happen to agree."""
+    model, _ = tiny_hybrid(mixer=mixer)
+    gen = FastGenerator(model, FastGenConfig(record_logits=True))
+    ids, am = _batch()
+    kw = dict(do_sample=True, max_new_tokens=16)
+    seq, ref = _hf_logits(model, ids, am, kw)
+    torch.manual_seed(1)
+    out = gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+    assert torch.equal(out, seq)
+    assert len(gen.last_logits) == len(ref) == 16
+    for a, b in zip(gen.last_logits, ref):
+        assert torch.equal(a, b)
+
+
+def test_eos_cut_matches_hf():
+    """Rows finish at different steps; the output ends where the last row finished, pads after EOS."""
+    model, _ = tiny_hybrid(mixer="gla")
+    gen = FastGenerator(model)
+    seen_short = False
+    for seed in range(4):
+        ref, out = _both(model, gen, dict(do_sample=True, max_new_tokens=40, eos_token_id=EOS), seed=seed)
+        assert torch.equal(out, ref)
+        seen_short |= out.shape[1] < 9 + 40
+    assert seen_short, "no run stopped early: the EOS path was not exercised"
+
+
+def test_masked_whole_buffer_path():
+    """The CUDA-graph layout (whole KV buffer + mask, no slicing) run eagerly on CPU."""
+    model, _ = tiny_hybrid(mixer="sse")
+    gen = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, record_logits=True))
+    ids, am = _batch()
+    seq, ref = _hf_logits(model, ids, am, dict(do_sample=True, max_new_tokens=16))
+    torch.manual_seed(1)
+    out = gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=True, max_new_tokens=16)
+    assert torch.equal(out, seq)
+    for a, b in zip(gen.last_logits, ref):   # different reduction lengths: equal up to rounding
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    for kw in SETTINGS:
+        ref, out = _both(model, gen, {**kw, "eos_token_id": EOS})
+        assert torch.equal(out, ref), kw
+
+
+def test_plain_transformer_and_no_padding():
+    teacher = tiny_teacher()
+    gen = FastGenerator(teacher)
+    ids = torch.randint(0, 256, (2, 7))
+    for kw in SETTINGS:
+        ref, out = _both(teacher, gen, kw, ids=ids, am=torch.ones_like(ids))
+        assert gen.last_fallback_reason is None
+        assert torch.equal(out, ref)
+
+
+def test_qwen3_family_hybrid():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hybridize.convert.convert import convert_model
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      pad_token_id=PAD, eos_token_id=257)
+    cfg._attn_implementation = "sdpa"
+    model = convert_model(Qwen3ForCausalLM(cfg).eval(), ["gla", "attn", "gla"], mixer="gla").eval()
+    gen = FastGenerator(model)
+    for kw in SETTINGS[:2]:
+        ref, out = _both(model, gen, kw)
+        assert torch.equal(out, ref)
+
+
+def test_fallback_for_unsupported_settings():
+    model, _ = tiny_hybrid(mixer="gla")
+    gen = FastGenerator(model)
+    ref, out = _both(model, gen, dict(do_sample=True, max_new_tokens=8, repetition_penalty=1.3))
+    assert "RepetitionPenalty" in gen.last_fallback_reason
+    assert torch.equal(out, ref)
+    strict = FastGenerator(model, FastGenConfig(fallback=False))
+    with pytest.raises(ValueError, match="fast generation cannot run"):
+        strict(input_ids=ref[:, :9], max_new_tokens=4, num_beams=2)
+
+
+def test_installed_into_model_and_removed():
+    model, _ = tiny_hybrid(mixer="gla")
+    ids, am = _batch()
+    torch.manual_seed(3)
+    ref = model.generate(input_ids=ids, attention_mask=am, do_sample=True, max_new_tokens=10, pad_token_id=PAD)
+    with fast_generate_installed(model) as gen:
+        assert model.generate is gen
+        torch.manual_seed(3)
+        out = model.generate(input_ids=ids, attention_mask=am, do_sample=True, max_new_tokens=10, pad_token_id=PAD)
+        assert gen.last_fallback_reason is None and gen.stats["steps"] == 10
+    assert "generate" not in vars(model)
+    assert torch.equal(out, ref)
+    assert torch.equal(fast_generate(model, ids, am, max_new_tokens=10, do_sample=False, pad_token_id=PAD),
+                       model.generate(input_ids=ids, attention_mask=am, max_new_tokens=10, do_sample=False,
+                                      pad_token_id=PAD))
+
+
+def test_through_peft_wrapper():
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_hybrid(mixer="gla")
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    ids, am = _batch()
+    kw = dict(input_ids=ids, attention_mask=am, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    ref = peft_model.generate(**kw)
+    with fast_generate_installed(peft_model) as gen:
+        out = peft_model.generate(**kw)
+        assert gen is not None and gen.last_fallback_reason is None
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_same_tokens():
+    """On the GPU: the eager exact path equals HF generate; the CUDA-graph path equals the eager path
+    with the same (whole-buffer, masked) layout, token for token; graphs are reused across calls."""
+    model, _ = tiny_hybrid(mixer="gla")
+    model = model.cuda()
+    exact = FastGenerator(model, FastGenConfig(cuda_graphs="off"))
+    masked = FastGenerator(model, FastGenConfig(cuda_graphs="off", exact_lengths=False, bucket=16))
+    graphs = FastGenerator(model, FastGenConfig(cuda_graphs="on", bucket=16, check_every=4))
+    ids, am = (t.cuda() for t in _batch())
+    for kw in SETTINGS:
+        kw = {**kw, "eos_token_id": EOS}
+        ref, out = _both(model, exact, kw, ids=ids, am=am)
+        assert torch.equal(out, ref), kw
+        torch.manual_seed(1)
+        a = masked(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+        torch.manual_seed(1)
+        b = graphs(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+        assert graphs.stats["graphs"] or b.shape[1] <= 9 + 3
+        assert torch.equal(a, b), kw
+    n = len(graphs._sessions)
+    _both(model, graphs, dict(do_sample=False, max_new_tokens=24), ids=ids, am=am)
+    assert len(graphs._sessions) == n
