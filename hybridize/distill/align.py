@@ -25,9 +25,9 @@ from hybridize.errors import UserError
 from .config import AlignConfig, save_config
 from .data import build_data, build_heldout
 from .losses import LAYER_LOSSES
-from .loop import run_loop
+from .loop import run_loop, teacher_dtype
 from .metrics import perplexity
-from .loop import make_accelerator
+from .loop import make_accelerator, save_final_model
 from .models import converted_layers, decoder_layers, mixer_of, load_student, load_teacher, select_trainable, \
     teacher_source_of, trainable_summary
 
@@ -173,8 +173,9 @@ def align(student: nn.Module, teacher: nn.Module, tokenizer, cfg: AlignConfig, r
           f"({cfg.params})")
 
     acc = make_accelerator(cfg.train)
-    # the teacher runs outside accelerate's prepare: put both models where the batches will be
-    teacher.to(acc.device).eval().requires_grad_(False)
+    # the teacher runs outside accelerate's prepare (replicated on every rank, also under ZeRO-3): put both
+    # models where the batches will be
+    teacher.to(acc.device, dtype=teacher_dtype(acc, teacher)).eval().requires_grad_(False)
     student.to(acc.device)
     tap = TeacherTap(teacher, layers)
     aligner = LayerAligner({i: conv[i] for i in layers}, cfg.loss, cfg.balance_weight)
@@ -202,7 +203,7 @@ def align(student: nn.Module, teacher: nn.Module, tokenizer, cfg: AlignConfig, r
     finally:
         tap.close()
     if result.step >= cfg.train.max_steps:
-        save_final(student, tokenizer, run_dir / "final")
+        save_final_model(acc, student, tokenizer, run_dir / "final")
     return result
 
 
@@ -225,14 +226,15 @@ class _StepTagged:
         return {**self.data.batch(step, micro), "_step": step}
 
 
-def save_final(model, tokenizer, out: Path) -> None:
-    """save_pretrained into `out` through a temporary folder (atomic, like the checkpoints)."""
+def save_final(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained into `out` through a temporary folder (atomic, like the checkpoints);
+    `state_dict`: the weights to write instead of the model's own (gathered ZeRO-3 shards)."""
     import shutil
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     except Exception as e:  # e.g. a hand-built test model that HF cannot serialise

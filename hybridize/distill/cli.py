@@ -4,7 +4,8 @@ Every stage takes an optional `--recipe` (a YAML file, or a name under `recipes/
 `smollm2-135m/align`) and then `key=value` overrides (dotted for sections: `train.lr=3e-4`,
 `data.seq_len=512`); `--resume` continues the run in `train.run_dir` from its newest complete checkpoint;
 `--show` prints every setting with its default and help. Multi-GPU / DeepSpeed: run the same command
-under `accelerate launch --config_file recipes/accelerate/<file>.yaml -m hybridize.cli distill ...`.
+under `accelerate launch --config_file recipes/accelerate/<file>.yaml -m hybridize.cli distill ...`
+(recipes/accelerate/README.md); `hybridize export` turns any of their checkpoints into a HF folder.
 """
 from __future__ import annotations
 
@@ -72,6 +73,18 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"traces: {path}")
 
     app.add_typer(distill, name="distill")
+
+    @app.command("export")
+    def export_cmd(checkpoint: str = typer.Option(..., "--checkpoint", "-c",
+                                                  help="RUN_DIR/checkpoints/step-N (or RUN_DIR: its newest)"),
+                   out: str = typer.Option(..., "--out", "-o", help="output folder (config, safetensors, tokenizer)"),
+                   student: str = typer.Option("", "--student", help="the folder the run started from "
+                                                                     "(default: `student` in RUN_DIR/config.yaml)"),
+                   dtype: str = typer.Option("", "--dtype", help="float32 | bfloat16 (default: the run's train.dtype)")):
+        """Convert a training checkpoint (plain accelerate or DeepSpeed ZeRO-1/2/3) to a plain HF folder."""
+        from .export import export_checkpoint
+        path = export_checkpoint(checkpoint, out, student=student, dtype=dtype)
+        typer.echo(f"export: {path}")
 
     @app.command("demo")
     def demo_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE, show: bool = SHOW):

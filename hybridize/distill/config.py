@@ -50,6 +50,9 @@ class TrainArgs:
     nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
     max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none")
+    deepspeed: str = _f("", "DeepSpeed JSON config (e.g. recipes/accelerate/ds_zero3.json) for a ONE-process run "
+                            "without `accelerate launch` (ZeRO-offload on one GPU, CPU tests); under "
+                            "`accelerate launch --config_file ...` leave empty: the launch config decides")
 
 
 @dataclass

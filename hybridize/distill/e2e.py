@@ -23,11 +23,10 @@ import torch.nn as nn
 
 from hybridize.errors import UserError
 
-from .align import save_final
 from .config import E2EConfig, save_config
 from .data import build_data, build_heldout
 from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
-from .loop import make_accelerator, run_loop
+from .loop import make_accelerator, run_loop, save_final_model, teacher_dtype, zero_stage
 from .metrics import perplexity
 from .models import apply_lora, load_student, load_teacher, select_trainable, teacher_source_of, trainable_summary
 
@@ -83,9 +82,12 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     acc = make_accelerator(cfg.train)
+    if cfg.params == "lora" and zero_stage(acc) == 3:
+        raise UserError("params=lora is not supported under ZeRO-3 (merging LoRA needs whole weights): use "
+                        "recipes/accelerate/zero2.yaml (LoRA's optimizer state is small) or params=all")
     student.to(acc.device)
-    if teacher is not None:  # runs outside accelerate's prepare: put it where the batches will be
-        teacher.to(acc.device).eval().requires_grad_(False)
+    if teacher is not None:  # runs outside accelerate's prepare (replicated on every rank, also under ZeRO-3)
+        teacher.to(acc.device, dtype=teacher_dtype(acc, teacher)).eval().requires_grad_(False)
 
     data = build_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.grad_accum)
 
@@ -103,7 +105,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
         student = student.merge_and_unload()
     if result.step >= cfg.train.max_steps:
-        save_final(student, tokenizer, run_dir / "final")
+        save_final_model(acc, student, tokenizer, run_dir / "final")
     return result, student
 
 

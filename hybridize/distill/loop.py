@@ -6,12 +6,17 @@ A stage hands over the module to optimise (`module`: what accelerate prepares an
 `tokens_per_step(step)`. Data are a pure function of the step, and accelerate's checkpoint restores model,
 optimizer, scheduler and RNG states, so a resumed run repeats the uninterrupted one exactly.
 
-DeepSpeed: an `accelerate launch --config_file <deepspeed.yaml>` run goes through the same calls
-(`prepare`, `backward`, `save_state`); the LR schedule is ours (a DeepSpeed config must not define
-`scheduler`), and `nan_policy=skip` is not available there (DeepSpeed steps inside `backward`).
+DeepSpeed: an `accelerate launch --config_file recipes/accelerate/zero*.yaml` run goes through the same
+calls (`prepare`, `backward`, `save_state`); `train.deepspeed=<ds.json>` does the same in ONE process
+without a launcher (sets the rank-0 environment itself). The optimizer (AdamW from `train.*`) and the LR
+schedule are ours, so a DeepSpeed config must not define `optimizer` or `scheduler`; its "auto" values
+are filled here (micro-batch size 1 row-pack, clipping = train.max_grad_norm) or by accelerate (precision
+from train.mixed_precision, grad accumulation). DeepSpeed clips and steps inside `backward`, so
+`nan_policy=skip` is not available there, and the logged grad_norm is DeepSpeed's (None on some stages).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +37,73 @@ def make_accelerator(train: TrainArgs):
 
     if train.mixed_precision not in ("no", "bf16", "fp16"):
         raise UserError(f"train.mixed_precision must be no | bf16 | fp16, got {train.mixed_precision!r}")
-    return Accelerator(mixed_precision=train.mixed_precision, gradient_accumulation_steps=train.grad_accum)
+    plugin = None
+    if train.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        plugin = single_process_deepspeed(train.deepspeed)
+    return Accelerator(mixed_precision=train.mixed_precision, gradient_accumulation_steps=train.grad_accum,
+                       deepspeed_plugin=plugin)
+
+
+def single_process_deepspeed(path: str):
+    """A DeepSpeedPlugin for a run started WITHOUT a launcher: sets the rank-0, world-size-1 environment
+    that `accelerate launch` would set (DeepSpeed initialises torch.distributed from it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("train.deepspeed needs DeepSpeed: pip install deepspeed (or pip install 'hybridize[deepspeed]')")
+    if not Path(path).is_file():
+        raise UserError(f"train.deepspeed: no such DeepSpeed config {path} (see recipes/accelerate/ds_zero*.json)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("train.deepspeed is for one process; for several use "
+                        "`accelerate launch --config_file recipes/accelerate/zero*.yaml` and leave it empty")
+    from accelerate.utils import DeepSpeedPlugin
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # zero3_init_flag off: models are built whole (the teacher must stay whole; the mixers initialise their
+    # new parameters in place in __init__, which DeepSpeed's zero.Init partitioning does not allow)
+    return DeepSpeedPlugin(hf_ds_config=str(path), zero3_init_flag=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# DeepSpeed's defaults, for "auto" keys accelerate derives from `model.config.hidden_size` when the prepared
+# module has no config (stage A prepares the LayerAligner, not the model)
+_SIZE_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                  "stage3_param_persistence_threshold": 100_000}
+
+
+def prepare_deepspeed_config(acc, train: TrainArgs, module: nn.Module) -> None:
+    """Fill the DeepSpeed "auto" values accelerate cannot infer without a DataLoader, and refuse
+    settings that would fight ours (DeepSpeed's own optimizer / LR scheduler)."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise UserError(f"the DeepSpeed config defines `{key}`: remove it (hybridize builds AdamW and the LR "
+                            f"schedule from train.*)")
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = 1  # one packed row-block per micro-batch; only DeepSpeed's logs use it
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = float(train.max_grad_norm)
+    zero = ds.get("zero_optimization", {})
+    if not hasattr(getattr(module, "config", None), "hidden_size"):
+        for key, value in _SIZE_DEFAULTS.items():
+            if zero.get(key) == "auto":
+                zero[key] = value
+    if train.nan_policy == "skip":
+        raise UserError("nan_policy=skip is not available under DeepSpeed (it steps inside backward): use error")
 
 
 def make_scheduler(optimizer, train: TrainArgs):
@@ -44,6 +115,45 @@ def make_scheduler(optimizer, train: TrainArgs):
     kwargs = {"scheduler_specific_kwargs": {"min_lr_rate": train.min_lr_ratio}} if name == "cosine_with_min_lr" else {}
     return get_scheduler(name, optimizer, num_warmup_steps=train.warmup_steps,
                          num_training_steps=train.max_steps, **kwargs)
+
+
+def zero_stage(acc) -> int:
+    """The DeepSpeed ZeRO stage of an accelerator (0 without DeepSpeed)."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage or 0) if plugin is not None else 0
+
+
+def teacher_dtype(acc, teacher: nn.Module) -> torch.dtype:
+    """The teacher is never prepared by accelerate: every rank holds a whole copy. Under DeepSpeed with
+    bf16 (where the student's weights are bf16 too) that copy is bf16; otherwise it keeps its dtype."""
+    if zero_stage(acc) and acc.mixed_precision == "bf16":
+        return torch.bfloat16
+    return next(teacher.parameters()).dtype
+
+
+def gathered_state_dict(acc, model: nn.Module) -> dict | None:
+    """Under ZeRO-3 the parameters of `model` are shards outside forward: gather them (a collective:
+    every rank must call this) and return the full state dict on the main process (None elsewhere).
+    Without ZeRO-3 return None: `save_pretrained` reads the parameters directly."""
+    if zero_stage(acc) != 3:
+        return None
+    import deepspeed
+
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        if not acc.is_main_process:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def save_final_model(acc, model: nn.Module, tokenizer, out: Path) -> None:
+    """`save_pretrained` into `out` from the main process only (gathering ZeRO-3 shards first)."""
+    from .align import save_final
+
+    state = gathered_state_dict(acc, model)
+    if acc.is_main_process:
+        save_final(model, tokenizer, out, state_dict=state)
+    acc.wait_for_everyone()
 
 
 @dataclass
@@ -79,6 +189,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
         raise UserError("nothing to train: no parameter has requires_grad=True")
     opt = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
     sched = make_scheduler(opt, train)
+    prepare_deepspeed_config(acc, train, module)
     module, opt = acc.prepare(module, opt)
     acc.register_for_checkpointing(sched)
     data.rank, data.world, data.grad_accum = acc.process_index, acc.num_processes, train.grad_accum
@@ -133,7 +244,8 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                         parts[k] = parts.get(k, 0.0) + float(v) / train.grad_accum
                     if acc.sync_gradients and not bad:
                         if train.max_grad_norm > 0:
-                            grad_norm = float(acc.clip_grad_norm_(params, train.max_grad_norm))
+                            norm = acc.clip_grad_norm_(params, train.max_grad_norm)  # DeepSpeed: its norm or None
+                            grad_norm = float(norm) if norm is not None else None
                         opt.step()
                         sched.step()
                     if acc.sync_gradients or bad:
@@ -151,10 +263,16 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
             step += 1
             done_here += 1
             last_loss = sum(losses) / max(len(losses), 1) if losses else float("nan")
+            if acc.num_processes > 1:  # log the mean over ranks: the same number a 1-process run with
+                # grad_accum x world micro-batches logs for the same data
+                vals = acc.reduce(torch.tensor([last_loss, *parts.values()], device=acc.device), "mean")
+                last_loss, parts = float(vals[0]), dict(zip(parts, map(float, vals[1:])))
             tps = speed.add(step_tokens)
             if step % max(train.log_every, 1) == 0 or step == train.max_steps:
+                mem = {"peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)} \
+                    if torch.cuda.is_available() else {}  # this (main) process's GPU
                 log.write(step=step, loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=grad_norm,
-                          tokens=tokens, tok_per_s=round(tps, 1), **parts)
+                          tokens=tokens, tok_per_s=round(tps, 1), **parts, **mem)
             if eval_fn is not None and eval_every and step % eval_every == 0 and step < train.max_steps:
                 log.write(step=step, **eval_fn(step))
             bar.update(1)
@@ -173,6 +291,10 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
         raise UserError(f"interrupted at step {step}; checkpoint saved in {run_dir}/checkpoints - "
                         f"rerun the same command with --resume") from None
     bar.close()
+    if torch.cuda.is_available():  # every rank's peak GPU memory (sharding shows here), one line
+        peaks = acc.gather(torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=acc.device))
+        log.write(step=step, peak_mem_gb_per_rank=[round(float(x), 3) for x in peaks.cpu()],
+                  world=acc.num_processes)
     if step >= train.max_steps or stop_after is not None or stopped_on_time:
         checkpoint(step)
     if eval_fn is not None and (step >= train.max_steps or stopped_on_time):

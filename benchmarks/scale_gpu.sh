@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Stage B (e2e distillation) of the embedded default (SmolLM2-135M, 5:1 SSE hybrid) on 1 GPU (reference) and
+# on 2 GPUs with DeepSpeed ZeRO-2 and ZeRO-3 (the measured run of issue 8). Same data per optimizer step in
+# all three: the reference takes grad_accum=2 micro-batches, the 2-GPU runs one per GPU, and the loop logs
+# the mean loss over ranks. Prints, per config: loss of the first steps, tokens/s per GPU, peak GPU memory
+# per rank; writes everything under $OUT.
+#
+# Usage (repo root, a machine with >= 2 GPUs, deepspeed + accelerate installed, the project installed):
+#   bash benchmarks/scale_gpu.sh OUT [TEACHER] [TRAIN_TEXT]
+#     TEACHER: hybridize source of the teacher (default: "default", the embedded SmolLM2 GGUF; a .gguf path)
+#     TRAIN_TEXT: training text (default: the recipe default, ../shared/data/general_text)
+# Env: STEPS (30), SEQ (2048), TOKENS (16384 tokens per GPU per step), MIXED (bf16).
+set -euo pipefail
+OUT=${1:?output folder}; TEACHER=${2:-default}; TEXT=${3:-}
+STEPS=${STEPS:-30}; SEQ=${SEQ:-2048}; TOKENS=${TOKENS:-16384}; MIXED=${MIXED:-bf16}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+python3 -c "import torch, deepspeed, accelerate; print(torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0), \
+'torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)"
+[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] || { echo "needs 2 GPUs"; exit 2; }
+
+STUDENT="$OUT/student"
+[ -f "$STUDENT/config.json" ] || python3 -m hybridize.cli convert --src "$TEACHER" --out "$STUDENT" --layers 5:1 \
+  --mixer sse --samples 1 > "$OUT/convert.log" 2>&1
+
+COMMON=(student="$STUDENT" teacher="$TEACHER" params=all gradient_checkpointing=true
+        train.max_steps="$STEPS" train.lr=3e-4 train.warmup_steps=5 train.save_every=0 train.progress=false
+        train.mixed_precision="$MIXED" train.seed=0 data.seq_len="$SEQ" data.batch_tokens="$TOKENS")
+[ -n "$TEXT" ] && COMMON+=(data.train="$TEXT")
+
+run() {  # name, accelerate config, processes, extra overrides...
+  local name=$1 cfg=$2 n=$3; shift 3
+  echo "== $name: $cfg on $n GPU(s)"
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) accelerate launch --config_file "recipes/accelerate/$cfg.yaml" \
+    --num_processes "$n" -m hybridize.cli distill e2e "${COMMON[@]}" train.run_dir="$OUT/$name" "$@" \
+    > "$OUT/$name.log" 2>&1 || { echo "$name FAILED (tail of $OUT/$name.log):"; tail -20 "$OUT/$name.log"; }
+}
+run ref_1gpu single_gpu 1 train.grad_accum=2
+run zero2_2gpu zero2 2
+run zero3_2gpu zero3 2
+# the ZeRO-3 checkpoint back to a HF folder (also checks the export path on real shards)
+python3 -m hybridize.cli export --checkpoint "$OUT/zero3_2gpu" --out "$OUT/zero3_export" > "$OUT/export.log" 2>&1 \
+  && echo "export of the ZeRO-3 checkpoint: ok" || { echo "export FAILED"; tail -5 "$OUT/export.log"; }
+
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); runs = {"ref_1gpu": 1, "zero2_2gpu": 2, "zero3_2gpu": 2}
+rows = {n: [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines()]
+        for n in runs if (out / n / "metrics.jsonl").exists()}
+loss = {n: {r["step"]: r["loss"] for r in rs if "loss" in r} for n, rs in rows.items()}
+print("step  " + "  ".join(f"{n:>11s}" for n in rows))
+for s in range(1, 9):
+    print(f"{s:4d}  " + "  ".join(f"{loss[n].get(s, float('nan')):11.5f}" for n in rows))
+ref = loss.get("ref_1gpu", {})
+lines = ["| config | GPUs | loss step 1..5 | max rel. diff to 1-GPU (steps 1-5) | tokens/s per GPU | peak mem per GPU (GiB) |",
+         "|---|---|---|---|---|---|"]
+for n, rs in rows.items():
+    steps = [r for r in rs if "tok_per_s" in r]
+    tail = steps[len(steps) // 3:] or steps  # skip warm-up steps
+    tps = sum(r["tok_per_s"] for r in tail) / max(len(tail), 1) / runs[n]
+    peak = next((r["peak_mem_gb_per_rank"] for r in rs if "peak_mem_gb_per_rank" in r), [])
+    first = [loss[n].get(s) for s in range(1, 6)]
+    diff = max((abs(loss[n][s] - ref[s]) / abs(ref[s]) for s in range(1, 6) if s in ref and s in loss[n]), default=float("nan"))
+    lines.append(f"| {n} | {runs[n]} | {', '.join(f'{x:.4f}' for x in first if x is not None)} | {diff:.2e} "
+                 f"| {tps:,.0f} | {', '.join(f'{p:.2f}' for p in peak)} |")
+print("\n".join(lines)); (out / "scale_summary.md").write_text("\n".join(lines) + "\n")
+PY
