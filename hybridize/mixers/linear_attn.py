@@ -67,8 +67,27 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
+class FeatureMapChoice:
+    """Resolved feature maps and read scale of a config with `feature_map`, `q_feature_map`,
+    `k_feature_map` and `scale` fields (linear attention and its relatives)."""
+
+    @property
+    def q_map(self) -> str:
+        return self.q_feature_map or self.feature_map
+
+    @property
+    def k_map(self) -> str:
+        return self.k_feature_map or self.feature_map
+
+    @property
+    def read_scale(self) -> float:
+        if self.scale is not None:
+            return self.scale
+        return self.head_dim ** -0.5 if self.q_map == "identity" else 1.0
+
+
 @dataclass
-class LinearAttentionConfig(MixerConfig):
+class LinearAttentionConfig(FeatureMapChoice, MixerConfig):
     feature_map: str = field(default="softmax", metadata={
         "help": "feature map of q and k: identity, elu1 (elu+1), relu, softmax (over head dim), silu"})
     q_feature_map: str | None = field(default=None, metadata={"help": "override feature_map for q"})
@@ -88,19 +107,6 @@ class LinearAttentionConfig(MixerConfig):
         if self.row_topk is not None and not 1 <= self.row_topk <= self.head_dim:
             raise ValueError(f"row_topk={self.row_topk} must be between 1 and head_dim={self.head_dim} (or None)")
 
-    @property
-    def q_map(self) -> str:
-        return self.q_feature_map or self.feature_map
-
-    @property
-    def k_map(self) -> str:
-        return self.k_feature_map or self.feature_map
-
-    @property
-    def read_scale(self) -> float:
-        if self.scale is not None:
-            return self.scale
-        return self.head_dim ** -0.5 if self.q_map == "identity" else 1.0
 
 
 @dataclass

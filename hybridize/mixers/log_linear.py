@@ -59,14 +59,14 @@ from hybridize.kernels.log_linear import LogLinearState
 
 from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, repeat_kv
 from .gla import SIGMOID_GATE_BIAS, SILU_ONE
-from .linear_attn import FEATURE_MAPS, _check_choice, apply_feature_map
+from .linear_attn import FEATURE_MAPS, FeatureMapChoice, _check_choice, apply_feature_map
 
 LAMBDA_MODES = ("adaptive", "baseline")
 OUTPUT_GATES = ("silu", "sigmoid", "none")
 
 
 @dataclass
-class LogLinearConfig(MixerConfig):
+class LogLinearConfig(FeatureMapChoice, MixerConfig):
     lambda_mode: str = field(default="adaptive", metadata={
         "help": "level weights: adaptive (seed 004 MLP-softplus) or baseline (softplus(Lambda * x W_lambda))"})
     max_seq_len: int = field(default=65536, metadata={
@@ -101,20 +101,6 @@ class LogLinearConfig(MixerConfig):
     @property
     def num_levels(self) -> int:
         return math.ceil(math.log2(self.max_seq_len)) + 1
-
-    @property
-    def q_map(self) -> str:
-        return self.q_feature_map or self.feature_map
-
-    @property
-    def k_map(self) -> str:
-        return self.k_feature_map or self.feature_map
-
-    @property
-    def read_scale(self) -> float:
-        if self.scale is not None:
-            return self.scale
-        return self.head_dim ** -0.5 if self.q_map == "identity" else 1.0
 
 
 @dataclass
