@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridize.convert.report import _capture_attention_io, right_pad
+from hybridize.convert.report import capture_attention_io, right_pad
 from hybridize.modeling import ATTN
 
 CALIBRATION_PROMPTS = ("Once upon a time", "The main idea of the theory is", "To solve the equation, we")
@@ -51,7 +51,7 @@ def calibrate_output_gain(teacher, hybrid, inputs: list[torch.Tensor]) -> dict[i
         return {}
     ids, valid = right_pad(inputs)
     ids, valid = ids.to(teacher.device), valid.to(teacher.device)
-    records, handles = _capture_attention_io(teacher, layers)
+    records, handles = capture_attention_io(teacher, layers)
     try:
         teacher(input_ids=ids, attention_mask=valid.long())
     finally:

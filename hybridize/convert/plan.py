@@ -84,13 +84,17 @@ def _explicit(spec: str, num_layers: int, mixer: str) -> list[str]:
         if "=" not in group:
             raise _bad(spec, f"group {group!r} lacks '=' (write kind=indices, e.g. attn=5,11)")
         name, idx = group.split("=", 1)
-        kind = _kind(name, spec)
-        for i in _indices(idx, num_layers, spec):
-            if i in seen:
-                raise _bad(spec, f"layer {i} is listed twice")
-            seen.add(i)
-            plan[i] = kind
+        _assign(plan, seen, _indices(idx, num_layers, spec), _kind(name, spec), spec)
     return plan
+
+
+def _assign(plan: list[str], seen: set[int], indices, kind: str, spec: str) -> None:
+    """Set `plan[i] = kind` for each index, refusing a layer named twice in one spec."""
+    for i in indices:
+        if i in seen:
+            raise _bad(spec, f"layer {i} is listed twice")
+        seen.add(i)
+        plan[i] = kind
 
 
 def _per_layer(spec: str, num_layers: int) -> list[str]:
@@ -101,12 +105,7 @@ def _per_layer(spec: str, num_layers: int) -> list[str]:
         if ":" not in entry:
             raise _bad(spec, f"entry {entry!r} lacks ':' (write layers:kind, e.g. 0-3:gla)")
         idx, name = entry.rsplit(":", 1)
-        kind = _kind(name, spec)
-        for i in _indices(idx, num_layers, spec):
-            if i in seen:
-                raise _bad(spec, f"layer {i} is listed twice")
-            seen.add(i)
-            plan[i] = kind
+        _assign(plan, seen, _indices(idx, num_layers, spec), _kind(name, spec), spec)
     return plan
 
 

@@ -41,7 +41,7 @@ def sample_inputs(tokenizer=None, vocab_size: int | None = None, n: int = 3, len
     return [torch.randint(0, vocab_size, (1, length), generator=g) for _ in range(n)]
 
 
-def _capture_attention_io(teacher, layers: list[int]):
+def capture_attention_io(teacher, layers: list[int]):
     """Forward hooks recording (normalised input, position_embeddings, output) of teacher attentions."""
     records: dict[int, list] = {i: [] for i in layers}
     handles = []
@@ -77,7 +77,7 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
     ids, valid = (t.to(device) for t in right_pad(inputs))
     plan = hybrid.config.layer_plan
     conv = [i for i, k in enumerate(plan) if k != ATTN]
-    records, handles = _capture_attention_io(teacher, conv)
+    records, handles = capture_attention_io(teacher, conv)
     try:
         t_logits = teacher(ids, use_cache=False).logits.float()
     finally:
