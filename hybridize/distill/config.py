@@ -115,6 +115,9 @@ class E2EConfig:
     temperature: float = _f(1.0, "softmax temperature of the KL term (scaled back by T^2)")
     balance_weight: float = _f(1.0, "multiplier on the model's auxiliary (SSE balance) loss when present")
     params: str = _f("all", "what trains: all | mixer | mixer_new | lora (LoRA + mixer params) | globs")
+    pretrained_lr_scale: float = _f(1.0, "learning-rate multiplier for trainable parameters outside the converted "
+                                         "mixers (MLPs, embeddings, norms, softmax layers): below 1 lets the new "
+                                         "mixers move fast while the teacher's weights drift less")
     lora: LoraArgs = field(default_factory=LoraArgs)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/e2e", lr=1e-4))
@@ -182,6 +185,8 @@ class DemoConfig:
     e2e_steps: int = _f(60, "stage B optimizer steps")
     e2e_lr: float = _f(3e-4, "stage B learning rate")
     e2e_params: str = _f("mixer", "what trains in stage B (see distill e2e params)")
+    e2e_pretrained_lr_scale: float = _f(1.0, "stage B learning-rate multiplier outside the mixers "
+                                             "(see distill e2e pretrained_lr_scale)")
     seq_len: int = _f(128, "training row length")
     batch_tokens: int = _f(128, "tokens per micro-batch")
     generated_tokens: int = _f(768, "teacher-generated tokens per text when no data folder exists")

@@ -139,7 +139,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         print(f"[demo] ppl after stage A {ppl['after_align']:.2f}")
 
     b_cfg = load_config(E2EConfig, None, {
-        "params": cfg.e2e_params, "kl_weight": 1.0, "ce_weight": 0.1, "data": data,
+        "params": cfg.e2e_params, "pretrained_lr_scale": cfg.e2e_pretrained_lr_scale, "kl_weight": 1.0, "ce_weight": 0.1, "data": data,
         "train": {**common, "run_dir": str(out / "e2e"), "max_steps": cfg.e2e_steps, "lr": cfg.e2e_lr,
                   "warmup_steps": max(1, cfg.e2e_steps // 10), "max_minutes": cfg.e2e_minutes}})
     with timer("stage B (e2e)"):

@@ -28,7 +28,8 @@ from .data import build_data, build_heldout
 from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
 from .loop import make_accelerator, run_loop, save_final_model, teacher_dtype, zero_stage
 from .metrics import perplexity
-from .models import apply_lora, load_student, load_teacher, select_trainable, teacher_source_of, trainable_summary
+from .models import (apply_lora, load_student, load_teacher, lr_scales_outside_mixers, select_trainable,
+                     teacher_source_of, trainable_summary)
 
 
 def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
@@ -77,8 +78,10 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     select_trainable(student, cfg.params)
     summary = trainable_summary(student)
     (run_dir / "trainable.json").write_text(json.dumps(summary, indent=1))
+    lr_scales = lr_scales_outside_mixers(student, cfg.pretrained_lr_scale)
     print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
-          f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}")
+          f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}"
+          + (f"; lr x{cfg.pretrained_lr_scale} outside the mixers" if lr_scales else ""))
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     acc = make_accelerator(cfg.train)
@@ -101,7 +104,8 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     if heldout is not None:
         eval_fn = lambda step: {"ppl": perplexity(student, heldout, cfg.data.seq_len)}  # noqa: E731
     result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn, accelerator=acc,
-                      eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after)
+                      eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after,
+                      lr_scales=lr_scales)
     if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
         student = student.merge_and_unload()
     if result.step >= cfg.train.max_steps:

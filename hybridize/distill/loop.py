@@ -156,6 +156,16 @@ def save_final_model(acc, model: nn.Module, tokenizer, out: Path) -> None:
     acc.wait_for_everyone()
 
 
+def param_groups(module: nn.Module, lr: float, lr_scales: dict[str, float] | None) -> list[dict]:
+    """AdamW groups of the trainable parameters, one per learning-rate multiplier (in first-seen order,
+    so the grouping - and a checkpoint's optimizer state - is the same on every run)."""
+    groups: dict[float, list] = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(float((lr_scales or {}).get(name, 1.0)), []).append(p)
+    return [{"params": ps, "lr": lr * scale} for scale, ps in groups.items()]
+
+
 @dataclass
 class LoopResult:
     step: int
@@ -175,9 +185,12 @@ def move(batch: dict, device) -> dict:
 
 def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, resume: bool = False,
              accelerator=None, eval_fn: Callable[[int], dict] | None = None, eval_every: int = 0,
-             desc: str = "train", stop_after: int | None = None) -> LoopResult:
+             desc: str = "train", stop_after: int | None = None,
+             lr_scales: dict[str, float] | None = None) -> LoopResult:
     """Optimise the trainable parameters of `module` for `train.max_steps` optimizer steps.
 
+    `lr_scales` maps parameter names to learning-rate multipliers (one AdamW group per multiplier;
+    the schedule scales every group alike).
     `stop_after` ends the loop early after that many steps of THIS call (as if killed after a
     checkpoint; tests use it to interrupt and resume)."""
     from tqdm.auto import tqdm
@@ -187,7 +200,8 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise UserError("nothing to train: no parameter has requires_grad=True")
-    opt = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    opt = torch.optim.AdamW(param_groups(module, train.lr, lr_scales), lr=train.lr, betas=tuple(train.adam_betas),
+                            weight_decay=train.weight_decay)
     sched = make_scheduler(opt, train)
     prepare_deepspeed_config(acc, train, module)
     module, opt = acc.prepare(module, opt)

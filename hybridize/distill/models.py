@@ -143,6 +143,32 @@ def _qualified(model: nn.Module, module: nn.Module) -> str:
     raise KeyError("module not found in model")
 
 
+def mixer_parameter_names(model: nn.Module, conv: dict | None = None, new_only: bool = False) -> set[str]:
+    """Qualified names of the converted layers' adapter parameters (`new_only`: only those the teacher
+    attention did not have). `conv` restricts to some converted layers (default: all of them)."""
+    chosen = set()
+    for adapter in (converted_layers(model) if conv is None else conv).values():
+        prefix = _qualified(model, adapter)
+        mixer = mixer_of(adapter)
+        mixer_prefix = _qualified(model, mixer)
+        new = set(mixer.new_parameter_names()) if new_only and hasattr(mixer, "new_parameter_names") else None
+        for n, _ in adapter.named_parameters():
+            full = f"{prefix}.{n}"
+            if new is not None:
+                if not full.startswith(mixer_prefix + ".") or full[len(mixer_prefix) + 1:] not in new:
+                    continue
+            chosen.add(full)
+    return chosen
+
+
+def lr_scales_outside_mixers(model: nn.Module, scale: float) -> dict[str, float]:
+    """{name: scale} for every parameter outside the converted mixers (empty when scale == 1)."""
+    if scale == 1.0:
+        return {}
+    mixer = mixer_parameter_names(model)
+    return {n: scale for n, _ in model.named_parameters() if n not in mixer}
+
+
 def select_trainable(model: nn.Module, spec: str, layers: list[int] | None = None) -> list[str]:
     """Set `requires_grad` from a spec and return the names that train.
 
@@ -159,19 +185,7 @@ def select_trainable(model: nn.Module, spec: str, layers: list[int] | None = Non
         conv = {i: conv[i] for i in layers}
 
     def mixer_params(new_only: bool) -> set[str]:
-        chosen = set()
-        for adapter in conv.values():
-            prefix = _qualified(model, adapter)
-            mixer = mixer_of(adapter)
-            mixer_prefix = _qualified(model, mixer)
-            new = set(mixer.new_parameter_names()) if new_only and hasattr(mixer, "new_parameter_names") else None
-            for n, _ in adapter.named_parameters():
-                full = f"{prefix}.{n}"
-                if new is not None:
-                    if not full.startswith(mixer_prefix + ".") or full[len(mixer_prefix) + 1:] not in new:
-                        continue
-                chosen.add(full)
-        return chosen
+        return mixer_parameter_names(model, conv, new_only)
 
     if spec == "all":
         chosen = set(names)

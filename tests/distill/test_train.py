@@ -96,6 +96,30 @@ def test_e2e_frozen_params_stay_bit_identical(tmp_path):
         assert torch.equal(p, before[n]) != trains, n
 
 
+def test_pretrained_lr_scale_scales_only_parameters_outside_the_mixers(tmp_path):
+    """Adam's first step moves every weight by ~lr: with scale 0.25 the MLP/embedding steps shrink 4x,
+    the mixer's stay the same; scale 0 keeps them bit-identical."""
+    def first_step(scale, name):
+        teacher = tiny_llama(0)
+        student = toy_convert(tiny_llama(0), layers=(1,))
+        before = {n: p.detach().clone() for n, p in student.named_parameters()}
+        cfg = _cfg(E2EConfig, tmp_path, name, steps=1, params="all", pretrained_lr_scale=scale,
+                   train={"warmup_steps": 0, "scheduler": "constant", "max_grad_norm": 0.0})
+        e2e(student, teacher, ToyTokenizer(), cfg)
+        return {n: (p.detach() - before[n]).abs().max().item() for n, p in student.named_parameters()}
+
+    full, quarter, zero = first_step(1.0, "s1"), first_step(0.25, "s25"), first_step(0.0, "s0")
+    mixer = [n for n in full if ".self_attn.mixer." in n]
+    other = [n for n in full if n not in mixer and full[n] > 0]
+    assert mixer and other
+    for n in mixer:
+        assert quarter[n] == pytest.approx(full[n], rel=1e-4), n
+        assert zero[n] == pytest.approx(full[n], rel=1e-4), n
+    for n in other:
+        assert quarter[n] == pytest.approx(0.25 * full[n], rel=1e-3), n
+        assert zero[n] == 0.0, n
+
+
 @pytest.mark.parametrize("stage", ["e2e", "align"])
 def test_kill_and_resume_gives_the_same_next_step_loss(tmp_path, stage):
     cls, fn = (E2EConfig, e2e) if stage == "e2e" else (AlignConfig, align)
