@@ -158,6 +158,7 @@ def run_prepare(a, work: Path):
     student = convert_model(teacher, a.layers, mixer=a.mixer, mixer_settings={"chunk_size": 64},
                             teacher_source=a.teacher, calibration_inputs=calibration_inputs(teacher, tok))
     record(work, "converted", {"ppl": ppl(student, held, a.eval_seq_len), "seconds": round(time.perf_counter() - tc, 1)})
+    save_final(student, tok, work / "converted")   # the undistilled hybrid, for the evaluation table
     cfg = stage_cfg(AlignConfig, work, "align", {"max_steps": a.align_steps, "lr": 2e-3,
                                                   "warmup_steps": a.align_steps // 10, "max_minutes": a.align_minutes},
                     params="mixer", loss="nmse", data={"train": str(mix), "seq_len": a.seq_len,

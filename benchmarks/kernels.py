@@ -3,14 +3,20 @@
 Sections (each row: forward and forward+backward milliseconds):
 - gla:     chunk_gla (per-key gate) on T tokens - the baseline for SSE and CCQ-GLA;
 - sse:     SSE with N partitions, top-1, shared partition, GLA backbone: varlen and masking layouts
-           (`kernels.sse.sse_varlen` / `sse_masking`, routing from random logits), N in {4, 8, 16};
+           (`kernels.sse.sse_varlen` / `sse_masking`, routing from random logits), N in `--sse-n`
+           (default 4,8,16). varlen uses the device-side plan and our Triton row movers
+           (`kernels/triton/sse_route.py`); `sse_varlen_torchmove_n{N}k1` is the same plan with the
+           PyTorch row movers (`sse.USE_TRITON = False`), to show what the kernels buy;
 - ccq:     the CCQ covariance read alone (`ccq` op, GPU path), next to GLA and GDN: overhead = ccq / backbone;
 - delta:   Gated DeltaNet vs Q-Delta (p = k + lambda q) through the delta op (fla fwd + checked bwd);
 - decode:  one-token step latency at context 4k..64k: GLA, GDN, Q-Delta recurrent steps (fla fused
-           recurrent), SSE partition-sparse decode (our Triton kernel, N=4, K=1, + shared), CCQ
-           decode read, against softmax attention over a bf16 KV cache (SDPA, one query).
+           recurrent); SSE n4k1 + shared as the full layer op `sse.sse_recurrent` (routing included):
+           `decode_sse_n4k1` eager on our Triton decode kernel (state updated in place),
+           `decode_sse_n4k1_graph` the same step replayed from a CUDA graph, `decode_sse_n4k1_torch`
+           the PyTorch gather -> fla fused recurrent -> scatter path; CCQ decode read; softmax
+           attention over a bf16 KV cache (SDPA, one query).
 
-    python benchmarks/kernels.py --T 4096,16384 --sections gla,sse --out bench.json [--warm]
+    python benchmarks/kernels.py --T 4096,16384 --sections gla,sse --out bench.json [--warm] [--sse-n 4]
 
 `--warm` runs every function once at the smallest T (compilation only; run several in parallel,
 one per section) so that the timed pass loads kernels from Triton's disk cache.
@@ -123,15 +129,24 @@ def section_gla(rows, T, warm):
     timed(rows, "gla", T, f, fb, leaves) if not warm else (f(), fb())
 
 
+SSE_NS = (4, 8, 16)
+
+
 def section_sse(rows, T, warm):
-    for layout, Ns in (("varlen", (4, 8, 16)), ("masking", (4,))):
-        for N in Ns:
+    from hybridize.kernels import sse
+    cases = [("varlen", N, True) for N in SSE_NS] + [("varlen", SSE_NS[0], False), ("masking", SSE_NS[0], True)]
+    for layout, N, triton_moves in cases:
+        sse.USE_TRITON = triton_moves
+        try:
             call, inp, leaves = sse_setup(T, N, layout)
             f, fb, _ = fwd_bwd(call, inp)
             if warm:
                 f(), fb()
             else:
-                timed(rows, f"sse_{layout}_n{N}k1", T, f, fb, leaves)
+                tag = layout if triton_moves else f"{layout}_torchmove"
+                timed(rows, f"sse_{tag}_n{N}k1", T, f, fb, leaves)
+        finally:
+            sse.USE_TRITON = True
 
 
 def section_ccq(rows, T, warm):
@@ -148,17 +163,58 @@ def section_delta(rows, T, warm):
         timed(rows, name, T, f, fb, leaves) if not warm else (f(), fb())
 
 
+def sse_decode_setup(N=4):
+    """Inputs of one SSE n{N}k1 decode step (B = 1, shared partition, GLA backbone) and the step."""
+    from hybridize.kernels import sse
+    unit = lambda *s: F.normalize(torch.randn(*s, device="cuda", dtype=DT), dim=-1)  # noqa: E731
+    gate = lambda: F.logsigmoid(torch.randn(1, 1, H, D, device="cuda")) / 16  # noqa: E731
+    v = torch.randn(1, 1, H, D, device="cuda", dtype=DT)
+    shared = sse.PathInputs(q=unit(1, 1, H, D), k=unit(1, 1, H, D), v=v, g=gate())
+    sparse = sse.PathInputs(q=unit(1, 1, H, D), k=unit(1, 1, H, D), v=v, g=gate())
+    logits = torch.randn(1, 1, N, device="cuda")
+    state = (torch.randn(1, H, D, D, device="cuda") * 0.01, torch.randn(1, N, H, D, D, device="cuda") * 0.01)
+
+    def step():
+        return sse.sse_recurrent("gla", shared, sparse, sse.route(logits, 1), initial_state=state,
+                                 output_final_state=True, inplace=True)[0]
+    return step
+
+
+def graphed(fn):
+    """`fn` captured in a CUDA graph (warmed up on a side stream first); returns graph.replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def sse_decode_torch(step):
+    from hybridize.kernels import sse
+
+    def run():
+        sse.USE_TRITON = False
+        try:
+            return step()
+        finally:
+            sse.USE_TRITON = True
+    return run
+
+
 def section_decode(rows, T, warm):
     from hybridize.kernels import dispatch
-    from hybridize.kernels.triton.sse_decode import sse_decode_step
     unit = lambda *s: F.normalize(torch.randn(*s, device="cuda", dtype=DT), dim=-1)  # noqa: E731
     q, k, p = unit(1, 1, H, D), unit(1, 1, H, D), unit(1, 1, H, D)
     v = torch.randn(1, 1, H, D, device="cuda", dtype=DT)
     S = torch.randn(1, H, D, D, device="cuda") * 0.01
     gv = F.logsigmoid(torch.randn(1, 1, H, D, device="cuda")) / 16
     gs, beta = -torch.rand(1, 1, H, device="cuda") * 0.1, torch.rand(1, 1, H, device="cuda")
-    sse_state = torch.randn(1, 4, H, D, D, device="cuda") * 0.01
-    idx = torch.tensor([[2]], device="cuda")
+    sse_step = sse_decode_setup(4)
     ccq_state = (torch.eye(D, device="cuda").expand(1, H, D, D).contiguous() / D,
                  torch.zeros(1, H, D, device="cuda"), torch.tensor([T], device="cuda"))
     kc = torch.randn(1, H, T, D, device="cuda", dtype=DT)
@@ -170,15 +226,22 @@ def section_decode(rows, T, warm):
                                            output_final_state=True),
         "decode_qdelta": lambda: dispatch.run("delta", "recurrent", q, k, v, beta, g=gs, p=k + 0.1 * q,
                                               initial_state=S, output_final_state=True),
-        "decode_sse_n4k1": lambda: (sse_decode_step(sse_state, idx, q, k, v, g=gv),
-                                    dispatch.run("gla", "recurrent", q, k, v, gv, initial_state=S,
-                                                 output_final_state=True)),
+        "decode_sse_n4k1": sse_step,
+        "decode_sse_n4k1_graph": None,                    # captured below, after the eager step compiled
+        "decode_sse_n4k1_torch": sse_decode_torch(sse_step),
         "decode_ccq_read": lambda: dispatch.run("ccq", "recurrent", q, k, initial_state=ccq_state,
                                                 output_final_state=True),
         "decode_softmax_kv": lambda: F.scaled_dot_product_attention(qa, kc, vc),
     }
     with torch.no_grad():
         for name, fn in fns.items():
+            if fn is None:
+                try:
+                    fn = graphed(sse_step)
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    rows.append(dict(name=name, T=T, error=f"{type(e).__name__}: {str(e)[:120]}"))
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
             if warm:
                 fn()
             else:
@@ -195,7 +258,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds; skip what would start later")
+    ap.add_argument("--sse-n", default="4,8,16", help="partition counts of the sse section (first: masking too)")
     a = ap.parse_args()
+    global SSE_NS
+    SSE_NS = tuple(int(n) for n in a.sse_n.split(","))
     if not torch.cuda.is_available():
         print("kernels.py: no CUDA device")
         return 0

@@ -6,6 +6,7 @@ skipping what is left):
     python benchmarks/rollouts.py                         # both parts, defaults below
     python benchmarks/rollouts.py --prompt-lens 16384,1024 --batch 8 --new-tokens 48 --grpo-steps 10
     python benchmarks/rollouts.py --no-grpo               # speed only (needs no trl / math-verify / data)
+    python benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --attention sdpa,triton
     python benchmarks/rollouts.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --data-dir /path/shared/data
 
 Part 1 - decode speed, random weights (speed does not depend on them): for each model shape
@@ -14,6 +15,8 @@ init), batch `--batch`, greedy, `--new-tokens` new tokens after a prompt of each
 prefill seconds, decode ms per step and decode tokens/s for `model.generate` (HF, the hybrid cache)
 and for `hybridize.rl.fast_generate` (static buffers, CUDA graphs), the peak memory, and whether the
 fast path produced the same greedy tokens as HF generate ("same": rows identical / rows).
+`--attention sdpa,triton` runs the fast path once per decode-attention setting (`FastGenConfig.attention`:
+HF's masked sdpa vs the Triton split-KV kernel) and adds an `attention` column: "setting (what ran)".
 HF decode time per step = the median gap between successive generation steps (timestamped by a
 pass-through logits processor); the fast path reports its own prefill/decode split. Each model is
 warmed up at the measured shapes first (kernel compilation; fla autotuning capped with
@@ -113,7 +116,8 @@ class StepClock:
         return scores
 
 
-def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget) -> list[dict]:
+def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
+                attentions: tuple[str, ...] = ("auto",)) -> list[dict]:
     from transformers import LogitsProcessorList
 
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
@@ -146,11 +150,13 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "same": "ref"})
     else:
         ref = None
-    # fast path
-    if budget.left() > 0:
+    # fast path, once per decode attention setting
+    for attention in attentions:
+        if budget.left() <= 0:
+            break
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        gen = FastGenerator(model, FastGenConfig(fallback=False))
+        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention))
         gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)  # warm-up + graph capture, same bucket
         out, tot = time_call(lambda: gen(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kw))
         st = gen.stats
@@ -163,8 +169,11 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "prefill_s": st["prefill_s"], "decode_ms": 1e3 * step, "decode_tok_s": B / step,
                      "rollout_tok_s": B * n / tot,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                     "same": same})
+                     "same": same, "attention": f"{attention} ({st['attention']})"})
         del gen
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -181,7 +190,8 @@ def part_speed(args, device, dtype, budget: Budget) -> list[dict]:
                     print(f"skipped {shape} T={T} {name}: time budget", flush=True)
                     continue
                 try:
-                    rows = bench_model(model, name, T, args.batch, args.new_tokens, device, budget)
+                    rows = bench_model(model, name, T, args.batch, args.new_tokens, device, budget,
+                                       tuple(args.attention.split(",")))
                 except torch.cuda.OutOfMemoryError as e:
                     rows = [{"model": name, "path": "OOM", "error": str(e)[:120]}]
                 for r in rows:
@@ -279,6 +289,9 @@ def main(argv=None):
     ap.add_argument("--plan", default="5:1")
     ap.add_argument("--mixer", default="sse")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--attention", default="auto",
+                    help="fast path decode attention(s), comma-separated: auto | triton | sdpa (e.g. sdpa,triton "
+                         "times both and adds an attention column)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--model", default="default", help="GRPO part: teacher source ('default' = SmolLM2-135M GGUF)")
@@ -321,18 +334,23 @@ def main(argv=None):
     print("\n## Rollout decode speed (random weights)\n")
     print(header + "\n")
     if results.get("speed"):
-        print(table(results["speed"], ["shape", "prompt_len", "model", "path", "prefill_s", "decode_ms",
-                                       "decode_tok_s", "rollout_tok_s", "peak_gib", "same"]))
+        extra = ["attention"] if args.attention != "auto" else []
+        print(table(results["speed"], ["shape", "prompt_len", "model", "path"] + extra + [
+            "prefill_s", "decode_ms", "decode_tok_s", "rollout_tok_s", "peak_gib", "same"]))
         by = {}
         for r in results["speed"]:
-            by.setdefault((r["shape"], r["prompt_len"]), {})[(r["model"].split()[0], r["path"].split()[0])] = r
+            key = (r["model"].split()[0], r["path"].split()[0], r.get("attention") if extra else None)
+            by.setdefault((r["shape"], r["prompt_len"]), {})[key] = r
         lines = []
         for (shape, T), d in by.items():
-            t_hf = d.get(("teacher", "HF"))
-            h_fast = d.get(("hybrid", "fast"))
-            if t_hf and h_fast and "decode_tok_s" in t_hf and "decode_tok_s" in h_fast:
-                lines.append(f"- {shape}, T={T}: hybrid fast / teacher HF decode tokens/s = "
-                             f"{h_fast['decode_tok_s'] / t_hf['decode_tok_s']:.1f}x")
+            t_hf = d.get(("teacher", "HF", None))
+            for (model, path, attention), h_fast in d.items():
+                if model != "hybrid" or path != "fast":
+                    continue
+                if t_hf and "decode_tok_s" in t_hf and "decode_tok_s" in h_fast:
+                    tag = f" [{attention}]" if attention else ""
+                    lines.append(f"- {shape}, T={T}: hybrid fast{tag} / teacher HF decode tokens/s = "
+                                 f"{h_fast['decode_tok_s'] / t_hf['decode_tok_s']:.1f}x")
         print("\n" + "\n".join(lines))
     g = results.get("grpo")
     if g:

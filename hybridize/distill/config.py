@@ -7,6 +7,7 @@ written to `<run_dir>/config.yaml` by every stage, so a run can be repeated from
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +233,23 @@ def _build(cls, data: dict[str, Any], where: str):
     return obj
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML with only true/false as booleans (YAML 1.2): `mixed_precision: no` stays the string "no"
+    (bool fields still accept yes/no/on/off through `_coerce`)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _ch in "tTfF":
+    _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                        [_ch])
+
+
+def load_yaml(text: str):
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
 def _coerce(value, tp, where: str):
     origin = typing.get_origin(tp) or tp
     if value is None:
@@ -249,7 +267,7 @@ def _coerce(value, tp, where: str):
             return origin(value)
         if origin is list and not isinstance(value, list):
             # "a,b" on the command line -> ["a", "b"]
-            return [yaml.safe_load(v) for v in str(value).split(",") if v != ""]
+            return [load_yaml(v) for v in str(value).split(",") if v != ""]
     except (TypeError, ValueError):
         raise UserError(f"{where}: cannot use {value!r} as {getattr(origin, '__name__', origin)}") from None
     return value
@@ -271,7 +289,7 @@ def parse_overrides(overrides: list[str] | None) -> dict:
         if "=" not in item:
             raise UserError(f"override {item!r} is not key=value (e.g. train.lr=3e-4)")
         key, raw = item.split("=", 1)
-        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        _set_dotted(out, key.strip(), load_yaml(raw) if raw.strip() else "")
     return out
 
 
@@ -301,7 +319,7 @@ def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | No
     data: dict = {}
     if recipe:
         path = find_recipe(recipe)
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = load_yaml(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise UserError(f"recipe {path} must be a YAML mapping")
         data = loaded

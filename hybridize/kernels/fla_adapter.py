@@ -15,7 +15,9 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 | delta / recurrent  | `fused_recurrent_gated_delta_rule` / `fused_recurrent_comba` (forward only:   |
 |                    | with gradients required the chunk path above is used)                        |
 | log_linear / chunk | `chunk_log_linear_attn` (on fp32 copies) when no state in/out, no clamped level|
-| ccq / chunk        | key-sum read C_t q through `chunk_gla` (values = keys), cumsum for mu, t      |
+| ccq / chunk        | our fused Triton read (`triton/ccq_read.py`: C_t q, mu_t mu_t^T q, one chunked |
+|                    | pass fwd + Triton bwd); `ccq_chunk` here (a `chunk_gla` call with values =     |
+|                    | keys, cumsum for mu, t) is kept as the comparison path                         |
 
 Conventions mapped here:
 - fla's Comba reads its erase direction against the *undecayed* state: u = v - S_{t-1}^T p_fla, then
@@ -336,11 +338,16 @@ def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_
     return o.to(q.dtype), (S_end * inv_end.view(-1, 1, 1, 1), M_end * inv_end.view(-1, 1, 1), t_end)
 
 
+def ccq_fused(*args, **kwargs):
+    from .triton.ccq_read import ccq_triton  # imports triton on the first CUDA call only
+    return ccq_triton(*args, **kwargs)
+
+
 WRAPPERS = {
     ("gla", "chunk"): gla_chunk,
     ("gla", "recurrent"): gla_recurrent,
     ("delta", "chunk"): delta_chunk,
     ("delta", "recurrent"): delta_recurrent,
     ("log_linear", "chunk"): log_linear_chunk,
-    ("ccq", "chunk"): ccq_chunk,
+    ("ccq", "chunk"): ccq_fused,
 }

@@ -15,11 +15,30 @@ decides which tokens reach which of the N state partitions of each head.
     one op call (paper Algorithm 1; best for short or packed sequences).
   * `sse_varlen`: the (token, partition) pairs are reordered so each partition of each sequence is
     one contiguous segment, new `cu_seqlens` are built, the shared path is concatenated in front
-    along time, one varlen op call, outputs scattered back with `index_add` (paper Algorithm 2;
-    best for long sequences). Empty segments are dropped (their states pass through untouched).
+    along time, one varlen op call, outputs summed back per token (paper Algorithm 2; best for long
+    sequences). The bookkeeping (`varlen_plan`) is device-side with static shapes: a stable sort of
+    the pair keys and `searchsorted` for the segment offsets; every (sequence, partition) segment is
+    passed, empty ones included (their states pass through untouched), and padding pairs go to one
+    trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
+    multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
+    kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
+    PyTorch forms (CPU, fp64, reference). `varlen_index` is the older host-side form of the same
+    reorder (non-empty segments only; it waits for the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
     runs the op's recurrent form for one step on them (with the shared partition), scatters back.
-    Partitions that were not selected are never read or written, so they stay bit-identical.
+    On CUDA without gradients the Triton `triton/sse_decode.py` step does this inside the state
+    tensor instead (no copies, no host sync, CUDA-graph capturable; `inplace=True` writes the given
+    state). Partitions that were not selected are never read or written, so they stay bit-identical.
+
+Host syncs, by reading the code (before -> now), per varlen forward: `cu_seqlens.tolist()`,
+`repeat_interleave` with tensor repeats, two boolean-mask gathers, `bincount` (reads the max),
+`nonzero`, `int(cu_seqlens[-1])`, `int(seg_cu[-1])` -> none in this module; fla's varlen op still
+reads its chunk count on the host once (`prepare_chunk_indices`: the chunk grid size depends on
+the segment lengths, and fla-core 0.6.0's public ops take no precomputed chunk indices). Passes over
+the 2T rows: 4 gathers + 2 multiplies + 4 concatenations + `index_add` (backward: 4 `index_put`
+with accumulation, 2 multiply backwards) -> 4 pack kernels + 1 combine kernel (backward: 4
+gather-sum kernels, the scale gradient fused, + 1 pack kernel). `HYBRIDIZE_KERNELS=torch` or
+`USE_TRITON = False` selects the PyTorch forms on CUDA.
 
 Router gradient (the fla PR #882 reading): the selected partition's router probability multiplies
 the sparse query (`emulq`) and/or key (`emulk`), so the router is trained by the main loss even at
@@ -29,6 +48,7 @@ not offered: every layout reads exactly the partitions it writes (the paper's de
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -226,14 +246,117 @@ def varlen_index(routing: Routing, cu_seqlens: torch.Tensor):
     return token, part, seg_cu, seg_id
 
 
+@dataclass
+class VarlenPlan:
+    """Device-side bookkeeping of the varlen layout (no host sync, shapes fixed by L, K, N, S).
+
+    The M = L * K (token, slot) pairs (pair p = t * K + s) are sorted stably by key = s_seq * N + i
+    (sequence-major, partition-minor); pairs of padding tokens get key G = S * N and sort last.
+    order `[M]` sorted pair ids; inv `[M]` sorted position of every pair; keep `[M]` bool (False on
+    padding); seg_cu `[G + 2]` offsets of the G (sequence, partition) segments in sorted order, empty
+    ones included, then one trailing "trash" segment [seg_cu[G], M) holding the padding pairs."""
+
+    order: torch.Tensor
+    inv: torch.Tensor
+    keep: torch.Tensor
+    seg_cu: torch.Tensor
+
+
+def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor) -> VarlenPlan:
+    """Packed routing (B == 1, L tokens) and `cu_seqlens` `[S + 1]` -> `VarlenPlan`.
+
+    One stable device sort and two `searchsorted` calls: no `nonzero`, `bincount`, boolean indexing or
+    `.tolist()` (each of which waits for the device)."""
+    n, K, L = routing.probs.shape[-1], routing.index.shape[-1], routing.index.shape[1]
+    dev = routing.index.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    G = (len(cu) - 1) * n
+    seq = torch.searchsorted(cu[1:], torch.arange(L, device=dev), right=True)            # [L] sequence of token
+    part = routing.index[0].reshape(-1)                                                  # [M], token-major
+    keep = routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
+    key = torch.where(keep, seq.unsqueeze(1).expand(L, K).reshape(-1) * n + part, torch.full_like(part, G))
+    skey, order = torch.sort(key, stable=True)           # stable: time order kept inside a segment
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
+    seg_cu = torch.searchsorted(skey, torch.arange(G + 1, device=dev))                   # first row of each key
+    seg_cu = torch.cat([seg_cu, seg_cu.new_full((1,), order.numel())])
+    return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu)
+
+
+def _bshape(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`[M]` -> `[1, M, 1, ...]` to broadcast against x `[1, M, *C]`."""
+    return m.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def pack_rows_torch(x_sh, x_sp, order, inv, K: int, scale=None, keep=None):
+    """PyTorch reference of `triton.sse_route.pack_rows`: `[1, L0 + M, *C]` = shared rows, then the
+    sparse rows of the sorted pairs times `scale`, exactly 0 for pairs with keep False."""
+    y = x_sp[:, order // K]
+    if scale is not None or keep is not None:
+        acc = torch.promote_types(x_sp.dtype, torch.float32)
+        y = y.to(acc)
+        if scale is not None:
+            y = y * _bshape(scale[order].to(acc), y)
+        if keep is not None:
+            y = torch.where(_bshape(keep[order], y), y, torch.zeros((), dtype=acc, device=y.device))
+        y = y.to(x_sp.dtype)
+    return y if x_sh is None else torch.cat([x_sh.to(x_sp.dtype), y], dim=1)
+
+
+def combine_rows_torch(o_all, order, inv, K: int, L: int, shared: bool, keep=None):
+    """PyTorch reference of `triton.sse_route.combine_rows`: o[t] = o_all[t] (if shared) + sum over
+    the K pairs of t of their row (0 for keep False), summed in fp32, `[1, L, *C]` in o_all's dtype."""
+    L0 = L if shared else 0
+    acc = torch.promote_types(o_all.dtype, torch.float32)
+    rows = o_all[:, L0 + inv].to(acc)                                                  # [1, L*K, *C]
+    if keep is not None:
+        rows = torch.where(_bshape(keep, rows), rows, torch.zeros((), dtype=acc, device=rows.device))
+    o = rows.view(1, L, K, *o_all.shape[2:]).sum(2)
+    if shared:
+        o = o + o_all[:, :L].to(acc)
+    return o.to(o_all.dtype)
+
+
+#: use our Triton kernels (varlen row movers, decode step) for CUDA tensors; False keeps the PyTorch
+#: forms on CUDA too (benchmarks compare the two)
+USE_TRITON = True
+#: tests set this to run our Triton kernels on CPU tensors under TRITON_INTERPRET=1
+FORCE_TRITON = False
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    """Our Triton kernels apply: CUDA tensor (or forced for the interpreter), not fp64, backend not torch."""
+    if x.dtype == torch.float64 or dispatch.get_backend() == "torch" or not (USE_TRITON or FORCE_TRITON):
+        return False
+    return (x.is_cuda or FORCE_TRITON) and importlib.util.find_spec("triton") is not None
+
+
+def _row_movers(x: torch.Tensor):
+    if _triton_ok(x):
+        from .triton.sse_route import combine_rows, pack_rows
+        return pack_rows, combine_rows
+    return pack_rows_torch, combine_rows_torch
+
+
+def _check_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Full check on CPU; on CUDA only the batch size (comparing cu_seqlens[-1] would wait for the device)."""
+    if x.is_cuda:
+        if x.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1 (packed layout), got batch {x.shape[0]}")
+    else:
+        check_cu_seqlens(x, cu_seqlens)
+
+
 def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: Routing, *,
                emulq: bool = True, emulk: bool = True, scale=None, initial_state=None,
                output_final_state: bool = False, cu_seqlens=None, chunk_size: int | None = None):
     """Reorder-by-partition layout, one varlen op call (shared path in front along time).
 
-    Same arguments and results as `sse_masking`."""
+    Same arguments and results as `sse_masking`. Host syncs: none here (`varlen_plan` is device-side;
+    every (sequence, partition) segment is passed, empty ones included, so the segment count is
+    static); fla's varlen op itself reads its chunk count on the host once per forward
+    (`prepare_chunk_indices`)."""
     B, T, H = sparse.q.shape[:3]
-    n = routing.probs.shape[-1]
+    n, K = routing.probs.shape[-1], routing.index.shape[-1]
     if cu_seqlens is None:  # a batch of equal-length rows is a packed row with regular offsets
         flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
         sparse = PathInputs(*(flat(t) for t in (sparse.q, sparse.k, sparse.v, sparse.g, sparse.beta)))
@@ -242,53 +365,58 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         routing = Routing(flat(routing.probs), flat(routing.index), flat(routing.selected))
         cu = torch.arange(0, (B + 1) * T, T, device=sparse.q.device)
     else:
-        check_cu_seqlens(sparse.q, cu_seqlens)
-        cu = cu_seqlens.to(torch.long)
-    L = sparse.q.shape[1]
-    nseq = len(cu) - 1
-    token, part, seg_cu, seg_id = varlen_index(routing, cu)
-
-    w = routing.probs[0, token, part].to(sparse.q.dtype)[None, :, None, None]
-    gather = lambda t: None if t is None else t[:, token]  # noqa: E731
-    x = PathInputs(q=gather(sparse.q) * w if emulq else gather(sparse.q),
-                   k=gather(sparse.k) * w if emulk else gather(sparse.k),
-                   v=gather(sparse.v), g=gather(sparse.g), beta=gather(sparse.beta))
-    if shared is not None:  # fuse the shared path: its sequences first, then the partition segments
-        x = PathInputs(*(None if a is None else torch.cat([a, b], dim=1)
-                         for a, b in zip((shared.q, shared.k, shared.v, shared.g, shared.beta),
-                                         (x.q, x.k, x.v, x.g, x.beta))))
-        seg_cu = torch.cat([cu, seg_cu[1:] + L])
-    h0 = sp_flat = None
-    if initial_state is not None or output_final_state:
+        _check_packed(sparse.q, cu_seqlens)
+        cu = cu_seqlens.to(device=sparse.q.device, dtype=torch.long)
+    L, nseq = sparse.q.shape[1], len(cu) - 1
+    Kd, V = sparse.q.shape[-1], sparse.v.shape[-1]
+    if L == 0:
         sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)
-        sp_flat = sp0.flatten(0, 1)                                                        # [S*N, H, K, V]
-        h0 = sp_flat[seg_id] if shared is None else torch.cat([sh0, sp_flat[seg_id]])
-    V = sparse.v.shape[-1]
-    if len(seg_cu) > 1 and int(seg_cu[-1]) > 0:
-        o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state,
-                            seg_cu.to(cu_seqlens.dtype if cu_seqlens is not None else torch.long), chunk_size)
-    else:  # no token at all (everything padded and no shared path)
-        o_all, st = x.v.new_zeros(1, 0, H, V), h0
-    off = L if shared is not None else 0
-    o = o_all[:, :L] if shared is not None else sparse.v.new_zeros(1, L, H, V)
-    o = o.index_add(1, token, o_all[:, off:].to(o.dtype))
+        o = sparse.v.new_zeros(1, 0, H, V)
+        return (o.view(B, T, H, V) if cu_seqlens is None else o), *(
+            (sh0, sp0) if output_final_state else (None, None))
+    plan = varlen_plan(routing, cu)
+    pack, combine = _row_movers(sparse.q)
+    w = routing.probs[0].gather(-1, routing.index[0]).reshape(-1)                    # [L*K] router prob per pair
+    sh = shared if shared is not None else PathInputs(None, None, None, None, None)
+
+    def mv(a, b, s=None):
+        return None if b is None else pack(a, b, plan.order, plan.inv, K, scale=s, keep=plan.keep)
+    x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
+                   v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
+    seg_cu = plan.seg_cu if shared is None else torch.cat([cu, plan.seg_cu[1:] + L])
+    h0 = None
+    if initial_state is not None:
+        sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)
+        parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
+        h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
+    o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state, seg_cu, chunk_size)
+    o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
     if cu_seqlens is None:
         o = o.view(B, T, H, V)
     if not output_final_state:
         return o, None, None
-    sh = st[:nseq] if shared is not None else None
-    sp = sp_flat.index_copy(0, seg_id, st[nseq if shared is not None else 0:].to(sp_flat.dtype))
-    return o, sh, sp.view(nseq, n, *sp.shape[1:])
+    acc = torch.float64 if sparse.q.dtype == torch.float64 else torch.float32
+    first = 0 if shared is None else nseq
+    sh_end = None if shared is None else st[:nseq].to(acc)
+    return o, sh_end, st[first:first + nseq * n].to(acc).view(nseq, n, H, Kd, V)
 
 
 # ---- recurrent ground truth / decode ---------------------------------------------------------
 
 def sse_recurrent(op: str, shared: PathInputs | None, sparse: PathInputs, routing: Routing, *,
                   emulq: bool = True, emulk: bool = True, scale=None, initial_state=None,
-                  output_final_state: bool = False, cu_seqlens=None, chunk_size: int | None = None):
-    """Token-by-token: gather the K selected partition states, one recurrent op step, scatter back.
+                  output_final_state: bool = False, cu_seqlens=None, chunk_size: int | None = None,
+                  inplace: bool = False):
+    """Token-by-token ground truth and decode step.
 
-    Same arguments and results as `sse_masking` (`chunk_size` unused)."""
+    PyTorch path (CPU, fp64, `HYBRIDIZE_KERNELS=torch`, or gradients needed): gather the K selected
+    partition states, one recurrent op step, scatter back. CUDA path (no gradients): the Triton
+    `sse_decode_step` updates only the selected partitions inside the state tensor; no host sync and
+    no data-dependent shape, so a T == 1 step can be captured in a CUDA graph.
+    `inplace=True` lets the CUDA path overwrite the given (contiguous fp32) state tensors instead of
+    working on copies; the returned states are then those same tensors (what a decode cache wants;
+    callers that keep the old state must leave it False). The PyTorch path never writes its inputs.
+    Same arguments and results as `sse_masking` otherwise (`chunk_size` unused)."""
     if cu_seqlens is not None:  # right-pad the documents; padding is unselected and zero: no effect
         check_cu_seqlens(sparse.q, cu_seqlens)
         pad = lambda t: pack_to_padded(t, cu_seqlens)  # noqa: E731
@@ -296,9 +424,66 @@ def sse_recurrent(op: str, shared: PathInputs | None, sparse: PathInputs, routin
         sh = None if shared is None else PathInputs(
             *(pad(t) for t in (shared.q, shared.k, shared.v, shared.g, shared.beta)))
         rt = Routing(pad(routing.probs), pad(routing.index), pad(routing.selected))
-        o, s1, s2 = _recurrent_loop(op, sh, sp, rt, emulq, emulk, scale, initial_state, output_final_state)
+        o, s1, s2 = sse_recurrent(op, sh, sp, rt, emulq=emulq, emulk=emulk, scale=scale,
+                                  initial_state=initial_state, output_final_state=output_final_state)
         return padded_to_pack(o, cu_seqlens), s1, s2
+    if _decode_kernel_ok(shared, sparse, routing, initial_state):
+        return _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state,
+                                      output_final_state, inplace)
     return _recurrent_loop(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state)
+
+
+def _path_tensors(p: PathInputs | None) -> list:
+    return [] if p is None else [t for t in (p.q, p.k, p.v, p.g, p.beta) if t is not None]
+
+
+def _decode_kernel_ok(shared, sparse, routing, initial_state) -> bool:
+    """The Triton decode step applies: CUDA (or forced interpreter), no fp64, no gradient needed."""
+    if not _triton_ok(sparse.q):
+        return False
+    ts = _path_tensors(shared) + _path_tensors(sparse) + [routing.probs]
+    ts += [t for t in (initial_state or ()) if t is not None]
+    if any(t.dtype == torch.float64 for t in ts):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def _owned(state: torch.Tensor | None, given: torch.Tensor | None, inplace: bool) -> torch.Tensor | None:
+    """A contiguous fp32 state the kernel may write: the given tensor itself only when `inplace`."""
+    if state is None:
+        return None
+    state = state.float().contiguous()
+    if not inplace and given is not None and state.data_ptr() == given.data_ptr():
+        state = state.clone()
+    return state
+
+
+def _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state,
+                           inplace):
+    from .triton.sse_decode import sse_decode_step
+    B, T, H = sparse.q.shape[:3]
+    n = routing.probs.shape[-1]
+    sh_state, sp_state = _init_states(sparse, shared, n, B, initial_state)
+    given = initial_state if initial_state is not None else (None, None)
+    sh_state, sp_state = _owned(sh_state, given[0], inplace), _owned(sp_state, given[1], inplace)
+    sel = routing.selected.gather(-1, routing.index)                                  # [B, T, K]
+    idx = torch.where(sel, routing.index, torch.full_like(routing.index, -1))          # -1: slot skipped
+    w = routing.probs.gather(-1, routing.index).float()                                # [B, T, K]
+    zero = torch.zeros(B, 1, dtype=torch.long, device=sparse.q.device)
+    outs = []
+    for t in range(T):
+        step = lambda a: None if a is None else a[:, t:t + 1]  # noqa: E731 - [B, 1, ...]: broadcast to slots
+        o = sse_decode_step(sp_state, idx[:, t], step(sparse.q), step(sparse.k), step(sparse.v),
+                            g=step(sparse.g), beta=step(sparse.beta), scale=scale,
+                            wq=w[:, t] if emulq else None, wk=w[:, t] if emulk else None).sum(1)
+        if shared is not None:
+            o = o + sse_decode_step(sh_state.unsqueeze(1), zero, step(shared.q), step(shared.k), step(shared.v),
+                                    g=step(shared.g), beta=step(shared.beta), scale=scale)[:, 0]
+        outs.append(o.unsqueeze(1))
+    o = torch.cat(outs, 1).to(sparse.v.dtype) if outs else sparse.v.new_zeros(B, 0, H, sparse.v.shape[-1])
+    if not output_final_state:
+        return o, None, None
+    return o, sh_state, sp_state
 
 
 def _recurrent_loop(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state):

@@ -29,6 +29,17 @@ replays give exactly the tokens of the same masked layout run eagerly, sampling 
 that does not change the returned tokens: the loop may run up to `check_every - 1` steps past the
 point where every row finished, so the global RNG ends in a different state than after HF generate.
 
+Softmax attention in the decode step (`FastGenConfig.attention`): HF's masked sdpa with q_len = 1
+cannot split the key length across programs (~1.25 ms per layer at B=8, 16k keys, Qwen3-1.7B shapes on
+an H100, 7x its memory floor), so on CUDA the graph path and the eager masked path call our split-KV
+Triton kernel (`hybridize.kernels.triton.attn_decode`) instead, with the same visible keys (left
+padding, future slots, sliding windows): the softmax layers' attention modules run unchanged, only
+their attention function is swapped for the duration of each step (a per-module config view naming
+a registered attention function; the shared config is not touched). The eager exact path keeps HF's
+attention under `auto`, as it exists to give HF's bits. The kernel needs a left-padded prompt mask
+(padding, then real tokens); other masks keep HF's attention. On CPU, `attention=triton` runs the
+kernel's PyTorch reference (or the kernel itself under `TRITON_INTERPRET=1`), to test the wiring.
+
 Not supported (falls back to `model.generate`, with the reason in `last_fallback_reason`): beams,
 several return sequences, repetition penalties and other input-dependent processors, streamers,
 `return_dict_in_generate`, attention implementations other than sdpa/eager, models whose decoder
@@ -37,8 +48,9 @@ layers do not follow the Llama layout.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +73,10 @@ class FastGenConfig:
         "help": "keep every step's fp32 logits [B, V] in `FastGenerator.last_logits` (eager decode only; tests)"})
     fallback: bool = field(default=True, metadata={"help": "use model.generate when a setting is unsupported "
                                                            "(else raise)"})
+    attention: str = field(default="auto", metadata={
+        "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
+                "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
+                "kernel's PyTorch reference) | sdpa (always the model's own attention)"})
 
 
 _ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
@@ -94,6 +110,85 @@ def _is_mixer_layer(layer) -> bool:
     from hybridize.modeling import AttentionSlot
 
     return isinstance(layer.self_attn, AttentionSlot)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode attention (the Triton split-KV kernel through HF's attention-function registry)
+# ---------------------------------------------------------------------------------------------
+_ATTN_NAME = "hybridize_decode"
+_ATTN_MODES = ("auto", "triton", "sdpa")
+
+
+@dataclass
+class _DecodeAttention:
+    """What a softmax layer's attention needs in a decode step; travels as its `attention_mask`.
+    Row b sees buffer positions `start[b] <= j < length` (and `j >= length - window` when sliding)."""
+    fn: object                      # attn_decode or attn_decode_reference
+    start: torch.Tensor             # [B] first real prompt position (left padding)
+    length: torch.Tensor            # [1] slot of the current token + 1
+    window: int | None
+
+
+def _decode_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs):
+    """HF attention-function signature: query `[B, Hq, 1, D]`, key/value `[B, Hkv, L, D]` (the static
+    buffer) -> (`[B, 1, Hq, D]`, None). The visible keys come from the `_DecodeAttention` mask."""
+    d = attention_mask
+    if not isinstance(d, _DecodeAttention) or query.shape[2] != 1:
+        raise RuntimeError(f"the {_ATTN_NAME!r} attention only runs inside a fast-generation decode step")
+    o = d.fn(query[:, :, 0], key, value, d.length, d.start, window=d.window, scale=scaling)
+    return o[:, None], None
+
+
+class _ConfigView:
+    """A module's config with another `_attn_implementation`; every other attribute is the original's."""
+
+    def __init__(self, base, impl: str):
+        self._base, self._attn_implementation = base, impl
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+@contextmanager
+def _attention_swapped(modules: list):
+    """Within the block the given attention modules call `_decode_attention_forward`; restored after."""
+    old = [mod.config for mod in modules]
+    try:
+        for mod, cfg in zip(modules, old):
+            mod.config = _ConfigView(cfg, _ATTN_NAME)
+        yield
+    finally:
+        for mod, cfg in zip(modules, old):
+            mod.config = cfg
+
+
+def _decode_attention_fn(device, mode: str):
+    """The kernel for `device` (None when it cannot run): the Triton kernel on CUDA (and on CPU under
+    TRITON_INTERPRET=1), its PyTorch reference on CPU when `mode` asks for triton explicitly."""
+    from transformers import AttentionInterface
+
+    if _ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_ATTN_NAME, _decode_attention_forward)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda" or (interp and mode == "triton"):
+        from hybridize.kernels.triton import attn_decode as mod
+
+        if mod.triton is not None:
+            return mod.attn_decode
+        if mode == "triton" and device.type == "cuda":
+            raise ValueError("attention='triton' needs triton on CUDA; install it or use attention='sdpa'")
+        if device.type == "cuda":
+            return None
+    if mode == "triton":
+        from hybridize.kernels.triton.attn_decode import attn_decode_reference
+        return attn_decode_reference
+    return None
+
+
+def _left_padded(am: torch.Tensor) -> bool:
+    """True when every row of the prompt mask `[B, T]` is zeros then ones (one host sync)."""
+    return bool((am[:, 1:] >= am[:, :-1]).all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +296,10 @@ class _Session:
         self.out = torch.zeros(batch, length, **z)     # sampled tokens (column j = j-th new token)
         self.mask_dtype = mask_dtype                   # None: bool mask (sdpa); else additive (eager)
         self.sliding = sliding                         # per layer: window or None
+        self.attn_fn = None                            # decode attention kernel (None: the model's own)
+        self.start = torch.zeros(batch, **z)           # first real prompt position per row (kernel path)
+        self.attn_modules = [layer.self_attn for layer, c in zip(model.model.layers, cache.layers)
+                             if isinstance(c, StaticKV)]
         self.graph = None
         self.exact_length: int | None = None           # host-side length in eager mode
         self.use_mask = True
@@ -229,12 +328,15 @@ class _Session:
         h = base.embed_tokens(self.tok)
         pe = base.rotary_emb(h, self.pos)
         masks: dict = {}
-        for i, layer in enumerate(base.layers):
-            w = self.sliding[i]
-            if w not in masks:
-                masks[w] = self._mask(w)
-            h = layer(h, attention_mask=masks[w], position_embeddings=pe, position_ids=self.pos,
-                      past_key_values=self.cache, use_cache=True)
+        fn = self.attn_fn
+        length = self.slot + 1 if fn is not None else None
+        with _attention_swapped(self.attn_modules) if fn is not None else nullcontext():
+            for i, layer in enumerate(base.layers):
+                w = self.sliding[i]
+                if w not in masks:   # mixer slots ignore the decoder's mask
+                    masks[w] = self._mask(w) if fn is None else _DecodeAttention(fn, self.start, length, w)
+                h = layer(h, attention_mask=masks[w], position_embeddings=pe, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True)
         h = base.norm(h)
         logits = m.lm_head(h[:, -1:, :])[:, -1].to(dtype=torch.float32)
         nxt = self.select(logits)
@@ -347,6 +449,21 @@ class FastGenerator:
             raise ValueError(f"cuda_graphs must be auto, on or off, got {mode!r}")
         return device.type == "cuda" and mode != "off"
 
+    def _attention(self, device, exact: bool, attention_mask) -> object | None:
+        """The decode attention kernel for this call, or None for the model's own attention."""
+        mode = self.config.attention
+        if mode not in _ATTN_MODES:
+            raise ValueError(f"attention must be one of {', '.join(_ATTN_MODES)}, got {mode!r}")
+        if mode == "sdpa" or (mode == "auto" and (device.type != "cuda" or exact)):
+            return None
+        if self.model.training and getattr(_text_config(self.model), "attention_dropout", 0.0):
+            return None   # the kernel has no attention dropout; HF applies it in training mode
+        fn = _decode_attention_fn(device, mode)
+        if fn is not None and attention_mask is not None and not _left_padded(attention_mask):
+            log.info("the prompt mask is not left padding: decode attention stays the model's own")
+            return None
+        return fn
+
     # -- entry point ----------------------------------------------------------------------------
     def __call__(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         m = self.model
@@ -390,14 +507,15 @@ class FastGenerator:
                 use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values, pos, am
 
-    def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling):
+    def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling, attn_fn=None):
         """A session whose buffers hold the prefill `cache`. With graphs, sessions are kept and reused
         when the shapes, the sampling settings (baked into the graph) and the parameters' storage match."""
         m = self.model
         tc = _text_config(m)
         key = None
         if use_graphs:
-            key = (B, L, dtype, device, _sampling_key(sampling), tuple(p.data_ptr() for p in m.parameters()))
+            key = (B, L, dtype, device, _sampling_key(sampling), getattr(attn_fn, "__name__", None),
+                   tuple(p.data_ptr() for p in m.parameters()))
             if key in self._sessions:
                 sess = self._sessions.pop(key)
                 self._sessions[key] = sess   # most recently used last
@@ -424,6 +542,7 @@ class FastGenerator:
         sess = _Session(m, StaticCache(layers), B, L, device, None if impl == "sdpa" else dtype, sliding)
         sess.slot = pos_slot   # the KV layers and the mask share the slot counter
         sess.sampling = sampling
+        sess.attn_fn = attn_fn
         self._load(sess, cache, T)
         if key is not None:
             self._sessions[key] = sess
@@ -464,13 +583,16 @@ class FastGenerator:
             return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
                                     generation_config=self._gc)
         exact = self.config.exact_lengths and not use_graphs
-        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling)
+        attn_fn = self._attention(device, exact, attention_mask)
+        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, attn_fn)
         del cache
         sampling = sess.sampling
         sess.out.fill_(sampling.pad)
         sess.valid.fill_(True)
+        sess.start.zero_()
         if attention_mask is not None:
             sess.valid[:, :T].copy_(attention_mask.bool())
+            sess.start.copy_(T - attention_mask.long().sum(dim=1))   # left padding (checked if used)
         sess.use_mask = am is not None
         sess.unfinished.fill_(1)
         sess.pos.copy_(pos[:, -1:] + 1)   # position of the first generated token
@@ -503,7 +625,8 @@ class FastGenerator:
         self.last_logits = sess.recorded
         sess.recorded = None
         self.stats = {"prefill_s": t_prefill, "decode_s": total - t_prefill, "new_tokens": out.shape[1],
-                      "steps": n_done, "graphs": sess.graph is not None, "batch": B, "prompt_len": T}
+                      "steps": n_done, "graphs": sess.graph is not None, "batch": B, "prompt_len": T,
+                      "attention": getattr(sess.attn_fn, "__name__", "model")}
         return torch.cat([input_ids, out.clone()], dim=1)
 
     @staticmethod

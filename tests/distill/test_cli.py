@@ -50,6 +50,16 @@ def test_config_layers_recipe_then_overrides(tmp_path):
         parse_overrides(["oops"])
 
 
+def test_yaml_no_stays_a_string_and_bools_still_parse(tmp_path):
+    """YAML 1.1 reads `no` as False: `train.mixed_precision=no` used to fail with "got 'False'"."""
+    rec = tmp_path / "r.yaml"
+    rec.write_text("gradient_checkpointing: yes\ntrain:\n  mixed_precision: no\n  progress: off\n")
+    c = load_config(E2EConfig, str(rec), [])
+    assert (c.train.mixed_precision, c.gradient_checkpointing, c.train.progress) == ("no", True, False)
+    c = load_config(E2EConfig, None, ["train.mixed_precision=no", "train.progress=false", "gradient_checkpointing=true"])
+    assert (c.train.mixed_precision, c.train.progress, c.gradient_checkpointing) == ("no", False, True)
+
+
 def test_cli_align_then_e2e_on_saved_hybrid(app, tmp_path):
     from hybridize.convert.convert import convert_model
 

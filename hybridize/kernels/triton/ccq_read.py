@@ -1,0 +1,506 @@
+"""CCQ covariance read (seed 000, appendix B) as one fused Triton chunked pass, forward and backward.
+
+Computes what `hybridize.kernels.ccq.ccq_chunk` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
+for q, k `[B, T, H, K]`, with the same arguments (mask `[B, T]`, initial / final state `(C, mu, t)`,
+packed `cu_seqlens`), but instead of a second full linear-attention call plus an fp32 elementwise
+epilogue it keeps the un-normalised sums in registers and walks the sequence once:
+
+    S = t0 C0 + sum_{j<=t} m_j k_j k_j^T  (K x K)     M = t0 mu0 + sum_{j<=t} m_j k_j     n_t = t0 + sum m_j
+    o_t = S_t^T q_t / n_t - M_t (M_t . q_t) / n_t^2                    (n_t clamped to >= 1)
+
+Per chunk of BT tokens and per block of BV output channels (one program per (channel block, piece,
+head)): the inter-chunk part `q S_prev`, the intra-chunk part `tril(q k^T) k`, the mean part from the
+carried M plus an in-chunk cumsum of the keys (M_t . q_t = q M_prev + rowsum(tril(q k^T))), then the
+state update `S += k^T k_v`, `M += sum k`. The 1/n and 1/n^2 normalisations happen in registers.
+
+Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
+runs T / BT dependent steps. The forward therefore cuts every sequence into pieces of `segment_len`
+tokens (automatic on GPU, ~256 (piece, head) rows): (1) the same kernel with OUTPUT=False sums each
+piece's keys, (2) `_ccq_scan_kernel` turns the piece sums into each piece's starting sums (in place,
+plus the initial state; it also writes the end state), (3) every piece runs the fused pass above from
+its start. Steps (1) and (3) both read the keys, so the split costs ~1.4x the work of one pass for
+~NS-fold parallelism. Pieces are built on the device from `cu_seqlens` (no host sync): a table of
+(first token, length) with unused slots of length 0.
+
+Backward (two kernels, no chunk states stored): with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
+- `dq` pass, forward in time, carrying rows of S: `dq = g S_prev^T + tril(g k^T) k - (a' / n) M`; it
+  also writes a', r per token and, with an initial state, dS0 = sum_i q_i g_i^T;
+- `dk` pass, backward in time, carrying E = sum_{i later} (q_i g_i^T + g_i q_i^T) and the key-sum
+  gradient: `dk = k E^T + tril(g k^T)^T q + tril(q k^T)^T g + revcumsum(dM)`, dM_i = -(r_i g_i + a'_i q_i) / n_i,
+  times the mask; dM0 is the carried sum at the start.
+The torch wrapper turns (C0, mu0, t0) into (t0 C0, t0 mu0) and the end sums back into (C, mu, t) with
+differentiable torch ops, so gradients reach the initial state (and flow from the final state).
+
+Backward parallelism: one pass per (sequence, head) (no split yet; the same piece/scan scheme applies
+to the dq pass directly and to the dk pass with suffix sums of E and dM).
+
+Numerics: all products in fp32 registers; `tl.dot` runs in tf32 for 16-bit inputs (bf16 values are exact
+in tf32, so q k^T is exact; the carried fp32 sums and the fp32 score tile are rounded to tf32, not to
+bf16, when multiplied) and in IEEE fp32 for fp32 inputs. fp64 and empty inputs go to the PyTorch op. On CUDA the tile sizes (BT, BV) and warps
+are autotuned and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- kernels ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bounds(seg, i_n):
+    """(first token, length) of segment i_n from the int64 table `seg` `[G, 2]`."""
+    return tl.load(seg + 2 * i_n).to(tl.int64), tl.load(seg + 2 * i_n + 1).to(tl.int64)
+
+
+@triton.jit
+def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
+                    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
+                    OUTPUT: tl.constexpr, PREC: tl.constexpr):
+    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < K
+    tril = o_t[:, None] >= o_t[None, :]
+    hbase = i_nh.to(tl.int64) * K
+    # carried state: S[:, v-block] (un-normalised second moment), M (full, for M . q), M[v-block], count
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    b_M = tl.zeros([BK], dtype=tl.float32)
+    b_Mv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(s0 + hbase * K + o_k[:, None] * K + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
+        b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
+    b_n = tl.load(n0 + i_n)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        p = (rows[:, None] * H + i_h) * K
+        b_k = tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_kv = tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if HAS_MASK:
+            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
+            b_k = b_k * b_m[:, None]
+            b_kv = b_kv * b_m[:, None]
+        else:
+            b_m = m_t.to(tl.float32)
+        if OUTPUT:
+            b_q = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+            b_A = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)
+            b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # M_t . q_t
+            b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # M_t[v-block]
+            b_o = tl.dot(b_q, b_S, input_precision=PREC) + tl.dot(b_A, b_kv, input_precision=PREC)
+            b_o = b_o * inv[:, None] - b_Mc * (b_r * inv * inv)[:, None]
+            tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_S += tl.dot(tl.trans(b_k), b_kv, input_precision=PREC)
+        b_M += tl.sum(b_k, 0)
+        b_Mv += tl.sum(b_kv, 0)
+        b_n += tl.sum(b_m, 0)
+    if STORE_END:
+        tl.store(s_end + hbase * K + o_k[:, None] * K + o_v[None, :], b_S, mask=m_k[:, None] & m_v[None, :])
+        if i_v == 0:
+            tl.store(m_end + hbase + o_k, b_M, mask=m_k)
+
+
+@triton.jit
+def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_H0: tl.constexpr):
+    # per (channel block, sequence, head): starting sums of each of the sequence's segments (exclusive
+    # prefix over its segments, plus the initial state) and the sequence's end sums, in fp32 sequence order
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    first = tl.load(segs + 2 * i_n).to(tl.int64)
+    count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < K
+    blk = o_k[:, None] * K + o_v[None, :]
+    m_blk = m_k[:, None] & m_v[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    b_M = tl.zeros([BK], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(s0 + i_nh.to(tl.int64) * K * K + blk, mask=m_blk, other=0.0)
+        b_M += tl.load(m0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+    for i in range(0, count):
+        g = (first + i) * H + i_h
+        b_x = tl.load(sums + g * K * K + blk, mask=m_blk, other=0.0)
+        tl.store(starts + g * K * K + blk, b_S, mask=m_blk)
+        b_S += b_x
+        if i_v == 0:
+            b_y = tl.load(msums + g * K + o_k, mask=m_k, other=0.0)
+            tl.store(mstarts + g * K + o_k, b_M, mask=m_k)
+            b_M += b_y
+    tl.store(s_end + i_nh.to(tl.int64) * K * K + blk, b_S, mask=m_blk)
+    if i_v == 0:
+        tl.store(m_end + i_nh.to(tl.int64) * K + o_k, b_M, mask=m_k)
+
+
+@triton.jit
+def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
+                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                       HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+    # this program owns channels l in the block: it carries rows S[l, :] and writes dq[:, l]
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < K
+    tril = o_t[:, None] >= o_t[None, :]
+    hbase = i_nh.to(tl.int64) * K
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    b_D = tl.zeros([BV, BK], dtype=tl.float32)     # rows of dS0 = sum_i q_i g_i^T
+    b_M = tl.zeros([BK], dtype=tl.float32)
+    b_Mv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(s0 + hbase * K + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
+        b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
+    b_n = tl.load(n0 + i_n)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        p = (rows[:, None] * H + i_h) * K
+        mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_kv = tl.load(k + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
+            b_k = b_k * b_m[:, None]
+            b_kv = b_kv * b_m[:, None]
+        else:
+            b_m = m_t.to(tl.float32)
+        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        b_g = b_do * inv[:, None]
+        b_Ag = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)
+        b_Aq = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)
+        b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . M_t
+        b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . M_t
+        b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)
+        b_dq = tl.dot(b_g, tl.trans(b_S), input_precision=PREC) + tl.dot(b_Ag, b_kv, input_precision=PREC)
+        b_dq = b_dq - b_Mc * (b_a * inv)[:, None]
+        tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
+        if i_v == 0:
+            tl.store(a_buf + rows * H + i_h, b_a, mask=m_t)
+            tl.store(r_buf + rows * H + i_h, b_r, mask=m_t)
+        if HAS_H0:
+            b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+            b_D += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
+        b_S += tl.dot(tl.trans(b_kv), b_k, input_precision=PREC)
+        b_M += tl.sum(b_k, 0)
+        b_Mv += tl.sum(b_kv, 0)
+        b_n += tl.sum(b_m, 0)
+    if HAS_H0:
+        tl.store(ds0 + hbase * K + o_v[:, None] * K + o_k[None, :], b_D, mask=m_v[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, seg,
+                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PREC: tl.constexpr):
+    # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < K
+    tril = o_t[:, None] >= o_t[None, :]
+    hbase = i_nh.to(tl.int64) * K
+    b_E = tl.zeros([BV, BK], dtype=tl.float32)
+    b_dM = tl.zeros([BV], dtype=tl.float32)
+    if HAS_DEND:
+        b_E += tl.load(e0 + hbase * K + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_dM += tl.load(dm_end + hbase + o_v, mask=m_v, other=0.0)
+    b_n = tl.load(n_end + i_n)
+    NT = tl.cdiv(L, BT)
+    for i_rev in range(0, NT):
+        i_t = NT - 1 - i_rev
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        p = (rows[:, None] * H + i_h) * K
+        mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_do = tl.load(do + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_dov = tl.load(do + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
+        b_r = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
+        if HAS_MASK:
+            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
+            b_k = b_k * b_m[:, None]
+        else:
+            b_m = m_t.to(tl.float32)
+        b_prev = b_n - tl.sum(b_m, 0)
+        inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
+        b_g = b_do * inv[:, None]
+        b_gv = b_dov * inv[:, None]
+        b_B1 = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)   # g_i . k_j
+        b_B2 = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)   # q_i . k_j
+        b_dk = tl.dot(tl.trans(b_B1), b_qv, input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_B2), b_gv, input_precision=PREC)
+        b_dk += tl.dot(b_k, tl.trans(b_E), input_precision=PREC)
+        # gradient of the key sum M_i (v-block), summed over i >= j
+        b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
+        b_tot = tl.sum(b_dMi, 0)
+        b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
+        if HAS_MASK:
+            b_dk = b_dk * b_m[:, None]
+        tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
+        b_E += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
+        b_E += tl.dot(tl.trans(b_gv), b_q, input_precision=PREC)
+        b_dM += b_tot
+        b_n = b_prev
+    tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
+
+
+# ---- launch configuration --------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpreter_shim() -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with `int(array of shape (1,))`, which
+    NumPy >= 2.4 refuses, so every `range(runtime value)` fails on CPU. Re-patch `__index__` to read
+    the single element (interpreter only; compiled kernels are unaffected). Idempotent."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_ccq_index_shim", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._ccq_index_shim = True
+
+
+def _configs():
+    # ptxas (sm_90a, K = 128, bf16 -> tf32 tiles): BT=16 compiles without spills, BT=32 spills ~0.2-1 KB,
+    # BT=64 spills 1-4 KB per thread; autotuning picks the fastest of these on the device
+    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
+            for bt, bv, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 4, 2),
+                                  (32, 32, 8, 2), (64, 32, 4, 2)]]
+
+
+_TUNED: dict = {}
+
+
+def _launch(kernel, rows, K, chunk_size, args, meta):
+    """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
+    autotuned (BT, BV, warps, stages) on GPU."""
+    BK = max(16, triton.next_power_of_2(K))
+    if _interpreting():
+        _interpreter_shim()
+        BT = 16 if chunk_size is None else int(chunk_size)
+        if BT < 16 or BT & (BT - 1):
+            raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
+        BV = min(BK, 16)
+        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=BT, BV=BV, **meta)
+        return
+    if kernel not in _TUNED:
+        # every constexpr flag is part of the key: the sums-only and the full forward tune separately
+        _TUNED[kernel] = triton.autotune(configs=_configs(), key=["K", "BK", *meta])(kernel)
+    _TUNED[kernel][lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
+
+
+def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K):
+    """In place: per-segment sums -> per-segment starting sums; writes the sequences' end sums."""
+    N = segs.shape[0]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(BK, 16 if _interpreting() else 32)
+    if _interpreting():
+        _interpreter_shim()
+    dummy = msums
+    _ccq_scan_kernel[(triton.cdiv(K, BV), N * H)](
+        sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, sums, msums, S_end, M_end, segs,
+        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, num_warps=4)
+
+
+def _table(B, T, cu, mask, n0, seg_len):
+    """Segment table over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
+    without a host sync. Every sequence is cut into pieces of `seg_len` tokens (None: one piece each).
+
+    Returns seg `[G, 2]` int64 (first token, length; unused slots have length 0), n_before `[G]` fp32 (real
+    tokens counted before the piece, initial count included), segs `[N, 2]` int64 (first piece, pieces)
+    and n_end `[N]` int64 (count at the end of each sequence)."""
+    dev = n0.device
+    if cu is None:
+        starts = torch.arange(B, device=dev) * T
+        lens = torch.full((B,), T, device=dev, dtype=torch.long)
+    else:
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    N, total = starts.numel(), B * T
+    if mask is None:
+        cm = torch.arange(total + 1, device=dev)
+    else:
+        cm = torch.cat([torch.zeros(1, device=dev, dtype=torch.long), mask.reshape(-1).long().cumsum(0)])
+    n_end = n0 + cm[starts + lens] - cm[starts]
+    if seg_len is None:
+        ar = torch.arange(N, device=dev)
+        return (torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
+                torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end)
+    nseg = (lens + seg_len - 1) // seg_len
+    ends = nseg.cumsum(0)
+    G = N * triton.cdiv(T, seg_len) if cu is None else N + total // seg_len
+    p = torch.arange(G, device=dev)
+    seq = torch.searchsorted(ends, p, right=True).clamp(max=N - 1)
+    local = p - (ends - nseg)[seq]
+    bos = (starts[seq] + local * seg_len).clamp(max=total)
+    ln = (lens[seq] - local * seg_len).clamp(0, seg_len)
+    n_before = (n0[seq] + cm[bos] - cm[starts[seq]]).float()
+    return (torch.stack([bos, ln], 1).contiguous(), n_before.contiguous(),
+            torch.stack([ends - nseg, nseg], 1).contiguous(), n_end)
+
+
+def _segment_len(B, T, H, longest):
+    """Split length for the forward: aim at ~256 (segment, head) rows so that B * H alone (often 16)
+    does not leave most SMs idle; `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece per sequence)."""
+    env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
+    if env is not None:
+        n = int(env)
+    else:
+        n = max(256, triton.next_power_of_2(triton.cdiv(B * T * H, 256)))
+    return None if n <= 0 or n >= longest else n
+
+
+# ---- autograd --------------------------------------------------------------------------------------
+
+class _CCQReadFn(torch.autograd.Function):
+    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end) with un-normalised sums."""
+
+    @staticmethod
+    def forward(ctx, q, k, mask, S0, M0, n0, cu, chunk_size, seg_len):
+        B, T, H, K = q.shape
+        q, k = q.contiguous(), k.contiguous()
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        o = torch.empty_like(q)
+        seg, n_before, segs, _ = _table(B, T, cu, mask, n0, seg_len)
+        N, G = segs.shape[0], seg.shape[0]
+        S_end = q.new_empty(N, H, K, K, dtype=torch.float32)
+        M_end = q.new_empty(N, H, K, dtype=torch.float32)
+        dummy = M_end
+        m_arg = dummy if mask is None else mask
+        common = dict(HAS_MASK=mask is not None, PREC=prec)
+        if seg_len is None:  # one pass per sequence, straight from the initial state
+            _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
+                    (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, n_before, o,
+                     S_end, M_end, seg, H),
+                    dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common))
+        else:  # key sums per piece, prefix over pieces, then all pieces in parallel
+            sums = q.new_empty(G, H, K, K, dtype=torch.float32)
+            msums = q.new_empty(G, H, K, dtype=torch.float32)
+            _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
+                    (q, k, m_arg, dummy, dummy, n_before, o, sums, msums, seg, H),
+                    dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common))
+            _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K)
+            _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
+                    (q, k, m_arg, sums, msums, n_before, o, dummy, dummy, seg, H),
+                    dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
+        ctx.save_for_backward(q, k, mask, S0, M0, n0, cu)
+        ctx.chunk_size, ctx.prec = chunk_size, prec
+        ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
+        return o, S_end, M_end
+
+    @staticmethod
+    def backward(ctx, do, dS_end, dM_end):
+        q, k, mask, S0, M0, n0, cu = ctx.saved_tensors
+        B, T, H, K = q.shape
+        seg, n_start, _, n_end = _table(B, T, cu, mask, n0, None)
+        N = seg.shape[0]
+        do = do.contiguous()
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        a_buf, r_buf = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
+        ds0 = torch.empty(N, H, K, K, **f32) if S0 is not None else None
+        dm0 = torch.empty(N, H, K, **f32)
+        dummy = dm0
+        m_arg = dummy if mask is None else mask
+        common = dict(HAS_MASK=mask is not None, PREC=ctx.prec)
+        _launch(_ccq_bwd_dq_kernel, N * H, K, ctx.chunk_size,
+                (q, k, m_arg, do, dummy if S0 is None else S0, dummy if M0 is None else M0, n_start, dq,
+                 a_buf, r_buf, dummy if ds0 is None else ds0, seg, H),
+                dict(HAS_H0=S0 is not None, **common))
+        has_end = dS_end is not None or dM_end is not None
+        if has_end:
+            dS_end = torch.zeros(N, H, K, K, **f32) if dS_end is None else dS_end.float()
+            dM_end = torch.zeros(N, H, K, **f32) if dM_end is None else dM_end.float().contiguous()
+            e0 = (dS_end + dS_end.transpose(-1, -2)).contiguous()
+        _launch(_ccq_bwd_dk_kernel, N * H, K, ctx.chunk_size,
+                (q, k, m_arg, do, a_buf, r_buf, n_end.float().contiguous(), e0 if has_end else dummy,
+                 dM_end if has_end else dummy, dk, dm0, seg, H),
+                dict(HAS_DEND=has_end, **common))
+        dS0 = dM0 = None
+        if S0 is not None:
+            dS0 = ds0 + dS_end if has_end else ds0
+            dM0 = dm0
+        return dq, dk, None, dS0, dM0, None, None, None, None
+
+
+# ---- the op ----------------------------------------------------------------------------------------
+
+def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
+               segment_len: int | None = None):
+    """Sigma_t q_t with the signature of `kernels.ccq.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
+    in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
+
+    `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
+    sequence into pieces of that many tokens for the forward (None: automatic on GPU, off in the
+    interpreter; 0: off); the backward always runs one pass per sequence."""
+    from hybridize.kernels import ccq as ref
+
+    ref._check(q, k, mask)
+    if q.dtype == torch.float64 or q.shape[1] == 0 or q.dtype != k.dtype:
+        return ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                             cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+    B, T, H, K = q.shape
+    cu = None
+    if cu_seqlens is not None:
+        from hybridize.kernels.varlen import check_cu_seqlens
+        check_cu_seqlens(q, cu_seqlens)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
+    N = B if cu is None else len(cu) - 1
+    m = None if mask is None else mask.to(device=q.device, dtype=torch.int8).contiguous()
+    if initial_state is None:
+        S0 = M0 = None
+        n0 = torch.zeros(N, dtype=torch.long, device=q.device)
+    else:
+        C0, mu0, n0 = initial_state
+        if C0.shape != (N, H, K, K) or mu0.shape != (N, H, K) or n0.shape != (N,):
+            raise ValueError(f"initial_state must be (C [{N},{H},{K},{K}], mu [{N},{H},{K}], t [{N}]), got "
+                             f"({tuple(C0.shape)}, {tuple(mu0.shape)}, {tuple(n0.shape)})")
+        n0 = n0.to(device=q.device, dtype=torch.long).contiguous()
+        tf = n0.float()
+        S0 = (C0.float() * tf.view(N, 1, 1, 1)).contiguous()
+        M0 = (mu0.float() * tf.view(N, 1, 1)).contiguous()
+    if segment_len is None:
+        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
+    else:
+        seg_len = None if segment_len <= 0 else int(segment_len)
+    o, S_end, M_end = _CCQReadFn.apply(q, k, m, S0, M0, n0, cu, chunk_size, seg_len)
+    if not output_final_state:
+        return o, None
+    n_end = _table(B, T, cu, m, n0, None)[3]
+    inv = 1.0 / n_end.clamp(min=1).float()
+    return o, (S_end * inv.view(N, 1, 1, 1), M_end * inv.view(N, 1, 1), n_end)
+
+
+__all__ = ["ccq_triton"]

@@ -1,0 +1,237 @@
+"""Fused Triton CCQ read (`kernels.triton.ccq_read.ccq_triton`) against the PyTorch op.
+
+Two gates:
+- interpreter: `TRITON_INTERPRET=1` and triton importable (CPU, tiny shapes, chunk 16, odd T): forward
+  and gradients (q, k, initial C and mu, through the final state) against `ccq_recurrent` in fp64
+  (autograd through the reference), with mask, initial state, varlen (incl. an empty document);
+- CUDA: the compiled kernels at T ~ 4k, fp32 and bf16, against the fp64 PyTorch chunked op on the GPU.
+
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_ccq_triton.py
+    python -m pytest tests/kernels/test_ccq_triton.py        # on a CUDA machine with triton
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
+CUDA = torch.cuda.is_available() and HAS_TRITON and not INTERPRET
+
+interp_only = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton importable")
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (and TRITON_INTERPRET unset)")
+
+
+def rel(a, b):
+    """max|a - b| / max|b| (b the fp64 reference)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+def inputs(B, T, H, K, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g, dtype=torch.float64) + 0.5, dim=-1)  # mean != 0
+    return q.to(device, dtype), k.to(device, dtype)
+
+
+def state(N, H, K, counts, device="cpu", seed=1):
+    """A consistent (C, mu, t): statistics of `counts[i]` random unit keys (t >= 1 everywhere, see below)."""
+    g = torch.Generator().manual_seed(seed)
+    C = torch.zeros(N, H, K, K, dtype=torch.float64)
+    mu = torch.zeros(N, H, K, dtype=torch.float64)
+    for i, c in enumerate(counts):
+        ks = F.normalize(torch.randn(c, H, K, generator=g, dtype=torch.float64) + 0.5, dim=-1)
+        C[i] = torch.einsum("thk,thl->hkl", ks, ks) / c
+        mu[i] = ks.mean(0)
+    return C.to(device), mu.to(device), torch.tensor(counts, device=device)
+
+
+def run_both(fn_test, fn_ref, q, k, mask=None, st=None, cu=None, final=True, dtype=torch.float32, seed=3):
+    """Outputs and gradients of a random linear loss over o (and the final state) for both ops.
+
+    The reference runs in fp64 on the same (dtype-rounded) inputs. Returns [(name, test, ref), ...]."""
+    g = torch.Generator().manual_seed(seed)
+    results = []
+    for fn, dt in ((fn_test, dtype), (fn_ref, torch.float64)):
+        qq = q.detach().to(dt).requires_grad_()
+        kk = k.detach().to(dt).requires_grad_()
+        leaves = [qq, kk]
+        init = None
+        if st is not None:
+            C0 = st[0].detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
+            mu0 = st[1].detach().to(C0.dtype).requires_grad_()
+            init = (C0, mu0, st[2])
+            leaves += [C0, mu0]
+        o, fs = fn(qq, kk, mask=mask, initial_state=init, output_final_state=final, cu_seqlens=cu)
+        results.append((o, fs, leaves))
+    (o1, fs1, l1), (o2, fs2, l2) = results
+    w = torch.randn(o2.shape, generator=g, dtype=torch.float64).to(o2.device)
+    loss1, loss2 = (o1.double() * w).sum(), (o2 * w).sum()
+    pairs = [("o", o1, o2)]
+    if final:
+        wC = torch.randn(fs2[0].shape, generator=g, dtype=torch.float64).to(o2.device)
+        wm = torch.randn(fs2[1].shape, generator=g, dtype=torch.float64).to(o2.device)
+        loss1 = loss1 + (fs1[0].double() * wC).sum() + (fs1[1].double() * wm).sum()
+        loss2 = loss2 + (fs2[0] * wC).sum() + (fs2[1] * wm).sum()
+        pairs += [("C_end", fs1[0], fs2[0]), ("mu_end", fs1[1], fs2[1])]
+        assert torch.equal(fs1[2].cpu(), fs2[2].cpu()), "final counts differ"
+    grads1 = torch.autograd.grad(loss1, l1)
+    grads2 = torch.autograd.grad(loss2, l2)
+    names = ["dq", "dk", "dC0", "dmu0"]
+    pairs += [(n, a, b) for n, a, b in zip(names, grads1, grads2)]
+    return pairs
+
+
+def check(pairs, tol):
+    bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > tol.get(n, tol["*"])}
+    assert not bad, f"relative errors above tolerance: {bad}"
+
+
+# ---- interpreter (CPU) -----------------------------------------------------------------------------
+
+FP32 = {"*": 1e-5}
+
+
+def _ops(segment_len=None):
+    """(kernel op at chunk 16, optionally with the forward split into pieces, reference)."""
+    from hybridize.kernels.ccq import ccq_recurrent
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    def test_op(*a, **kw):
+        return ccq_triton(*a, chunk_size=16, segment_len=segment_len, **kw)
+    return test_op, ccq_recurrent
+
+
+SPLITS = [None, 32, 20]   # one pass per sequence; pieces of two chunks; pieces that cut a chunk
+
+
+@interp_only
+@pytest.mark.parametrize("T,K,split", [(37, 16, None), (70, 32, None), (33, 12, None), (70, 32, 32)])
+def test_interp_plain(T, K, split):
+    torch.set_num_threads(1)
+    q, k = inputs(2, T, 2, K)
+    check(run_both(*_ops(split), q, k), FP32)
+
+
+@interp_only
+@pytest.mark.parametrize("split", SPLITS)
+def test_interp_mask_and_state(split):
+    torch.set_num_threads(1)
+    B, T, H, K = 2, 70, 2, 16
+    q, k = inputs(B, T, H, K, seed=4)
+    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(5)) > 0.3
+    mask[0, :20] = False                      # a leading run of padding (output from the initial state)
+    mask[1, -18:] = False                     # trailing padding: more than one chunk of it
+    check(run_both(*_ops(split), q, k, mask=mask, st=state(B, H, K, [5, 1])), FP32)
+
+
+@interp_only
+def test_interp_mask_without_state():
+    torch.set_num_threads(1)
+    B, T, H, K = 2, 37, 2, 16
+    q, k = inputs(B, T, H, K, seed=6)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :3] = False                       # no real token yet: output 0, count clamped
+    mask[1, 10:30] = False
+    check(run_both(*_ops(), q, k, mask=mask, final=False), FP32)
+
+
+@interp_only
+@pytest.mark.parametrize("split", SPLITS)
+def test_interp_varlen(split):
+    torch.set_num_threads(1)
+    H, K = 2, 16
+    cu = torch.tensor([0, 17, 17, 50, 70])    # one empty document: its final state is the initial one
+    q, k = inputs(1, 70, H, K, seed=7)
+    check(run_both(*_ops(split), q, k, cu=cu, st=state(4, H, K, [2, 3, 1, 9])), FP32)
+    mask = torch.rand(1, 70, generator=torch.Generator().manual_seed(8)) > 0.25
+    check(run_both(*_ops(split), q, k, mask=mask, cu=cu), FP32)
+
+
+@interp_only
+def test_interp_no_grad_and_errors():
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+    q, k = inputs(1, 20, 1, 16)
+    with torch.no_grad():
+        o, fs = ccq_triton(q, k, output_final_state=False, chunk_size=16)
+    assert fs is None and o.shape == q.shape and o.dtype == q.dtype
+    with pytest.raises(ValueError, match="same shape"):
+        ccq_triton(q, k[..., :8])
+    with pytest.raises(ValueError, match="initial_state"):
+        ccq_triton(q, k, initial_state=state(2, 1, 16, [1, 2]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ccq_triton(q, k, chunk_size=24)
+
+
+# ---- CUDA (compiled kernels) -----------------------------------------------------------------------
+
+def _cuda_ops(segment_len=None):
+    """(compiled op: forward split automatically, or 0 = one pass per sequence; fp64 PyTorch chunk op)."""
+    from hybridize.kernels.ccq import ccq_chunk
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    def test_op(*a, **kw):
+        return ccq_triton(*a, segment_len=segment_len, **kw)
+    return test_op, ccq_chunk
+
+
+# fp32: IEEE dots, sums over ~4k tokens; bf16: the output and gradients are rounded to bf16 (~4e-3)
+CUDA_TOL = {torch.float32: {"*": 5e-5, "o": 1e-5, "C_end": 1e-5, "mu_end": 1e-5},
+            torch.bfloat16: {"*": 2e-2}}
+
+
+@cuda_only
+@pytest.mark.parametrize("split", [None, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_long(dtype, split):
+    B, T, H, K = 2, 4099, 4, 128
+    q, k = inputs(B, T, H, K, dtype=dtype, device="cuda", seed=11)
+    mask = torch.rand(B, T, device="cuda") > 0.1
+    mask[1, :100] = False
+    st = state(B, H, K, [7, 300], device="cuda")
+    check(run_both(*_cuda_ops(split), q, k, mask=mask, st=st, dtype=dtype), CUDA_TOL[dtype])
+    check(run_both(*_cuda_ops(split), q, k, dtype=dtype, final=False), CUDA_TOL[dtype])
+
+
+@cuda_only
+@pytest.mark.parametrize("split", [None, 0, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_varlen(dtype, split):
+    H, K = 4, 128
+    cu = torch.tensor([0, 1000, 1000, 3001, 4100], device="cuda")
+    q, k = inputs(1, 4100, H, K, dtype=dtype, device="cuda", seed=12)
+    st = state(4, H, K, [1, 2, 50, 3], device="cuda")
+    check(run_both(*_cuda_ops(split), q, k, cu=cu, st=st, dtype=dtype), CUDA_TOL[dtype])
+
+
+@cuda_only
+def test_cuda_mixer_through_dispatch():
+    """CCQ-GLA with the fused read registered for ccq/chunk: same output and gradients as the current
+    GPU path (fla `chunk_gla` read), fp32."""
+    from hybridize.kernels import dispatch, fla_adapter
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
+
+    if not fla_adapter.activate():
+        pytest.skip("fla-core not importable")
+    torch.manual_seed(0)
+    cfg = CCQGLAConfig(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, ccq_fixed_lambda=0.7)
+    mixer = CCQGLA(cfg).cuda()
+    x = torch.randn(2, 300, 256, device="cuda")
+    saved = dispatch._GPU[("ccq", "chunk")]
+    outs = []
+    try:
+        for fn in (ccq_triton, fla_adapter.ccq_chunk):
+            dispatch.register_gpu("ccq", "chunk", fn)
+            mixer.zero_grad()
+            y = mixer(x, mode="chunk").hidden
+            y.square().sum().backward()
+            outs.append((y.detach(), mixer.q_proj.weight.grad.clone()))
+    finally:
+        dispatch.register_gpu("ccq", "chunk", saved)
+    (y1, g1), (y2, g2) = outs
+    assert rel(y1, y2) < 2e-3 and rel(g1, g2) < 2e-3   # the current path reads in tf32 inside chunk_gla
