@@ -190,6 +190,11 @@ def run_b(a, work: Path, name: str, variant: str, steps: int, minutes: float, se
     return r, student, held
 
 
+def tok_of(work: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(work / "after_align")
+
+
 def run_sweep(a, work: Path):
     out = {}
     for name in VARIANTS:
@@ -217,6 +222,8 @@ def run_train(a, work: Path):
     run_dir = work / "e2e"
     resume = (run_dir / "checkpoints").exists()
     r, student, held = run_b(a, work, "e2e", plan["variant"], plan["max_steps"], a.minutes, plan["seq_len"], resume)
+    from hybridize.distill.align import save_final
+    save_final(student, tok_of(work), work / "distilled")   # whatever the step: the evaluation and GRPO use it
     calls = res.get("after_e2e", {}).get("calls", 0) + 1
     record(work, "after_e2e", {"ppl": ppl(student, held, a.eval_seq_len), "steps": r.step, "max_steps": plan["max_steps"],
                                "tokens": r.tokens, "seconds_this_call": round(r.seconds, 1),

@@ -17,6 +17,7 @@ eval_app = typer.Typer(help="Evaluate a teacher or hybrid model: math, needle-in
 MODEL_HELP = "'default' (embedded SmolLM2-135M-Instruct), a local HF/hybrid checkpoint dir, or name=path"
 DTYPE_HELP = "float32, bfloat16, float16 or auto"
 DEVICE_HELP = "cpu, cuda, cuda:1 or auto"
+GEN_HELP = "fast (static buffers + CUDA graphs, same tokens as HF) | hf (model.generate) | auto (fast on CUDA)"
 
 
 def register(app: typer.Typer) -> None:
@@ -65,7 +66,8 @@ def math_cmd(
     top_p: float = typer.Option(0.7, help="nucleus p (SSE protocol 0.7)"),
     max_new_tokens: int = typer.Option(4096, help="generation budget per completion"),
     limit: Optional[int] = typer.Option(None, help="evaluate the first N problems only"),
-    batch_size: int = typer.Option(8, help="sequences generated together"),
+    batch_size: Optional[int] = typer.Option(None, help="sequences generated together (default 64 on GPU, 8 on CPU)"),
+    generation: str = typer.Option("auto", help=GEN_HELP),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: if the tokenizer has one)"),
     check_checker: bool = typer.Option(False, "--check-checker",
                                        help="no model: score the dataset's own answers/solutions and shuffled answers"),
@@ -96,7 +98,8 @@ def math_cmd(
         raise typer.BadParameter("'all' works only with --check-checker; pick one dataset")
     name, m, tok = _load(model, dtype, device)
     cfg = MathEvalConfig(dataset=dataset, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
-                         max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, chat=chat, seed=seed)
+                         max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, chat=chat, seed=seed,
+                         generation=generation)
     d = _out(out, "math", name, Path(dataset).stem)
     s = evaluate_math(m, tok, cfg, d)
     print_table([{"model": name, **s}], title=f"math: {dataset}")
@@ -113,7 +116,8 @@ def niah_cmd(
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="needle depths in [0, 1]"),
     samples: int = typer.Option(4, help="prompts per (length, depth) cell"),
     max_new_tokens: Optional[int] = typer.Option(None, help="answer budget (default 64, 48 per value for multi-value)"),
-    batch_size: int = typer.Option(1, help="prompts generated together"),
+    batch_size: Optional[int] = typer.Option(None, help="prompts generated together (default 32 on GPU, 4 on CPU)"),
+    generation: str = typer.Option("auto", help=GEN_HELP),
     essays: Optional[str] = typer.Option(None, help="haystack: text file, JSONL with 'text', or hub dataset "
                                                     "(default: shared paul_graham_essays.txt)"),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: if present)"),
@@ -129,7 +133,7 @@ def niah_cmd(
     get_task(task)
     cfg = NiahConfig(task=task, lengths=tuple(parse_int_list(lengths)), depths=tuple(parse_float_list(depths)),
                      samples=samples, max_new_tokens=max_new_tokens, batch_size=batch_size, essays=essays,
-                     chat=chat, seed=seed)
+                     chat=chat, seed=seed, generation=generation)
     name, m, tok = _load(model, dtype, device)
     d = _out(out, "niah", name, task)
     s = evaluate_niah(m, tok, cfg, d)
@@ -238,6 +242,7 @@ def speed_cmd(
     batch_sizes: str = typer.Option("1", help="batch sizes, e.g. '1,8'"),
     decode_tokens: int = typer.Option(32, help="decode steps timed after each prefill"),
     repeats: int = typer.Option(1, help="runs per cell (median)"),
+    decode: str = typer.Option("auto", help="loop (HF forward per step) | fast (CUDA-graph loop) | auto (fast on CUDA)"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/speed)"),
@@ -247,7 +252,7 @@ def speed_cmd(
     from .speed import COLUMNS, SpeedConfig, run_speed
 
     cfg = SpeedConfig(lengths=tuple(parse_int_list(lengths)), batch_sizes=tuple(parse_int_list(batch_sizes)),
-                      decode_tokens=decode_tokens, repeats=repeats)
+                      decode_tokens=decode_tokens, repeats=repeats, decode=decode)
     models = {}
     for spec in model:
         name, m, _ = _load(spec, dtype, device)

@@ -3,6 +3,8 @@ prompting, sampling, answer checking with math-verify, avg@k and unbiased pass@k
 
 Protocol (SSE paper, section 5.2): chat template + "put your final answer within \\boxed{}",
 temperature 1.0, top-p 0.7, avg@32 on AIME; greedy (temperature 0, one sample) is the other mode.
+Generation goes through `common.generate` (batches by prompt length, 64 on a GPU; the fast CUDA-graph
+decode loop on CUDA); `evaluate_math(deadline=...)` reports the problems done when time runs out.
 
 The reward-usable, model-free pieces are at the top and are pure functions (no torch):
 `extract_boxed`, `extract_answer`, `format_ok`, `is_correct`, `pass_at_k`. GRPO rewards reuse them.
@@ -285,15 +287,22 @@ class MathEvalConfig:
     top_p: float = field(default=0.7, metadata={"help": "nucleus sampling p (SSE protocol: 0.7)"})
     max_new_tokens: int = field(default=4096, metadata={"help": "generation budget per completion"})
     limit: int | None = field(default=None, metadata={"help": "first N problems only"})
-    batch_size: int = field(default=8, metadata={"help": "sequences generated together"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "sequences generated together (prompts sorted by length); default 64 on a GPU, 8 on CPU"})
+    generation: str = field(default="auto", metadata={
+        "help": "fast (static buffers + CUDA graphs) | hf (model.generate) | auto (fast on CUDA)"})
     chat: bool | None = field(default=None, metadata={"help": "use the chat template (default: when the tokenizer has one)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
 
 
 def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | None = None,
-                  progress: bool = True) -> dict:
-    """Generate, check, and (with `out_dir`) write `problems.jsonl` + `summary.json`. Returns the summary."""
-    from .common import encode, generate, has_chat_template, write_json, write_jsonl
+                  progress: bool = True, deadline: float | None = None, log=None) -> dict:
+    """Generate, check, and (with `out_dir`) write `problems.jsonl` + `summary.json`. Returns the summary.
+
+    `deadline` (a `time.time()` value): no generation batch starts after it; the summary then covers
+    the problems done (`problems` < `problems_requested`, `partial` true). Batches go by prompt length,
+    so a partial run is biased towards the shorter problems. `log(msg)`: progress lines."""
+    from .common import default_batch_size, encode, generate, has_chat_template, model_device, write_json, write_jsonl
 
     recs = load_math_dataset(cfg.dataset, cfg.limit)
     if not recs:
@@ -303,11 +312,14 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     temperature = 0.0 if cfg.greedy else cfg.temperature
     chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
     prompts = [encode(tokenizer, make_prompt_text(tokenizer, r["problem"], chat), chat) for r in recs]
+    bs = cfg.batch_size or default_batch_size(model_device(model), gpu=64, cpu=8)
     gens = generate(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                    top_p=cfg.top_p, num_samples=n, batch_size=cfg.batch_size, seed=cfg.seed,
-                    desc=f"math {cfg.dataset}", progress=progress)
+                    top_p=cfg.top_p, num_samples=n, batch_size=bs, seed=cfg.seed, desc=f"math {cfg.dataset}",
+                    progress=progress, generation=cfg.generation, deadline=deadline, log=log)
     rows, ks = [], pass_ks(n)
     for r, g in zip(recs, gens):
+        if any(c is None for c in g):   # not reached before the deadline
+            continue
         correct = [is_correct(c["text"], r["answer"]) for c in g]
         c = sum(correct)
         rows.append({"id": r["id"], "answer": r["answer"], "n": n, "correct": c, "avg": c / n,
@@ -315,15 +327,25 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
                      "extracted": [extract_boxed(x["text"]) for x in g], "is_correct": correct,
                      "num_tokens": [x["num_tokens"] for x in g], "finished": [x["finished"] for x in g],
                      "problem": r["problem"], "completions": [x["text"] for x in g]})
-    P = len(rows)
-    summary = {"dataset": cfg.dataset, "problems": P, "samples": n, "temperature": temperature,
-               "top_p": cfg.top_p if temperature > 0 else None, "max_new_tokens": cfg.max_new_tokens,
-               f"avg@{n}": sum(r["avg"] for r in rows) / P,
-               **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
-               "format_rate": sum(format_ok(c) for r in rows for c in r["completions"]) / (P * n),
-               "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
-               "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}
+    summary = summarize(rows, n, ks)
+    summary = {"dataset": cfg.dataset, "problems": len(rows), "problems_requested": len(recs),
+               "partial": len(rows) < len(recs), "samples": n, "temperature": temperature,
+               "top_p": cfg.top_p if temperature > 0 else None, "max_new_tokens": cfg.max_new_tokens, **summary}
     if out_dir is not None:
         write_jsonl(Path(out_dir) / "problems.jsonl", rows)
-        write_json(Path(out_dir) / "summary.json", {**summary, "config": cfg.__dict__})
+        write_json(Path(out_dir) / "summary.json", {**summary, "config": {**cfg.__dict__, "batch_size": bs}})
     return summary
+
+
+def summarize(rows: Sequence[dict], n: int, ks: Sequence[int]) -> dict:
+    """avg@n, pass@k, format / truncation rates and mean length over per-problem rows (NaN when empty)."""
+    P = len(rows)
+    if P == 0:
+        nan = float("nan")
+        return {f"avg@{n}": nan, **{f"pass@{k}": nan for k in ks}, "format_rate": nan, "mean_tokens": nan,
+                "truncated_rate": nan}
+    return {f"avg@{n}": sum(r["avg"] for r in rows) / P,
+            **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
+            "format_rate": sum(format_ok(c) for r in rows for c in r["completions"]) / (P * n),
+            "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
+            "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}

@@ -23,6 +23,10 @@ first needle's own tokens left out) before it, so 0 = first sentence, 1 = last; 
 random sentence boundaries. The measured token depth is stored with every sample (`depth_actual`).
 
 Score (RULER string_match_all): the fraction of expected values that appear in the completion.
+Running: prompts are built once (`build_samples`) and shared by every model with the same tokenizer;
+the prompts of one length are generated together (their lengths differ by a few tokens, so the left
+padding is small).
+
 Departures from RULER: keys are adjective-noun pairs from a built-in word list (RULER uses the
 `wonderwords` package), and essays are joined with single spaces after splitting on whitespace.
 """
@@ -304,54 +308,78 @@ class NiahConfig:
     depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "needle depths in [0, 1]"})
     samples: int = field(default=4, metadata={"help": "prompts per (length, depth) cell"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "default: 48 per expected value, at least 64"})
-    batch_size: int = field(default=1, metadata={"help": "prompts generated together"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "prompts generated together (one length per batch); default 32 on a GPU, 4 on CPU"})
+    generation: str = field(default="auto", metadata={
+        "help": "fast (static buffers + CUDA graphs) | hf (model.generate) | auto (fast on CUDA)"})
     essays: str | None = field(default=None, metadata={"help": "haystack text file / JSONL / hub dataset"})
     chat: bool | None = field(default=None, metadata={"help": "use the chat template (default: when present)"})
     seed: int = field(default=0, metadata={"help": "random seed of keys/values"})
 
 
-def evaluate_niah(model, tokenizer, cfg: NiahConfig, out_dir: str | Path | None = None,
-                  progress: bool = True) -> dict:
-    """Greedy answers for every (length, depth, sample); writes samples.jsonl, summary.json,
-    accuracy.csv and heatmap.png under `out_dir`. Returns the summary (accuracy per cell)."""
-    from tqdm.auto import tqdm
-
-    from .common import generate, write_csv, write_json, write_jsonl
-
+def build_samples(tokenizer, cfg: NiahConfig) -> list[tuple[int, float, int, NiahSample]]:
+    """`(length, depth, sample index, NiahSample)` for every cell of `cfg`, in length-major order.
+    Built once and shared by every model with the same tokenizer (the prompts are model-independent)."""
     task = get_task(cfg.task)
     words = load_essay_words(cfg.essays) if task.haystack == "essay" else None
+    return [(L, d, s, build_sample(tokenizer, task, L, d, seed=cfg.seed * 7919 + s, essay_words=words, chat=cfg.chat))
+            for L in cfg.lengths for d in cfg.depths for s in range(cfg.samples)]
+
+
+def evaluate_niah(model, tokenizer, cfg: NiahConfig, out_dir: str | Path | None = None,
+                  progress: bool = True, samples: Sequence[tuple] | None = None, deadline: float | None = None,
+                  log=None) -> dict:
+    """Greedy answers for every (length, depth, sample); writes samples.jsonl, summary.json,
+    accuracy.csv and heatmap.png under `out_dir`. Returns the summary (accuracy per cell).
+
+    The prompts of one length are generated together (batches of `cfg.batch_size`, nearly no padding).
+    `samples`: prebuilt `build_samples(tokenizer, cfg)` (else built here). `deadline` (a `time.time()`
+    value): lengths not started by then are left out of the table (`lengths_done` lists the rest)."""
+    from tqdm.auto import tqdm
+
+    from .common import default_batch_size, generate, model_device, write_csv, write_json, write_jsonl
+
+    task = get_task(cfg.task)
     nvals = task.num_values * task.num_queries
     max_new = cfg.max_new_tokens or max(64, 48 * nvals)
+    bs = cfg.batch_size or default_batch_size(model_device(model), gpu=32, cpu=4)
+    if samples is None:
+        samples = build_samples(tokenizer, cfg)
     rows = []
-    cells = [(L, d, s) for L in cfg.lengths for d in cfg.depths for s in range(cfg.samples)]
-    for c0 in tqdm(range(0, len(cells), cfg.batch_size), desc=f"niah {cfg.task}", disable=not progress):
-        chunk = cells[c0:c0 + cfg.batch_size]
-        samples = [build_sample(tokenizer, task, L, d, seed=cfg.seed * 7919 + s, essay_words=words, chat=cfg.chat)
-                   for L, d, s in chunk]
-        gens = generate(model, tokenizer, [x.input_ids for x in samples], max_new_tokens=max_new,
-                        batch_size=cfg.batch_size, progress=False)
-        for (L, d, s), x, g in zip(chunk, samples, gens):
-            rows.append({"length": L, "depth": d, "sample": s, "prompt_tokens": len(x.input_ids),
+    for L in tqdm(cfg.lengths, desc=f"niah {cfg.task}", disable=not progress):
+        group = [x for x in samples if x[0] == L]
+        gens = generate(model, tokenizer, [x[3].input_ids for x in group], max_new_tokens=max_new, batch_size=bs,
+                        progress=False, generation=cfg.generation, deadline=deadline, desc=f"niah {L}", log=log)
+        for (L_, d, s, x), g in zip(group, gens):
+            if g[0] is None:   # past the deadline
+                continue
+            rows.append({"length": L_, "depth": d, "sample": s, "prompt_tokens": len(x.input_ids),
                          "depth_actual": round(x.depth_actual, 4), "answers": x.answers,
                          "completion": g[0]["text"], "score": score(g[0]["text"], x.answers)})
-    table = []
-    for L in cfg.lengths:
-        row = {"length": L}
-        for d in cfg.depths:
-            sc = [r["score"] for r in rows if r["length"] == L and r["depth"] == d]
-            row[f"d={d:g}"] = sum(sc) / len(sc)
-        sc = [r["score"] for r in rows if r["length"] == L]
-        row["mean"] = sum(sc) / len(sc)
-        table.append(row)
-    summary = {"task": cfg.task, "accuracy": sum(r["score"] for r in rows) / len(rows), "table": table,
-               "lengths": list(cfg.lengths), "depths": list(cfg.depths), "samples": cfg.samples}
+    done = [L for L in cfg.lengths if any(r["length"] == L for r in rows)]
+    table = [_table_row(rows, L, cfg.depths) for L in done]
+    summary = {"task": cfg.task, "accuracy": sum(r["score"] for r in rows) / len(rows) if rows else float("nan"),
+               "table": table, "lengths": list(cfg.lengths), "lengths_done": done, "depths": list(cfg.depths),
+               "samples": cfg.samples, "prompts": len(rows)}
     if out_dir is not None:
         out = Path(out_dir)
         write_jsonl(out / "samples.jsonl", rows)
-        write_json(out / "summary.json", {**summary, "config": cfg.__dict__})
-        write_csv(out / "accuracy.csv", table)
-        save_heatmap(out / "heatmap.png", table, cfg.lengths, cfg.depths, title=cfg.task)
+        write_json(out / "summary.json", {**summary, "config": {**cfg.__dict__, "batch_size": bs}})
+        write_csv(out / "accuracy.csv", table, ["length", *[f"d={d:g}" for d in cfg.depths], "mean"])
+        if table:
+            save_heatmap(out / "heatmap.png", table, done, cfg.depths, title=cfg.task)
     return summary
+
+
+def _table_row(rows: list[dict], L: int, depths: Sequence[float]) -> dict:
+    """Mean score per depth and overall at length L (NaN for a cell without samples)."""
+    row: dict = {"length": L}
+    for d in depths:
+        sc = [r["score"] for r in rows if r["length"] == L and r["depth"] == d]
+        row[f"d={d:g}"] = sum(sc) / len(sc) if sc else float("nan")
+    sc = [r["score"] for r in rows if r["length"] == L]
+    row["mean"] = sum(sc) / len(sc) if sc else float("nan")
+    return row
 
 
 def save_heatmap(path, table: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str = ""):

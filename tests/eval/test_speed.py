@@ -35,3 +35,19 @@ def test_measure_grows_cache_with_decoding(tiny_model):
     a = measure(tiny_model, 20, 1, 0)
     b = measure(tiny_model, 20, 1, 4)
     assert b["cache_MB"] > a["cache_MB"]
+
+
+def test_fast_decode_mode_and_deadline(tmp_path, tiny_model):
+    """The CUDA-graph decode path (eager on CPU) is timed as (n+1 tokens) - (1 token): positive numbers,
+    the prefill cache size; a deadline in the past measures nothing but still returns."""
+    import time
+
+    r = measure(tiny_model, 24, 2, 3, decode="fast")
+    assert r["decode"] == "fast" and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    assert r["cache_MB"] == measure(tiny_model, 24, 2, 0)["cache_MB"]   # cache of the 24 prompt tokens
+    cfg = SpeedConfig(lengths=(16, 32), decode_tokens=2, decode="fast")
+    lines = []
+    rows = run_speed({"t": tiny_model}, cfg, tmp_path, progress=False, log=lines.append)
+    assert [x["length"] for x in rows] == [16, 32] and all(x["decode"] == "fast" for x in rows)
+    assert len(lines) == 2
+    assert run_speed({"t": tiny_model}, cfg, tmp_path / "late", progress=False, deadline=time.time() - 1) == []
