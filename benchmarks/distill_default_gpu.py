@@ -37,7 +37,8 @@ def args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=["prepare", "sweep", "train", "report"])
     p.add_argument("--work", default="/root/distill-default", help="state folder (checkpoints, logs, results.json)")
-    p.add_argument("--teacher", default="default", help="teacher source (the embedded default or its GGUF path)")
+    p.add_argument("--teacher", default="default", help="teacher source (the embedded default or its GGUF path; "
+                                                        "later phases reuse the one `prepare` recorded)")
     p.add_argument("--layers", default="5:1")
     p.add_argument("--mixer", default="sse")
     p.add_argument("--eval-tokens", type=int, default=40_000)
@@ -258,6 +259,8 @@ def main(argv=None):
     a = args_parser().parse_args(argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    if a.phase != "prepare" and a.teacher == "default" and results_file(work).exists():
+        a.teacher = json.loads(results_file(work).read_text()).get("setup", {}).get("teacher", a.teacher)
     if a.phase == "report":
         run_report(work)
         return

@@ -36,8 +36,9 @@ def _pack_kernel(x_sh, x_sp, scale, keep, order, out, L0, C: tl.constexpr, K: tl
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     if r < L0:
-        b = tl.load(x_sh + r * C + o_c, mask=m_c, other=0.0)
-        tl.store(out + r * C + o_c, b.to(out.dtype.element_ty), mask=m_c)
+        # (a distinct name per branch: Triton unifies a variable's type across if/else)
+        shared_row = tl.load(x_sh + r * C + o_c, mask=m_c, other=0.0)
+        tl.store(out + r * C + o_c, shared_row.to(out.dtype.element_ty), mask=m_c)
     else:
         pair = tl.load(order + (r - L0)).to(tl.int64)
         tok = pair // K
