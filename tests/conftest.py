@@ -14,3 +14,6 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+    # a device-side assert surfaces at the next sync: make it fail the test that caused it, not a later one
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -327,6 +327,11 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_toke
         raise ValueError("num_samples and batch_size must be >= 1")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    top = max((max(p) for p in prompts), default=0)
+    if vocab and top >= vocab:  # on CUDA this would be a device-side assert that poisons the process
+        raise ValueError(f"prompt token id {top} is outside the model's vocabulary ({vocab}): "
+                         "was the prompt tokenized with another tokenizer?")
     device = model_device(model)
     mode = resolve_generation(generation, device)
     pad, eos = pad_id(tokenizer), eos_ids(tokenizer, model)

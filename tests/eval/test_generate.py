@@ -35,10 +35,25 @@ def models(tiny_tokenizer):
     return {"llama": llama, "hybrid": _with_many_eos(hybrid)}
 
 
-def _prompts(n=7, seed=0, vocab=500):
+def _prompts(vocab, n=7, seed=0):
+    """Random prompts of token ids in [3, vocab): `vocab` is the tokenizer's length, which depends on
+    the BPE training corpus (378 tokens without the shared essays, e.g. on the GPU machine)."""
     g = torch.Generator().manual_seed(seed)
     lens = [5, 17, 9, 30, 9, 12, 3, 21, 14][:n]
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def test_prompts_fit_the_vocabulary(models, tiny_tokenizer):
+    """Ids >= the vocabulary crash the embedding (CPU: IndexError; CUDA: a device-side assert that
+    poisons every later CUDA test of the process)."""
+    for m in models.values():
+        assert m.config.vocab_size == len(tiny_tokenizer)
+    assert max(max(p) for p in _prompts(len(tiny_tokenizer))) < len(tiny_tokenizer)
+
+
+def test_out_of_vocabulary_prompt_is_a_clear_error(models, tiny_tokenizer):
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        generate(models["llama"], tiny_tokenizer, [[3, len(tiny_tokenizer)]], max_new_tokens=2, progress=False)
 
 
 def test_helpers():
@@ -54,7 +69,7 @@ def test_helpers():
 @pytest.mark.parametrize("name", ["llama", "hybrid"])
 def test_fast_equals_hf_and_batched_equals_unbatched(models, tiny_tokenizer, name):
     model, tok = models[name], tiny_tokenizer
-    prompts = _prompts()
+    prompts = _prompts(len(tok))
     kw = dict(max_new_tokens=40, progress=False)
     ref = generate(model, tok, prompts, batch_size=1, generation="hf", **kw)
     hf_batched = generate(model, tok, prompts, batch_size=4, generation="hf", **kw)
@@ -72,15 +87,15 @@ def test_sampled_fast_equals_hf(models, tiny_tokenizer):
     """Seeded sampling: same seeds per batch, same draws (fast path = HF's processors + multinomial)."""
     model, tok = models["hybrid"], tiny_tokenizer
     kw = dict(max_new_tokens=12, temperature=0.8, top_p=0.9, num_samples=2, batch_size=3, seed=5, progress=False)
-    assert generate(model, tok, _prompts(5), generation="fast", **kw) == \
-        generate(model, tok, _prompts(5), generation="hf", **kw)
+    assert generate(model, tok, _prompts(len(tok), 5), generation="fast", **kw) == \
+        generate(model, tok, _prompts(len(tok), 5), generation="hf", **kw)
 
 
 def test_eos_cut_per_row(models, tiny_tokenizer):
     """Each row's completion is its own tokens up to (not including) its first EOS, found here
     independently in HF's raw output for the prompt alone."""
     model, tok = models["llama"], tiny_tokenizer
-    prompts = _prompts()
+    prompts = _prompts(len(tok))
     out = generate(model, tok, prompts, batch_size=7, max_new_tokens=40, generation="fast", progress=False)
     eos = set(model.generation_config.eos_token_id) | {tok.eos_token_id}
     for p, g in zip(prompts, out):
@@ -95,7 +110,7 @@ def test_eos_cut_per_row(models, tiny_tokenizer):
 def test_deadline_stops_before_a_batch(models, tiny_tokenizer):
     model, tok = models["llama"], tiny_tokenizer
     lines = []
-    out = generate(model, tok, _prompts(), batch_size=2, max_new_tokens=4, progress=False,
+    out = generate(model, tok, _prompts(len(tok)), batch_size=2, max_new_tokens=4, progress=False,
                    deadline=time.time() - 1, log=lines.append)
     assert all(g == [None] for g in out) and "time is up" in lines[-1]
 
@@ -148,5 +163,5 @@ def test_fast_equals_hf_on_cuda(models, tiny_tokenizer, name):
 
     model = copy.deepcopy(models[name]).cuda()
     kw = dict(max_new_tokens=40, batch_size=4, progress=False)
-    assert generate(model, tiny_tokenizer, _prompts(), generation="fast", **kw) == \
-        generate(model, tiny_tokenizer, _prompts(), generation="hf", **kw)
+    assert generate(model, tiny_tokenizer, _prompts(len(tiny_tokenizer)), generation="fast", **kw) == \
+        generate(model, tiny_tokenizer, _prompts(len(tiny_tokenizer)), generation="hf", **kw)

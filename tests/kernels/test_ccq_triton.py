@@ -1,6 +1,7 @@
 """Fused Triton CCQ read (`kernels.triton.ccq_read.ccq_triton`) against the PyTorch op.
 
-Two gates:
+Gates:
+- triton importable (CPU, no kernel): the device-side piece table's bounds at the CUDA tests' shapes;
 - interpreter: `TRITON_INTERPRET=1` and triton importable (CPU, tiny shapes, chunk 16, odd T): forward
   and gradients (q, k, initial C and mu, through the final state) against `ccq_recurrent` in fp64
   (autograd through the reference), with mask, initial state, varlen (incl. an empty document);
@@ -24,6 +25,15 @@ CUDA = torch.cuda.is_available() and HAS_TRITON and not INTERPRET
 
 interp_only = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton importable")
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (and TRITON_INTERPRET unset)")
+
+
+@pytest.fixture(autouse=True)
+def _device_errors_named_here():
+    """Wait for this test's kernels at its end: an asynchronous device-side error then fails this
+    test's teardown, not the next CUDA call of some later test."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def rel(a, b):
@@ -165,6 +175,40 @@ def test_interp_no_grad_and_errors():
         ccq_triton(q, k, initial_state=state(2, 1, 16, [1, 2]))
     with pytest.raises(ValueError, match="chunk_size"):
         ccq_triton(q, k, chunk_size=24)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
+@pytest.mark.parametrize("B,T,H,cu,split", [(2, 4099, 4, None, None), (2, 4099, 4, None, 0),
+                                            (1, 4100, 4, [0, 1000, 1000, 3001, 4100], None),
+                                            (1, 4100, 4, [0, 1000, 1000, 3001, 4100], 300),
+                                            (1, 70, 2, [0, 17, 17, 50, 70], 20), (2, 300, 2, None, None)])
+def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
+    """The device-side piece table (`_table`, pure PyTorch) at the CUDA tests' shapes, on the CPU (where
+    an index out of range raises instead of a device assert): every piece lies inside the row, pieces
+    of a sequence are contiguous and cover exactly its tokens, counts match the mask."""
+    from hybridize.kernels.triton.ccq_read import _segment_len, _table
+    cu_t = None if cu is None else torch.tensor(cu)
+    N = B if cu is None else len(cu) - 1
+    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.1
+    n0 = torch.arange(N) * 3
+    seg_len = (_segment_len(B, T, H, T if cu is None else B * T) if split is None
+               else (None if split <= 0 else split))
+    seg, n_before, segs, n_end = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len)
+    G = seg.shape[0]
+    assert bool((seg[:, 0] >= 0).all()) and bool((seg.sum(1) <= B * T).all()) and bool((seg[:, 1] >= 0).all())
+    assert bool((segs[:, 0] >= 0).all()) and bool((segs.sum(1) <= G).all())
+    starts = torch.arange(B) * T if cu is None else cu_t[:-1]
+    lens = torch.full((B,), T) if cu is None else cu_t.diff()
+    flat = mask.reshape(-1)
+    for i in range(N):
+        first, count = (int(x) for x in segs[i])
+        pieces = seg[first:first + count]
+        assert int(pieces[:, 1].sum()) == int(lens[i]), i
+        if count:
+            assert int(pieces[0, 0]) == int(starts[i]), i
+            assert torch.equal(pieces[1:, 0], (pieces[:-1, 0] + pieces[:-1, 1])), i
+        s0 = int(starts[i])
+        assert int(n_end[i]) == int(n0[i]) + int(flat[s0:s0 + int(lens[i])].sum()), i
 
 
 # ---- CUDA (compiled kernels) -----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """SSE GPU paths (kernels/sse.py + kernels/triton/sse_route.py, sse_decode.py) against the PyTorch paths.
 
 Three groups:
-- always: the device-side varlen plan against the host-side `varlen_index` (same reorder);
+- always: the device-side varlen plan against the host-side `varlen_index` (same reorder), and its
+  index bounds (`check_plan`, also run on the host before every CUDA varlen call below);
 - interpreter (TRITON_INTERPRET=1 and triton importable, CPU tensors): the Triton row movers and the
   slot-broadcast decode step against their PyTorch references, and the whole `sse_varlen` /
   `sse_recurrent` with our kernels forced on against the PyTorch path (tiny shapes, odd lengths,
@@ -9,6 +10,8 @@ Three groups:
 - CUDA: the GPU paths (fla varlen op + our kernels; Triton decode) against the PyTorch path on the
   same inputs, fp32 and bf16, forward and gradients; decode leaves unselected partitions
   bit-identical, honours `inplace`, is CUDA-graph capturable; the varlen bookkeeping never syncs.
+  Every test ends with a device sync (autouse fixture), so an asynchronous device-side error fails
+  the test that caused it rather than a later one.
 
 Run the interpreter group with
     TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_sse_gpu_paths.py
@@ -31,6 +34,34 @@ interp = triton_ok and os.environ.get("TRITON_INTERPRET") == "1" and not cuda
 needs_interp = pytest.mark.skipif(not interp, reason="needs TRITON_INTERPRET=1, triton importable, no CUDA")
 needs_cuda = pytest.mark.skipif(not (cuda and triton_ok and importlib.util.find_spec("fla") is not None),
                                 reason="needs CUDA, triton and fla-core")
+
+
+@pytest.fixture(autouse=True)
+def _device_errors_named_here():
+    """Wait for this test's kernels at its end: an asynchronous device-side error (an index assert, a
+    fault) then fails this test's teardown, not the next CUDA call of some later test."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def check_plan(plan, L, K, G):
+    """Host-side bounds of a `VarlenPlan` (copied to the CPU), the ranges every gather of the varlen
+    layout (torch or Triton) relies on: order and inv are inverse permutations of the L * K pairs,
+    seg_cu `[G + 2]` rises from 0 to L * K."""
+    order, inv, seg_cu, keep = (t.cpu() for t in (plan.order, plan.inv, plan.seg_cu, plan.keep))
+    M = L * K
+    assert order.shape == inv.shape == keep.shape == (M,), (order.shape, inv.shape, keep.shape, M)
+    assert torch.equal(order.sort().values, torch.arange(M)), "order is not a permutation of the pairs"
+    assert torch.equal(inv[order], torch.arange(M)), "inv is not the inverse of order"
+    assert seg_cu.shape == (G + 2,) and int(seg_cu[0]) == 0 and int(seg_cu[-1]) == M, seg_cu
+    assert bool((seg_cu.diff() >= 0).all()), seg_cu
+
+
+def check_routing(r, N):
+    """Host-side: partition ids in [0, N) (they index the state tensor)."""
+    idx = r.index.cpu()
+    assert int(idx.min()) >= 0 and int(idx.max()) < N, (int(idx.min()), int(idx.max()), N)
 
 
 def rel(a, b):
@@ -103,6 +134,7 @@ def test_varlen_plan_matches_varlen_index(K):
     cu = torch.tensor([0, 5, 5, 16, 23])
     token, part, seg_cu, seg_id = sse.varlen_index(r, cu)
     plan = sse.varlen_plan(r, cu)
+    check_plan(plan, L, K, 4 * N)
     n_kept = int(plan.seg_cu[-2])
     assert n_kept == int(r.selected.sum()) and int(plan.seg_cu[-1]) == L * K
     assert torch.equal(plan.order[:n_kept] // K, token)                       # same rows, same order
@@ -286,6 +318,12 @@ def test_cuda_varlen_matches_torch_path(op, dtype, case, gpu_backend):
     nseq = 4 if case == "packed" else B
     sh, sp, logits, valid = make(op, B, T, H, D, N, K, True, dtype=dtype, device="cuda", valid=valid)
     h0 = state(nseq, N, H, D, device="cuda")
+    r = route(logits, K, valid)                       # the plan sse_varlen builds, checked on the host first
+    check_routing(r, N)
+    if cu is None:
+        r = Routing(*(t.reshape(1, B * T, -1) for t in (r.probs, r.index, r.selected)))
+    check_plan(sse.varlen_plan(r, torch.arange(0, (B + 1) * T, T, device="cuda") if cu is None else cu),
+               B * T, K, nseq * N)
     got = run_layout(sse.sse_varlen, op, sh, sp, logits, K, valid, h0, cu)
     ref = _torch_path(lambda: run_layout(sse.sse_varlen, op, sh, sp, logits, K, valid, h0, cu))
     tol = 3e-3 if dtype == torch.float32 else 3e-2
@@ -308,6 +346,7 @@ def test_cuda_decode_matches_torch_path(op, dtype, gpu_backend):
     h0 = state(B, N, H, D, device="cuda")
     keep = [t.clone() for t in h0]
     r = route(logits, K, valid)
+    check_routing(r, N)
     with torch.no_grad():
         o, s1, s2 = sse.sse_recurrent(op, sh, sp, r, initial_state=h0, output_final_state=True)
         assert all(torch.equal(a, b) for a, b in zip(keep, h0)), "inplace=False wrote the given state"
@@ -385,4 +424,5 @@ def test_cuda_varlen_bookkeeping_and_row_moves_never_sync(gpu_backend):
             o.float().sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    check_plan(plan, L, K, 2 * N)
     assert logits.grad is not None and x.grad is not None
