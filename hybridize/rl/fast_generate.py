@@ -25,7 +25,11 @@ HF cached path: tokens and logits are identical (tested on CPU, greedy and seede
 CUDA graphs the attention reads the whole buffer with future slots masked, which can change logits in
 the last bits (different reduction lengths); tokens still agree except at near-ties (measured on an
 H100, bf16, random weights, greedy: 8/8 rows identical to HF generate at every tested shape; the graph
-replays give exactly the tokens of the same masked layout run eagerly, sampling included). One difference
+replays give exactly the tokens of the same masked layout run eagerly, sampling included). With the Triton
+attention on the GPU, bf16 logits differ from HF's in the last bit as well, and random-weight bf16 models
+at the Qwen3-1.7B shape (151k vocabulary) have top-2 logits within one bf16 step at ~14% of greedy steps
+(exact ties at ~3%), so such rows can part ways: HF's own eager and sdpa attentions disagree as often
+there (CPU, 4 layers, 48 tokens: 0/4 rows equal for both); compare in fp32 to check the wiring. One difference
 that does not change the returned tokens: the loop may run up to `check_every - 1` steps past the
 point where every row finished, so the global RNG ends in a different state than after HF generate.
 
@@ -39,6 +43,11 @@ a registered attention function; the shared config is not touched). The eager ex
 attention under `auto`, as it exists to give HF's bits. The kernel needs a left-padded prompt mask
 (padding, then real tokens); other masks keep HF's attention. On CPU, `attention=triton` runs the
 kernel's PyTorch reference (or the kernel itself under `TRITON_INTERPRET=1`), to test the wiring.
+
+Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
+config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
+set). A prompt longer than the window leaves only the last `window - 1` keys in HF's sliding cache layers:
+they are copied to their own buffer slots (the earlier slots stay zero, outside every window).
 
 Not supported (falls back to `model.generate`, with the reason in `last_fallback_reason`): beams,
 several return sequences, repetition penalties and other input-dependent processors, streamers,
@@ -110,6 +119,22 @@ def _is_mixer_layer(layer) -> bool:
     from hybridize.modeling import AttentionSlot
 
     return isinstance(layer.self_attn, AttentionSlot)
+
+
+def _layer_windows(model) -> list[int | None]:
+    """Per decoder layer, the sliding window of HF's attention mask there (None: full causal), by the rule
+    of the families' mask code: with `layer_types` (Qwen2/3) the config's `sliding_window` applies to the
+    "sliding_attention" layers only (Qwen configs already drop it when `use_sliding_window` is off);
+    without `layer_types` (Mistral) a set `sliding_window` applies to every layer."""
+    tc = _text_config(model)
+    n = len(model.model.layers)
+    window = getattr(tc, "sliding_window", None)
+    if not window:
+        return [None] * n
+    types = getattr(tc, "layer_types", None)
+    if not types:
+        return [int(window)] * n
+    return [int(window) if i < len(types) and types[i] == "sliding_attention" else None for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +209,13 @@ def _decode_attention_fn(device, mode: str):
         from hybridize.kernels.triton.attn_decode import attn_decode_reference
         return attn_decode_reference
     return None
+
+
+def _holds_visible_keys(kept: int, T: int, window: int | None) -> bool:
+    """Whether a prefill cache layer holding the last `kept` of `T` prompt keys has every key the decode
+    steps see: all of them, or with a sliding window the last `window - 1` (HF's sliding layers keep
+    exactly those; the first decode step at slot T sees slots > T - window)."""
+    return kept == T or (window is not None and min(T, window - 1) <= kept <= T)
 
 
 def _left_padded(am: torch.Tensor) -> bool:
@@ -521,10 +553,7 @@ class FastGenerator:
                 self._sessions[key] = sess   # most recently used last
                 self._load(sess, cache, T)
                 return sess
-        types = list(getattr(tc, "layer_types", None) or [])
-        window = getattr(tc, "sliding_window", None)
-        sliding = [window if (i < len(types) and types[i] == "sliding_attention" and window) else None
-                   for i in range(len(m.model.layers))]
+        sliding = _layer_windows(m)
         StaticMixerLayer = _mixer_layer_class()
         pos_slot = torch.zeros(1, device=device, dtype=torch.long)
         layers = []
@@ -554,9 +583,14 @@ class FastGenerator:
     def _load(sess: _Session, cache, T: int) -> None:
         for dst, src in zip(sess.cache.layers, cache.layers):
             if isinstance(dst, StaticKV):
-                dst.keys[:, :, :T].copy_(src.keys)
-                dst.values[:, :, :T].copy_(src.values)
-                dst.keys[:, :, T:].zero_()   # never-written slots must not hold NaN (0 * NaN = NaN)
+                # a sliding-window cache layer keeps only the last keys: they go to their own slots, the
+                # slots before them stay zero (outside the window of every decode step, hence masked)
+                n = src.keys.shape[2]
+                dst.keys[:, :, T - n:T].copy_(src.keys)
+                dst.values[:, :, T - n:T].copy_(src.values)
+                dst.keys[:, :, :T - n].zero_()   # slots never read must not hold NaN (0 * NaN = NaN)
+                dst.values[:, :, :T - n].zero_()
+                dst.keys[:, :, T:].zero_()
                 dst.values[:, :, T:].zero_()
             else:
                 if dst.static:
@@ -575,9 +609,11 @@ class FastGenerator:
         bucket = max(1, int(self.config.bucket))
         L = -(-(T + max_new) // bucket) * bucket
         dtype = m.lm_head.weight.dtype
+        windows = _layer_windows(m)
         bad = [i for i, layer in enumerate(cache.layers)
-               if hasattr(layer, "keys") and not _is_mixer_layer(m.model.layers[i]) and layer.keys.shape[2] != T]
-        if bad:  # e.g. a sliding-window cache layer that dropped old keys
+               if hasattr(layer, "keys") and not _is_mixer_layer(m.model.layers[i])
+               and not _holds_visible_keys(layer.keys.shape[2], T, windows[i])]
+        if bad:  # e.g. a sliding-window cache layer that dropped keys a decode step still sees
             self.last_fallback_reason = f"cache layers {bad} do not hold the whole prompt"
             log.info("fast generation falls back to model.generate: %s", self.last_fallback_reason)
             return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
