@@ -29,6 +29,8 @@ decides which tokens reach which of the N state partitions of each head.
     On CUDA without gradients the Triton `triton/sse_decode.py` step does this inside the state
     tensor instead (no copies, no host sync, CUDA-graph capturable; `inplace=True` writes the given
     state). Partitions that were not selected are never read or written, so they stay bit-identical.
+    A T == 1 step there is 2 kernel calls (sparse slots, shared partition) + 1 sum/cast; routing without
+    padding needs no selection mask (`Routing.dense`: the top-K indices and probabilities are used as is).
 
 Host syncs, by reading the code (before -> now), per varlen forward: `cu_seqlens.tolist()`,
 `repeat_interleave` with tensor repeats, two boolean-mask gathers, `bincount` (reads the max),
@@ -59,18 +61,33 @@ from .varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_length
 OPS = ("gla", "delta")
 
 
-@dataclass
 class Routing:
     """Router decision for every token.
 
     probs `[B, T, N]` softmax of the router logits (fp32, fp64 for fp64 logits); index `[B, T, K]` the
     selected partitions (by descending probability); selected `[B, T, N]` bool, K True entries per
-    real token, none on padding.
-    """
+    real token, none on padding; top_probs `[B, T, K]` = probs at index (None: gathered when asked).
+    `selected` may be left None when no token is padding: it is then built on first use (a decode step
+    on the GPU never needs it: every top-K slot is selected, `dense` is True)."""
 
-    probs: torch.Tensor
-    index: torch.Tensor
-    selected: torch.Tensor
+    def __init__(self, probs: torch.Tensor, index: torch.Tensor, selected: torch.Tensor | None = None,
+                 top_probs: torch.Tensor | None = None):
+        self.probs, self.index, self._selected, self._top = probs, index, selected, top_probs
+        #: every top-K slot of every token is selected (no padding mask was applied)
+        self.dense = selected is None
+
+    @property
+    def selected(self) -> torch.Tensor:
+        if self._selected is None:
+            self._selected = torch.zeros_like(self.probs, dtype=torch.bool).scatter_(-1, self.index, True)
+        return self._selected
+
+    @property
+    def top_probs(self) -> torch.Tensor:
+        """`[B, T, K]` router probability of each selected slot (padding included)."""
+        if self._top is None:
+            self._top = self.probs.gather(-1, self.index)
+        return self._top
 
     @property
     def weight(self) -> torch.Tensor:
@@ -103,11 +120,11 @@ def route(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None = None) -
     if not 1 <= top_k <= n:
         raise ValueError(f"top_k must be in [1, num_partitions={n}], got {top_k}")
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    index = probs.topk(top_k, dim=-1).indices
-    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, True)
-    if valid is not None:
-        selected = selected & valid.bool().unsqueeze(-1)
-    return Routing(probs=probs, index=index, selected=selected)
+    top, index = probs.topk(top_k, dim=-1)
+    if valid is None:   # `selected` is built only if a layout asks for it (decode steps do not)
+        return Routing(probs, index, None, top)
+    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, True) & valid.bool().unsqueeze(-1)
+    return Routing(probs, index, selected, top)
 
 
 def balance_loss(routing: Routing, top_k: int, alpha: float = 0.01) -> torch.Tensor:
@@ -458,6 +475,27 @@ def _owned(state: torch.Tensor | None, given: torch.Tensor | None, inplace: bool
     return state
 
 
+_ZERO_INDEX: dict = {}
+
+
+def _zero_index(B: int, device) -> torch.Tensor:
+    """A `[B, 1]` long tensor of zeros (the shared partition's index), made once per (B, device): never
+    written, so a decode step (and a CUDA graph of it) need not fill a new one every token."""
+    key = (B, str(device))
+    if key not in _ZERO_INDEX:
+        _ZERO_INDEX[key] = torch.zeros(B, 1, dtype=torch.long, device=device)
+    return _ZERO_INDEX[key]
+
+
+def _slot_index(routing: Routing):
+    """(index `[B, T, K]` with -1 on unselected slots, router probability `[B, T, K]` fp32)."""
+    if routing.dense:   # no padding: every top-K slot is selected, nothing to mask
+        return routing.index, routing.top_probs.float()
+    sel = routing.selected.gather(-1, routing.index)                                  # [B, T, K]
+    idx = torch.where(sel, routing.index, torch.full_like(routing.index, -1))          # -1: slot skipped
+    return idx, routing.top_probs.float()
+
+
 def _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state,
                            inplace):
     from .triton.sse_decode import sse_decode_step
@@ -466,24 +504,34 @@ def _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, ini
     sh_state, sp_state = _init_states(sparse, shared, n, B, initial_state)
     given = initial_state if initial_state is not None else (None, None)
     sh_state, sp_state = _owned(sh_state, given[0], inplace), _owned(sp_state, given[1], inplace)
-    sel = routing.selected.gather(-1, routing.index)                                  # [B, T, K]
-    idx = torch.where(sel, routing.index, torch.full_like(routing.index, -1))          # -1: slot skipped
-    w = routing.probs.gather(-1, routing.index).float()                                # [B, T, K]
-    zero = torch.zeros(B, 1, dtype=torch.long, device=sparse.q.device)
-    outs = []
-    for t in range(T):
-        step = lambda a: None if a is None else a[:, t:t + 1]  # noqa: E731 - [B, 1, ...]: broadcast to slots
-        o = sse_decode_step(sp_state, idx[:, t], step(sparse.q), step(sparse.k), step(sparse.v),
-                            g=step(sparse.g), beta=step(sparse.beta), scale=scale,
-                            wq=w[:, t] if emulq else None, wk=w[:, t] if emulk else None).sum(1)
-        if shared is not None:
-            o = o + sse_decode_step(sh_state.unsqueeze(1), zero, step(shared.q), step(shared.k), step(shared.v),
-                                    g=step(shared.g), beta=step(shared.beta), scale=scale)[:, 0]
-        outs.append(o.unsqueeze(1))
-    o = torch.cat(outs, 1).to(sparse.v.dtype) if outs else sparse.v.new_zeros(B, 0, H, sparse.v.shape[-1])
+    idx, w = _slot_index(routing)
+    zero = _zero_index(B, sparse.q.device)
+    if T == 1:   # a decode step: no per-token list, no concatenation, one fused sum + cast
+        o = _triton_token(sse_decode_step, 0, shared, sparse, sh_state, sp_state, idx, w, zero, emulq, emulk, scale)
+        o = o.unsqueeze(1)
+        return (o, sh_state, sp_state) if output_final_state else (o, None, None)
+    outs = [_triton_token(sse_decode_step, t, shared, sparse, sh_state, sp_state, idx, w, zero, emulq, emulk,
+                          scale).unsqueeze(1) for t in range(T)]
+    o = torch.cat(outs, 1) if outs else sparse.v.new_zeros(B, 0, H, sparse.v.shape[-1])
     if not output_final_state:
         return o, None, None
     return o, sh_state, sp_state
+
+
+def _triton_token(step_fn, t, shared, sparse, sh_state, sp_state, idx, w, zero, emulq, emulk, scale):
+    """Token t of every row through the decode kernel: `[B, H, V]` in v's dtype (the same values as the
+    loop's fp32 sum of slots + shared output, then cast: the sum is done in fp32 and rounded on store)."""
+    step = lambda a: None if a is None else a[:, t:t + 1]  # noqa: E731 - [B, 1, ...]: broadcast to slots
+    o = step_fn(sp_state, idx[:, t], step(sparse.q), step(sparse.k), step(sparse.v), g=step(sparse.g),
+                beta=step(sparse.beta), scale=scale, wq=w[:, t] if emulq else None, wk=w[:, t] if emulk else None)
+    o = o[:, 0] if o.shape[1] == 1 else o.sum(1)                  # K == 1: the slot sum is the slot itself
+    if shared is None:
+        return o.to(sparse.v.dtype)
+    o_sh = step_fn(sh_state.unsqueeze(1), zero, step(shared.q), step(shared.k), step(shared.v),
+                   g=step(shared.g), beta=step(shared.beta), scale=scale)[:, 0]
+    if sparse.v.dtype == o.dtype:
+        return o + o_sh
+    return torch.add(o, o_sh, out=torch.empty(o.shape, dtype=sparse.v.dtype, device=o.device))
 
 
 def _recurrent_loop(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state):

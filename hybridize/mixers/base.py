@@ -64,6 +64,11 @@ class MixerState:
     Subclasses add tensor fields (None allowed). `map` applies a function to every tensor, which is
     all the cache needs for beam reordering, batch selection and device moves."""
 
+    # The owner of a state (e.g. the fast rollout cache) may set `writable = True` on the instance it
+    # holds: a decode step may then update its tensors in place instead of returning copies. Not a
+    # dataclass field, so `map`/`replace` copies are never writable.
+    writable = False
+
     def map(self, fn) -> "MixerState":
         def apply(v):
             if isinstance(v, torch.Tensor):

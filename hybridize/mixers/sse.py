@@ -71,6 +71,10 @@ from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNo
 
 #: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
 SILU_ONE = 1.278464542761074
+#: attribute a decode cache sets to True on the state object it owns (and will replace with the returned
+#: state): the step may then update that state's tensors in place (`sse_recurrent(inplace=True)`); copies
+#: made by `MixerState.map` / `dataclasses.replace` do not carry it
+WRITABLE = "writable"
 FEATURE_MAPS = ("silu", "softmax", "identity")
 
 
@@ -142,6 +146,23 @@ def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm.forward` with a weight that may vary per row (`[..., rows, D]` against `[rows, D]`)."""
+    dtype = x.dtype
+    x = x.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`repeat_kv` on dim -2 of `[..., Hkv, D]` as one copy (expand + reshape; `repeat_interleave` with
+    an int count builds an index tensor first): the same values, each KV head repeated n_rep times."""
+    if n_rep == 1:
+        return x
+    *lead, h, d = x.shape
+    return x.unsqueeze(-2).expand(*lead, h, n_rep, d).reshape(*lead, h * n_rep, d)
+
+
 def _spread_decays(n: int, lo: float, hi: float) -> torch.Tensor:
     """n decays alpha with 1 - alpha log-uniform over [1 - hi, 1 - lo] (fp64)."""
     return 1 - torch.logspace(math.log10(1 - hi), math.log10(1 - lo), n, dtype=torch.float64)
@@ -154,6 +175,8 @@ class SSE(Mixer):
     config_class: ClassVar[type[MixerConfig]] = SSEConfig
     state_class: ClassVar[type[MixerState]] = SSEState
     op: ClassVar[str] = "gla"
+    #: decode steps (T == 1, no gradient) run every projection of x as one cached, concatenated matmul
+    fuse_decode: ClassVar[bool] = True
 
     def __init__(self, config: SSECommonConfig):
         super().__init__(config)
@@ -308,13 +331,15 @@ class SSE(Mixer):
                                 g=mask_tokens(g_sh, attention_mask), beta=mask_tokens(b_sh, attention_mask))
         return shared, sparse, conv
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o `[B, T, H, D]` -> `[B, T, hidden]`: per-head RMSNorm, silu output gate, o_proj."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """o `[B, T, H, D]` -> `[B, T, hidden]`: per-head RMSNorm, silu output gate, o_proj.
+        `gate` `[B, T, H * D]`: x W_g + b already computed (the fused decode projection), else g_proj(x)."""
         c = self.config
         B, T = o.shape[:2]
         o = self.o_norm(o)
         if c.output_gate:
-            o = o * F.silu(self.g_proj(x)).view(B, T, c.num_heads, c.head_dim)
+            gate = self.g_proj(x) if gate is None else gate
+            o = o * F.silu(gate).view(B, T, c.num_heads, c.head_dim)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
     def forward(self, x, state: SSEState | None = None, attention_mask=None, cu_seqlens=None,
@@ -328,19 +353,170 @@ class SSE(Mixer):
         mode = self.pick_mode(mode, T, state)
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
-        shared, sparse, conv = self.features(x, attention_mask, cu_seqlens, position_embeddings,
-                                             state.conv if state is not None else None)
-        routing = route(self.router(x), c.top_k, attention_mask)
+        gate = None
+        if mode == "recurrent" and T == 1 and cu_seqlens is None and self._fused_ok():
+            shared, sparse, routing, gate = self.decode_inputs(x, attention_mask, position_embeddings)
+            conv = None
+        else:
+            shared, sparse, conv = self.features(x, attention_mask, cu_seqlens, position_embeddings,
+                                                 state.conv if state is not None else None)
+            routing = route(self.router(x), c.top_k, attention_mask)
+        kw = {}
         if mode == "recurrent":
             fn = sse_recurrent
+            # the caller owns this state object (decode cache): the GPU step may update it in place
+            kw["inplace"] = bool(getattr(state, WRITABLE, False))
         else:
             fn = LAYOUTS[pick_layout(layout or c.layout, T, cu_seqlens, c.varlen_min_len)]
         init = None if state is None else (state.shared, state.sparse)
         o, sh, sp = fn(self.op, shared, sparse, routing, emulq=c.emulq, emulk=c.emulk, initial_state=init,
-                       output_final_state=output_state, cu_seqlens=cu_seqlens, chunk_size=c.chunk_size)
+                       output_final_state=output_state, cu_seqlens=cu_seqlens, chunk_size=c.chunk_size, **kw)
         aux = balance_loss(routing, c.top_k, c.balance_alpha) if self.training else None
         new_state = SSEState(sparse=sp, shared=sh, conv=conv) if output_state else None
-        return MixerOutput(hidden=self.finish(o, x), state=new_state, aux_loss=aux)
+        return MixerOutput(hidden=self.finish(o, x, gate), state=new_state, aux_loss=aux)
+
+    # ---- fused decode step (T == 1, no gradient) ----------------------------------------------
+    def direct_gate_linears(self) -> list[nn.Linear]:
+        """Gate projections applied to x directly (SSEGDN's a_proj, b_proj); SSE has none."""
+        return []
+
+    def lowrank_gates(self) -> list[LowRank]:
+        """Low-rank gate projections, shared path first (SSE); SSEGDN has none."""
+        c = self.config
+        return [self.gates[p] for p in (("shared", "sparse") if c.shared_partition else ("sparse",))]
+
+    def _stage1(self) -> list[nn.Linear]:
+        """Linear layers that read x, in the order of the fused projection's output columns."""
+        c = self.config
+        mods = [self.q_proj, self.k_proj, self.v_proj] + ([self.g_proj] if c.output_gate else [])
+        return mods + [self.router] + self.direct_gate_linears() + [self.lora_q.down, self.lora_k.down] + [
+            g.down for g in self.lowrank_gates()]
+
+    def _stage2(self) -> list[nn.Linear]:
+        return [self.lora_q.up, self.lora_k.up] + [g.up for g in self.lowrank_gates()]
+
+    def _fused_ok(self) -> bool:
+        """The fused decode projections apply: no gradient, no short conv, and every projection a plain
+        `nn.Linear` of one dtype without hooks (a PEFT-wrapped or hooked projection keeps the generic path)."""
+        c = self.config
+        if not self.fuse_decode or torch.is_grad_enabled() or c.short_conv:
+            return False
+        mods = self._stage1() + self._stage2()
+        if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in mods):
+            return False
+        if c.qk_norm and self.q_norm.eps != self.k_norm.eps:
+            return False
+        return len({m.weight.dtype for m in mods}) == 1
+
+    def _fused_weights(self):
+        """(W1, b1, W2, b2): the stage-1 weight `[n1, hidden]` (every projection of x stacked) and bias (None
+        if no projection has one); the stage-2 block weight `[2 n + gate widths, 2 r + gate ranks]` on the
+        stage-1 low-rank columns: first n = (H + Hkv) D zero rows (the shared q/k get + 0, exactly), then the
+        LoRA ups and the gate ups (with their biases). Cached and keyed on the parameters' storage and
+        version counters, so an in-place update (optimizer step, load_state_dict) refreshes it, in the same
+        buffers when the shapes allow (a captured CUDA graph keeps reading the current weights after
+        `refresh_decode_weights`). Checkpoints and parameters are unchanged."""
+        c = self.config
+        s1, s2 = self._stage1(), self._stage2()
+        params = [p for m in s1 + s2 for p in (m.weight, m.bias) if p is not None]
+        if c.qk_norm:
+            params += [self.q_norm.weight, self.k_norm.weight]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cache = self.__dict__.get("_fused_cache")
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        w = s1[0].weight
+        n = (c.num_heads + c.num_kv_heads) * c.head_dim
+        rows2 = 2 * n + sum(m.out_features for m in s2[2:])
+        cols2 = sum(m.in_features for m in s2)
+        shapes = [(sum(m.out_features for m in s1), c.hidden_size), (rows2, cols2)]
+        old = cache[1] if cache is not None else None
+        reuse = old is not None and all(t.shape == sh and t.dtype == w.dtype and t.device == w.device
+                                        for t, sh in zip((old[0], old[2]), shapes))
+        W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
+        with torch.no_grad():
+            torch.cat([m.weight for m in s1], out=W1)
+            W2.zero_()
+            r0, c0 = n, 0
+            for m in s2:
+                W2[r0:r0 + m.out_features, c0:c0 + m.in_features].copy_(m.weight)
+                r0, c0 = r0 + m.out_features, c0 + m.in_features
+            b1 = b2 = None
+            if any(m.bias is not None for m in s1):
+                b1 = old[1] if reuse and old[1] is not None else w.new_empty(shapes[0][0])
+                torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in s1], out=b1)
+            if any(m.bias is not None for m in s2):
+                b2 = old[3] if reuse and old[3] is not None else w.new_empty(rows2)
+                torch.cat([w.new_zeros(n)] + [m.bias if m.bias is not None else w.new_zeros(m.out_features)
+                                              for m in s2], out=b2)
+            wn = None
+            if c.qk_norm:   # one weight row per q head then per k head: both norms in one pass
+                nw = self.q_norm.weight
+                shape = (c.num_heads + c.num_kv_heads, c.head_dim)
+                wn = old[4] if (reuse and old[4] is not None and old[4].dtype == nw.dtype) else nw.new_empty(shape)
+                torch.cat([nw.expand(c.num_heads, -1), self.k_norm.weight.expand(c.num_kv_heads, -1)], out=wn)
+        out = (W1, b1, W2, b2, wn)
+        self.__dict__["_fused_cache"] = (key, out)
+        return out
+
+    @torch.no_grad()
+    def refresh_decode_weights(self) -> None:
+        """Bring the fused decode weights up to date with the parameters (in place when the shapes still
+        match): what a decode loop that replays a captured graph calls before replaying."""
+        if self._fused_ok():
+            self._fused_weights()
+
+    def decode_inputs(self, x, attention_mask=None, position_embeddings=None):
+        """The T == 1 no-gradient front end: x `[B, 1, hidden]` -> (shared PathInputs | None, sparse
+        PathInputs, Routing, output-gate pre-activation `[B, 1, H * D]`), the same values as `features` +
+        `route` + g_proj, with every projection of x in one matmul, the LoRA and gate up-projections in a
+        second, and the shared and sparse q/k normalised and feature-mapped together (path-major
+        `[2, B, 1, heads, D]`, so each path's tensors are contiguous for the decode kernel)."""
+        c = self.config
+        B, T, _ = x.shape
+        H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim
+        n = (H + Hk) * D
+        W1, b1, W2, b2, wn = self._fused_weights()
+        y = F.linear(x, W1, b1)                                                # [B, T, n1]
+        widths = [n, Hk * D] + ([H * D] if c.output_gate else []) + [c.num_partitions] + [
+            m.out_features for m in self.direct_gate_linears()] + [W2.shape[1]]   # last: low-rank inputs
+        cols = iter(torch.split(y, widths, dim=-1))
+        qk, v = next(cols), next(cols)
+        gate = next(cols) if c.output_gate else None
+        logits = next(cols)
+        direct = [next(cols) for _ in self.direct_gate_linears()]
+        u = F.linear(next(cols), W2, b2)                                       # [B, T, 2n + gate widths]
+        both = torch.empty(2, B, T, n, dtype=y.dtype, device=y.device)        # [shared, sparse] q|k
+        torch.add(qk.unsqueeze(0), u[..., :2 * n].view(B, T, 2, n).movedim(2, 0), out=both)
+        both = both.view(2, B, T, H + Hk, D)
+        if c.qk_norm:
+            both = _rms_norm(both, wn, self.q_norm.eps)
+        if c.use_rope:
+            if position_embeddings is None:
+                raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
+            both = apply_rope(both, *position_embeddings)
+        q = feature_map(both[..., :H, :], c.q_map)
+        k = _repeat_heads(feature_map(both[..., H:, :], c.k_map), self.n_rep)
+        q, k = self.normalize_qk(q, k)
+        v = _repeat_heads(feature_map(v.view(B, T, Hk, D), c.v_map), self.n_rep)
+        (g_sh, b_sh), (g_sp, b_sp) = self.decode_gates(u[..., 2 * n:], direct, B, T)
+        sparse = PathInputs(q=q[1], k=k[1], v=v, g=g_sp, beta=b_sp)
+        shared = None
+        if c.shared_partition:
+            m = attention_mask
+            shared = PathInputs(q=q[0], k=mask_tokens(k[0], m), v=mask_tokens(v, m), g=mask_tokens(g_sh, m),
+                                beta=mask_tokens(b_sh, m))
+        return shared, sparse, route(logits, c.top_k, attention_mask), gate
+
+    def decode_gates(self, z, direct, B: int, T: int):
+        """((g, beta) shared, (g, beta) sparse) from the fused projections: z `[B, T, P * H * D]` the gate
+        up-projections (shared first), as `path_gates` computes them (fp32 logsigmoid / normalizer)."""
+        c = self.config
+        P = len(self.lowrank_gates())
+        zf = torch.empty(P, B, T, z.shape[-1] // P, dtype=torch.float32, device=z.device)
+        zf.copy_(z.view(B, T, P, -1).movedim(2, 0))                             # path-major, = z.float()
+        g = (F.logsigmoid(zf) / c.gate_normalizer).view(P, B, T, c.num_heads, c.head_dim)
+        return ((g[0], None) if P == 2 else (None, None)), (g[-1], None)
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -388,6 +564,20 @@ class SSEGDN(SSE):
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor):
         return F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+
+    def direct_gate_linears(self) -> list[nn.Linear]:
+        return [self.a_proj, self.b_proj]
+
+    def lowrank_gates(self) -> list[LowRank]:
+        return []
+
+    def decode_gates(self, z, direct, B: int, T: int):
+        """From the fused x W_a, x W_b + b `[B, T, 2H]` (shared rows first), as `path_gates` computes them."""
+        H = self.config.num_heads
+        za, zb = direct
+        g = -self.A_log.float().exp() * F.softplus(za.float() + self.dt_bias.float())
+        beta = torch.sigmoid(zb.float())
+        return (g[..., :H], beta[..., :H]), (g[..., H:], beta[..., H:])
 
 
 __all__ = ["SSE", "SSEConfig", "SSEGDN", "SSEGDNConfig", "SSEState", "LowRank", "feature_map"]

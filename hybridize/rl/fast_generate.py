@@ -246,17 +246,36 @@ class StaticKV:
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
 
+#: the state attribute a decode cache sets on states it owns (see `hybridize.mixers.sse.WRITABLE`)
+_WRITABLE = "writable"
+
+
 def _mixer_layer_class():
     from hybridize.modeling import MixerCacheLayer
 
     class StaticMixerLayer(MixerCacheLayer):
         """A mixer's decode state; with `static` set the new state is copied into the held tensors
-        (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF)."""
+        (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF).
+
+        The layer owns the state it holds (the session's own copies), so it marks that state object
+        writable (`hybridize.mixers.sse.WRITABLE`): a mixer that honours the mark updates the tensors in
+        place and returns them, and the static copy below finds nothing to copy."""
 
         def __init__(self, state):
             super().__init__()
-            self.state, self.static = state, False
+            self.static = False
+            self.state = state
             self.is_initialized = True
+
+        @property
+        def state(self):
+            return self.__dict__.get("_state")
+
+        @state.setter
+        def state(self, value):
+            if value is not None:
+                setattr(value, _WRITABLE, True)
+            self.__dict__["_state"] = value
 
         def update_state(self, state, num_new_tokens: int) -> None:
             if state is None:
@@ -620,6 +639,7 @@ class FastGenerator:
                                     generation_config=self._gc)
         exact = self.config.exact_lengths and not use_graphs
         attn_fn = self._attention(device, exact, attention_mask)
+        _refresh_decode_weights(m)
         sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, attn_fn)
         del cache
         sampling = sess.sampling
@@ -695,6 +715,15 @@ class FastGenerator:
                 if not bool(sess.unfinished.any()):
                     break
         return n_done
+
+
+def _refresh_decode_weights(model) -> None:
+    """Mixers that cache derived decode weights (SSE's fused projections) bring them up to date with the
+    parameters, in place: a replayed graph reads the cache, and GRPO updates the parameters in place."""
+    for layer in model.model.layers:
+        fn = getattr(layer.self_attn, "refresh_decode_weights", None)
+        if fn is not None:
+            fn()
 
 
 def _sampling_key(s: _Sampling) -> tuple:

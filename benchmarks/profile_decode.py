@@ -1,0 +1,498 @@
+"""Where the time of one fast-path decode step goes: kernels (ops) per step per layer type, top ops.
+
+Builds a (teacher, hybrid) pair with `benchmarks/rollouts.py`'s `build_pair` (random weights; `--layers`
+shrinks the model), prefills a batch like `rollouts.py` does (one left-padded row), runs the hybrid through
+`hybridize.rl.fast_generate.FastGenerator` (the same config and call as `rollouts.py`), and profiles N
+decode steps with `torch.profiler`. Only the decode loop is profiled (`FastGenerator._decode` is wrapped
+for the profiled call), never the prefill.
+
+Two profiles:
+- "graphs" (CUDA only, what rollouts time): the decode steps replay the captured CUDA graph; reported:
+  kernels (+ memcpy/memset) per step and device time per step, top kernels. Graph replays cannot be
+  attributed to layers (one launch), so
+- "eager" (CPU and CUDA): the same steps run eagerly in the graph's static mode (mixer states copied back
+  into the held tensors, decode attention = the graph's), each layer's attention slot inside a profiler
+  scope; per decode step: kernels per layer type (SSE / other mixer layer, softmax layer, MLP + norms +
+  embedding + head + sampling = "other"), the SSE layer split into its pieces (features, routing, the
+  recurrent state step, output, state write-back), top ops by count and by time.
+
+"kernels": on CUDA the device kernels, memcpys and memsets; on CPU (no device) the outermost aten ops that
+do work - an op that is not a view / allocation / cast wrapper (`NO_KERNEL`) with no such op above it - the
+proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launch several kernels on CUDA,
+e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
+(`kernels.sse._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel, counted
+as one kernel per call (`--decode-kernel torch`: the CPU reference path, gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are listed.
+
+    python benchmarks/profile_decode.py                                    # CPU: qwen3-tiny, 6 layers
+    python benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16  # GPU
+    python benchmarks/profile_decode.py --json out.json                    # also write the numbers
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rollouts  # noqa: E402
+
+#: shapes for CPU runs, added to rollouts.SHAPES (qwen3 family: q/k norms, as the real target)
+EXTRA_SHAPES = {
+    "qwen3-tiny": ("qwen3", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=4096, tie_word_embeddings=True)),
+}
+
+#: leaf aten ops that launch no kernel (views, metadata, allocation)
+NO_KERNEL = {
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::view_as", "aten::t",
+    "aten::transpose", "aten::permute", "aten::expand", "aten::expand_as", "aten::unsqueeze", "aten::squeeze",
+    "aten::slice", "aten::select", "aten::as_strided", "aten::alias", "aten::detach", "aten::split",
+    "aten::chunk", "aten::unbind", "aten::narrow", "aten::empty", "aten::empty_like", "aten::empty_strided",
+    "aten::resize_", "aten::lift_fresh", "aten::unflatten", "aten::flatten", "aten::contiguous",
+    "aten::numpy_T", "aten::broadcast_to", "aten::result_type", "aten::is_nonzero", "aten::to",
+    "aten::_to_copy", "aten::clone", "aten::type_as", "aten::movedim", "aten::set_", "aten::split_with_sizes",
+    "aten::_has_compatible_shallow_copy_type", "aten::dim", "aten::size", "aten::stride", "aten::is_same_size",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::conj", "aten::_conj", "aten::promote_types",
+    "aten::can_cast", "aten::is_floating_point", "aten::_local_scalar_dense", "aten::item",
+}
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
+#: SSE methods / functions shown as pieces of an SSE layer's step (sub-scopes)
+SSE_PIECES = ("features", "decode_inputs", "finish")
+SSE_FUNCS = ("route", "sse_recurrent")
+SCOPE = "pd::"   # prefix of this script's profiler scopes
+
+
+# ---------------------------------------------------------------------------------------------
+# scopes: hooks on the attention slots, wrappers on the SSE pieces
+# ---------------------------------------------------------------------------------------------
+def layer_kind(layer) -> str:
+    from hybridize.rl.fast_generate import _is_mixer_layer
+
+    if _is_mixer_layer(layer):
+        return getattr(layer.self_attn, "name", "mixer")
+    return "softmax"
+
+
+def _scoped(name: str, fn):
+    def wrapped(*a, **kw):
+        with record_function(SCOPE + name):
+            return fn(*a, **kw)
+    return wrapped
+
+
+@contextmanager
+def scopes(model):
+    """Every decoder layer's attention (mixer or softmax) runs in scope `pd::<kind>`; SSE mixers' pieces in
+    `pd::sse.<piece>`. Removed on exit."""
+    import hybridize.mixers.sse as sse_mod
+
+    handles, saved_funcs, saved_attrs = [], {}, []
+    for layer in model.model.layers:
+        mod = layer.self_attn
+        name = SCOPE + layer_kind(layer)
+        stack: list = []
+
+        def pre(m, args, kwargs, name=name, stack=stack):
+            rf = record_function(name)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(m, args, kwargs, out, stack=stack):
+            stack.pop().__exit__(None, None, None)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+        if isinstance(mod, sse_mod.SSE):
+            for piece in (pc for pc in SSE_PIECES if hasattr(mod, pc)):
+                setattr(mod, piece, _scoped(f"sse.{piece}", getattr(mod, piece)))
+                saved_attrs.append((mod, piece))
+    for fn in SSE_FUNCS:
+        saved_funcs[fn] = getattr(sse_mod, fn)
+        setattr(sse_mod, fn, _scoped(f"sse.{fn}", saved_funcs[fn]))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, piece in saved_attrs:
+            delattr(mod, piece)
+        for fn, f in saved_funcs.items():
+            setattr(sse_mod, fn, f)
+
+
+@contextmanager
+def profiled_decode(prof_kwargs: dict, static: bool, holder: dict):
+    """Within the block, the next `FastGenerator._decode` runs under `torch.profiler` (prefill excluded);
+    with `static`, the mixer cache layers copy states into held tensors as under CUDA graphs, and the state
+    write-back runs in scope `pd::sse.state_update` (or `pd::<kind>.state_update`)."""
+    from hybridize.rl import fast_generate as fg
+
+    saved = vars(fg.FastGenerator)["_decode"]   # the staticmethod object, restored as is
+    orig = saved.__func__
+
+    def _decode(sess, *args, **kwargs):
+        if static:
+            sess.cache.set_static(True)
+        undo = []
+        for layer, cl in zip(sess.model.model.layers, sess.cache.layers):
+            if not isinstance(cl, fg.StaticKV):
+                cl.update_state = _scoped(f"{layer_kind(layer)}.state_update", cl.update_state)
+                undo.append(cl)
+        try:
+            with profile(**prof_kwargs) as prof:
+                n = orig(sess, *args, **kwargs)
+                if sess.device.type == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            for cl in undo:
+                del cl.update_state
+        holder["prof"], holder["steps"] = prof, n - args[3]   # args[3] = n_done before the loop
+        return n
+
+    fg.FastGenerator._decode = staticmethod(_decode)
+    try:
+        yield
+    finally:
+        fg.FastGenerator._decode = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# counting
+# ---------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# CPU stand-in for the Triton SSE decode kernel (what the GPU runs), counted as one kernel
+# ---------------------------------------------------------------------------------------------
+KERNEL = "kernel:"   # scope prefix: every op inside counts as one kernel named after the scope
+
+
+def _emulated_sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, scale=None, wq=None, wk=None):
+    """The contract of `hybridize/kernels/triton/sse_decode.py` (update the selected partitions of `state`
+    in place, return per-slot outputs `[B, S, H, V]` fp32) in PyTorch ops, inside one `kernel:` scope."""
+    with record_function(SCOPE + KERNEL + "sse_decode_step"):
+        B, P, H, K, V = state.shape
+        scale = K ** -0.5 if scale is None else scale
+        o = torch.zeros(B, index.shape[1], H, V, dtype=torch.float32, device=q.device)
+        rows = torch.arange(B, device=q.device)
+        for s in range(index.shape[1]):
+            at = lambda x: None if x is None else x[:, s if x.shape[1] > 1 else 0].float()  # noqa: E731
+            idx = index[:, s]
+            ok = idx >= 0
+            st = state[rows, idx.clamp(min=0)]                                   # [B, H, K, V]
+            qf, kf, vf = at(q), at(k), at(v)
+            if wq is not None:
+                qf = qf * wq[:, s, None, None].float()
+            if wk is not None:
+                kf = kf * wk[:, s, None, None].float()
+            if g is not None:
+                gf = at(g).exp()
+                st = st * (gf[..., None, None] if gf.dim() == 2 else gf[..., None])
+            if beta is not None:
+                pf = kf if p is None else at(p)
+                u = vf - torch.einsum("bhkv,bhk->bhv", st, pf)
+                st = st + (at(beta)[..., None] * kf)[..., None] * u[..., None, :]
+            else:
+                st = st + kf[..., None] * vf[..., None, :]
+            state[rows[ok], idx[ok]] = st[ok]
+            o[:, s] = torch.einsum("bhkv,bhk->bhv", st, qf) * scale * ok[:, None, None]
+        return o
+
+
+@contextmanager
+def emulated_decode_kernel():
+    """On CPU: the SSE decode step takes its GPU path (`_recurrent_loop_triton`) with the stand-in kernel."""
+    import types
+
+    from hybridize.kernels import sse as ks
+
+    name = "hybridize.kernels.triton.sse_decode"
+    saved_mod, saved_ok = sys.modules.get(name), ks._decode_kernel_ok
+    stub = types.ModuleType(name)
+    stub.sse_decode_step = _emulated_sse_decode_step
+    sys.modules[name] = stub
+    ks._decode_kernel_ok = lambda shared, sparse, routing, state: not (
+        sparse.q.dtype == torch.float64 or torch.is_grad_enabled())
+    try:
+        yield
+    finally:
+        ks._decode_kernel_ok = saved_ok
+        if saved_mod is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = saved_mod
+
+
+def _scope_path(evt) -> list[str]:
+    """Names of this script's scopes enclosing `evt`, outermost first."""
+    out = []
+    p = evt
+    while p is not None:
+        if p.name.startswith(SCOPE):
+            out.append(p.name[len(SCOPE):])
+        p = p.cpu_parent
+    return out[::-1]
+
+
+def _counted(evt) -> bool:
+    """An aten op counted as one kernel: not a view/allocation/cast wrapper (`NO_KERNEL`) and no counted op
+    above it. So `aten::linear` counts once (on CUDA one GEMM), `aten::mean` once (not its CPU `sum` +
+    `div_`), `aten::to` / `clone` as their `copy_`, a no-op `to` not at all."""
+    if not evt.name.startswith("aten::") or evt.name in NO_KERNEL:
+        return False
+    p = evt.cpu_parent
+    while p is not None:
+        if p.name.startswith("aten::") and p.name not in NO_KERNEL:
+            return False
+        p = p.cpu_parent
+    return True
+
+
+def work_items(events, cuda: bool):
+    """(name, scope path, time us) of every kernel-like item: on CUDA the device kernels (by the CPU op that
+    launched them), on CPU the outermost aten ops that do work."""
+    items = []
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.is_async:
+            continue
+        if cuda:
+            for k in e.kernels:
+                items.append((k.name, _scope_path(e), k.duration))
+            continue
+        path = _scope_path(e)
+        if e.name.startswith(SCOPE + KERNEL):        # an emulated kernel: one item
+            items.append((e.name[len(SCOPE):], path[:-1], e.cpu_time_total))
+        elif _counted(e) and not any(p.startswith(KERNEL) for p in path):
+            items.append((e.name, path, e.cpu_time_total))
+    return items
+
+
+def host_syncs(events) -> Counter:
+    return Counter(tuple(_scope_path(e)) for e in events if e.name in SYNC_OPS)
+
+
+def device_items(events):
+    """(name, time us) of every device event (kernel, memcpy, memset), graph replays included."""
+    return [(e.name, e.device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+
+
+def summarize_eager(items, steps: int, kinds: Counter) -> dict:
+    """Per decode step: kernels and time per layer type (per layer and all layers), SSE pieces per layer."""
+    per_kind = defaultdict(lambda: [0, 0.0])
+    pieces = defaultdict(lambda: [0, 0.0])
+    for name, path, t in items:
+        kind = path[0] if path else "other"
+        if kind not in kinds:   # e.g. a piece scope outside any layer (cannot happen) -> other
+            kind = "other"
+        per_kind[kind][0] += 1
+        per_kind[kind][1] += t
+        if len(path) > 1:
+            pieces[path[1]][0] += 1
+            pieces[path[1]][1] += t
+        elif path and path[0] == "sse":
+            pieces["sse.(rest)"][0] += 1
+            pieces["sse.(rest)"][1] += t
+    rows = []
+    for kind in list(kinds) + ["other"]:
+        if kind not in per_kind and kind != "other":
+            continue
+        n, t = per_kind.get(kind, [0, 0.0])
+        layers = kinds.get(kind, 1)
+        rows.append({"layer_type": kind, "layers": kinds.get(kind, "-"),
+                     "kernels_per_layer": n / steps / layers, "kernels_per_step": n / steps,
+                     "time_us_per_layer": t / steps / layers, "time_us_per_step": t / steps})
+    n_sse = kinds.get("sse", 0)
+    piece_rows = [{"piece": p, "kernels_per_layer": n / steps / n_sse, "time_us_per_layer": t / steps / n_sse}
+                  for p, (n, t) in sorted(pieces.items()) if n_sse and p.startswith("sse.")]
+    return {"by_layer_type": rows, "sse_pieces": piece_rows,
+            "total_kernels_per_step": sum(v[0] for v in per_kind.values()) / steps}
+
+
+def top_ops(items, steps: int, k: int, by: str) -> list[dict]:
+    count, time_ = Counter(), defaultdict(float)
+    for name, *rest in items:
+        t = rest[-1]
+        count[name] += 1
+        time_[name] += t
+    names = sorted(count, key=(lambda n: -count[n]) if by == "count" else (lambda n: -time_[n]))[:k]
+    return [{"op": n[:90], "per_step": count[n] / steps, "time_us_per_step": time_[n] / steps} for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+# ---------------------------------------------------------------------------------------------
+def build(args, device, dtype):
+    for name, spec in EXTRA_SHAPES.items():
+        rollouts.SHAPES.setdefault(name, spec)
+    family, kw = rollouts.SHAPES[args.shape]
+    if args.layers:
+        saved = rollouts.SHAPES[args.shape]
+        rollouts.SHAPES[args.shape] = (family, {**kw, "num_hidden_layers": args.layers})
+    try:
+        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device)
+    finally:
+        if args.layers:
+            rollouts.SHAPES[args.shape] = saved
+    del teacher
+    return hybrid
+
+
+def batch(model, B: int, T: int, device):
+    torch.manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(10, vocab - 10, (B, T), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :T // 8] = 0   # one left-padded row, as in rollouts.py
+    return ids, mask
+
+
+def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False):
+    """(profile, profiled steps, generator stats) for `steps` decode steps after a warm-up call."""
+    from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+
+    cfg = FastGenConfig(fallback=False, attention=attention,
+                        **({} if graphs else {"cuda_graphs": "off", "exact_lengths": False}))
+    gen = FastGenerator(model, cfg)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)   # warm-up (+ graph capture), same bucket
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    holder: dict = {}
+    with profiled_decode(dict(activities=acts), static=not graphs, holder=holder):
+        if graphs:
+            gen(input_ids=ids, attention_mask=mask, max_new_tokens=steps + 1, **kw)
+        else:
+            with scopes(model), (emulated_decode_kernel() if emulate else nullcontext()):
+                gen(input_ids=ids, attention_mask=mask, max_new_tokens=steps + 1, **kw)
+    stats = dict(gen.stats)
+    # an unprofiled call for the wall time per step
+    t0 = time.perf_counter()
+    gen(input_ids=ids, attention_mask=mask, max_new_tokens=steps + 1, **kw)
+    stats["wall_decode_ms_per_step"] = 1e3 * gen.stats["decode_s"] / max(1, gen.stats["steps"] - 1)
+    stats["wall_call_s"] = time.perf_counter() - t0
+    return holder["prof"], holder["steps"], stats
+
+
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def profile_model(model, args, device) -> dict:
+    """Everything the report prints, as a dict (also what `tests/rl/test_decode_ops.py` uses)."""
+    cuda = device.type == "cuda"
+    ids, mask = batch(model, args.batch, args.prompt_len, device)
+    kinds = Counter(layer_kind(layer) for layer in model.model.layers)
+    out: dict = {"layers": dict(kinds)}
+    emulate = not cuda and args.decode_kernel == "emulate"
+    prof, steps, stats = run_profile(model, ids, mask, args.steps, False, args.attention, device, emulate)
+    ev = prof.events()
+    items = work_items(ev, cuda)
+    unit = "device kernels" if cuda else "outermost aten ops that do work (CPU proxy for kernels)" + (
+        "; SSE decode kernel emulated as one op (the GPU path)" if emulate else "; SSE step on its PyTorch path")
+    out["eager"] = {"unit": unit, "steps": steps, **summarize_eager(items, steps, kinds),
+                    "top_by_count": top_ops(items, steps, args.top, "count"),
+                    "top_by_time": top_ops(items, steps, args.top, "time"),
+                    "host_syncs_per_step": {"/".join(k) or "(top)": v / steps for k, v in host_syncs(ev).items()},
+                    "graphs": stats["graphs"], "attention": stats["attention"],
+                    "wall_decode_ms_per_step": stats["wall_decode_ms_per_step"]}
+    if cuda:   # kernels the profiler could not tie to a launching CPU op show as a gap here
+        out["eager"]["all_device_events_per_step"] = len(device_items(ev)) / steps
+    if cuda and args.graphs:
+        prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device)
+        dev = device_items(prof.events())
+        out["graphs"] = {"steps": steps, "graphs": stats["graphs"], "attention": stats["attention"],
+                         "kernels_per_step": len(dev) / steps,
+                         "device_us_per_step": sum(t for _, t in dev) / steps,
+                         "wall_decode_ms_per_step": stats["wall_decode_ms_per_step"],
+                         "top_by_count": top_ops(dev, steps, args.top, "count"),
+                         "top_by_time": top_ops(dev, steps, args.top, "time")}
+    return out
+
+
+def report(res: dict, header: str) -> str:
+    e = res["eager"]
+    lines = [header, "",
+             f"## Eager decode steps in the graph's static mode ({e['steps']} steps; unit: {e['unit']})", "",
+             f"graphs used: {e['graphs']}; decode attention: {e['attention']}; "
+             f"wall {e['wall_decode_ms_per_step']:.3g} ms/step (eager, unprofiled); "
+             f"total {e['total_kernels_per_step']:.1f} kernels/step" + (
+                 f" (device events in the trace: {e['all_device_events_per_step']:.1f}/step)"
+                 if "all_device_events_per_step" in e else ""), "",
+             table(e["by_layer_type"]), "", "SSE layer, per layer and step:", "", table(e["sse_pieces"]), "",
+             "Top ops by count:", "", table(e["top_by_count"]), "", "Top ops by time:", "", table(e["top_by_time"]),
+             "", f"host syncs per step (by scope): {e['host_syncs_per_step'] or 'none'}"]
+    g = res.get("graphs")
+    if g:
+        lines += ["", f"## CUDA graph replays ({g['steps']} steps)", "",
+                  f"graphs used: {g['graphs']}; decode attention: {g['attention']}; "
+                  f"{g['kernels_per_step']:.1f} device kernels/step, {g['device_us_per_step'] / 1e3:.3g} ms device "
+                  f"time/step; wall {g['wall_decode_ms_per_step']:.3g} ms/step (unprofiled)", "",
+                  "Top kernels by count:", "", table(g["top_by_count"]), "", "Top kernels by time:", "",
+                  table(g["top_by_time"])]
+    elif "graphs" not in res and res["eager"]["graphs"] is False:
+        lines += ["", "(no CUDA: graph replays not profiled)"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default=None, help="a rollouts.py shape or qwen3-tiny (default: qwen3-1.7b on "
+                                                  "CUDA, qwen3-tiny on CPU)")
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's)")
+    ap.add_argument("--plan", default="5:1")
+    ap.add_argument("--mixer", default="sse")
+    ap.add_argument("--batch", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
+    ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
+    ap.add_argument("--attention", default="auto", help="FastGenConfig.attention: auto | triton | sdpa")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")
+    ap.add_argument("--decode-kernel", default="emulate", choices=["emulate", "torch"],
+                    help="CPU only: 'emulate' runs the SSE step's GPU path with a PyTorch stand-in for the Triton "
+                         "kernel (counted as one kernel); 'torch' its CPU reference path")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads")
+    ap.add_argument("--json", default="", help="also write the numbers here")
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    args.shape = args.shape or ("qwen3-1.7b" if cuda else "qwen3-tiny")
+    args.batch = args.batch or (8 if cuda else 2)
+    args.prompt_len = args.prompt_len or (16384 if cuda else 32)
+    dtype = getattr(torch, args.dtype) if cuda else torch.float32
+    model = build(args, device, dtype)
+    header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
+              f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer}; "
+              f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
+    res = profile_model(model, args, device)
+    print(report(res, header))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), **res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
