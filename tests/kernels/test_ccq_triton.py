@@ -27,15 +27,6 @@ interp_only = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (and TRITON_INTERPRET unset)")
 
 
-@pytest.fixture(autouse=True)
-def _device_errors_named_here():
-    """Wait for this test's kernels at its end: an asynchronous device-side error then fails this
-    test's teardown, not the next CUDA call of some later test."""
-    yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def rel(a, b):
     """max|a - b| / max|b| (b the fp64 reference)."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()

@@ -13,15 +13,6 @@ pytestmark = pytest.mark.skipif(not triton_ok or not (cuda or os.environ.get("TR
                                 reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
 
 
-@pytest.fixture(autouse=True)
-def _device_errors_named_here():
-    """Wait for this test's kernels at its end: an asynchronous device-side error then fails this
-    test's teardown, not the next CUDA call of some later test."""
-    yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("backbone", ["gla_vec", "gla_scalar", "delta", "qdelta"])
 def test_sse_decode_matches_reference(backbone):
     from hybridize.kernels.triton.sse_decode import sse_decode_step, sse_decode_step_reference

@@ -36,15 +36,6 @@ needs_cuda = pytest.mark.skipif(not (cuda and triton_ok and importlib.util.find_
                                 reason="needs CUDA, triton and fla-core")
 
 
-@pytest.fixture(autouse=True)
-def _device_errors_named_here():
-    """Wait for this test's kernels at its end: an asynchronous device-side error (an index assert, a
-    fault) then fails this test's teardown, not the next CUDA call of some later test."""
-    yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def check_plan(plan, L, K, G):
     """Host-side bounds of a `VarlenPlan` (copied to the CPU), the ranges every gather of the varlen
     layout (torch or Triton) relies on: order and inv are inverse permutations of the L * K pairs,

@@ -74,3 +74,15 @@ def write_problems(path: str | Path, n: int = 8) -> Path:
             p, a = PROBLEMS[i % len(PROBLEMS)]
             f.write(json.dumps({"problem": p, "answer": a, "id": i}) + "\n")
     return path
+
+
+def left_padded_batch(B: int = 3, T: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random byte ids `[B, T]` and their mask, rows 0 and 1 left-padded (3 and 1 pad tokens)."""
+    pad = byte_tokenizer().pad_token_id
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :3] = 0
+    am[1, :1] = 0
+    ids[am == 0] = pad
+    return ids, am

@@ -22,7 +22,7 @@ import torch
 
 from hybridize.kernels.triton.attn_decode import attn_decode_reference
 from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
-from tests.rl.helpers import byte_tokenizer, tiny_hybrid
+from tests.rl.helpers import left_padded_batch as _batch, byte_tokenizer, tiny_hybrid
 
 PAD = byte_tokenizer().pad_token_id
 TRITON = importlib.util.find_spec("triton") is not None
@@ -119,16 +119,6 @@ def _both(model, gen, kw, ids, am, seed=1):
     torch.manual_seed(seed)
     out = gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
     return ref, out
-
-
-def _batch(B=3, T=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (B, T), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :3] = 0
-    am[1, :1] = 0
-    ids[am == 0] = PAD
-    return ids, am
 
 
 @pytest.mark.parametrize("exact", [True, False])

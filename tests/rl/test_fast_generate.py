@@ -12,19 +12,9 @@ import pytest
 import torch
 
 from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate, fast_generate_installed
-from tests.rl.helpers import byte_tokenizer, tiny_hybrid, tiny_teacher
+from tests.rl.helpers import left_padded_batch as _batch, byte_tokenizer, tiny_hybrid, tiny_teacher
 
 PAD = byte_tokenizer().pad_token_id
-
-
-def _batch(B=3, T=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (B, T), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :3] = 0
-    am[1, :1] = 0
-    ids[am == 0] = PAD
-    return ids, am
 
 
 def _both(model, gen, kw, seed=1, ids=None, am=None):
