@@ -234,16 +234,20 @@ def _build(cls, data: dict[str, Any], where: str):
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """YAML with only true/false as booleans (YAML 1.2): `mixed_precision: no` stays the string "no"
-    (bool fields still accept yes/no/on/off through `_coerce`)."""
+    """YAML with the 1.2 core schema's scalars: only true/false are booleans (`mixed_precision: no` stays
+    the string "no"; bool fields still accept yes/no/on/off through `_coerce`), and no base-60 numbers
+    (`layers=5:1` stays "5:1", not 301); `1e-4` is a float."""
 
 
+_CORE = {"tag:yaml.org,2002:bool": r"^(?:true|True|TRUE|false|False|FALSE)$",
+         "tag:yaml.org,2002:int": r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$",
+         "tag:yaml.org,2002:float": r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"}
 _Yaml12Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    k: [(tag, rx) for tag, rx in v if tag not in _CORE]
     for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-for _ch in "tTfF":
-    _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                        [_ch])
+for _tag, _rx in _CORE.items():
+    _Yaml12Loader.add_implicit_resolver(_tag, re.compile(_rx), list("-+0123456789.tTfFi"))
 
 
 def load_yaml(text: str):

@@ -50,7 +50,7 @@ def test_config_layers_recipe_then_overrides(tmp_path):
         parse_overrides(["oops"])
 
 
-def test_yaml_no_stays_a_string_and_bools_still_parse(tmp_path):
+def test_yaml_no_and_ratios_stay_strings_and_bools_still_parse(tmp_path):
     """YAML 1.1 reads `no` as False: `train.mixed_precision=no` used to fail with "got 'False'"."""
     rec = tmp_path / "r.yaml"
     rec.write_text("gradient_checkpointing: yes\ntrain:\n  mixed_precision: no\n  progress: off\n")
@@ -58,6 +58,10 @@ def test_yaml_no_stays_a_string_and_bools_still_parse(tmp_path):
     assert (c.train.mixed_precision, c.gradient_checkpointing, c.train.progress) == ("no", True, False)
     c = load_config(E2EConfig, None, ["train.mixed_precision=no", "train.progress=false", "gradient_checkpointing=true"])
     assert (c.train.mixed_precision, c.train.progress, c.gradient_checkpointing) == ("no", False, True)
+    # YAML 1.1 reads 5:1 as the base-60 number 301: `hybridize demo layers=5:1` must keep the plan
+    from hybridize.distill.config import DemoConfig
+    c = load_config(DemoConfig, None, ["layers=5:1", "align_lr=1e-4"])
+    assert (c.layers, c.align_lr) == ("5:1", 1e-4)
 
 
 def test_cli_align_then_e2e_on_saved_hybrid(app, tmp_path):
