@@ -173,12 +173,13 @@ def run_prepare(a, work: Path):
     print(f"[prepare] {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def run_b(a, work: Path, name: str, variant: str, steps: int, minutes: float, seq_len: int, resume: bool):
+def run_b(a, work: Path, teacher, tok, name: str, variant: str, steps: int, minutes: float, seq_len: int,
+          resume: bool):
+    """Stage B of one variant from the stage-A checkpoint; returns (LoopResult, trained student)."""
     from hybridize.distill.config import E2EConfig
     from hybridize.distill.e2e import e2e
     from hybridize.distill.models import load_student
 
-    teacher, tok = load_teacher_gpu(a.teacher)
     student, _ = load_student(str(work / "after_align"), "float32")
     v = VARIANTS[variant]
     cfg = stage_cfg(E2EConfig, work, name, {"max_steps": steps, "lr": v["lr"], "warmup_steps": max(1, steps // 20),
@@ -186,20 +187,16 @@ def run_b(a, work: Path, name: str, variant: str, steps: int, minutes: float, se
                     params=v["params"], pretrained_lr_scale=v["pretrained_lr_scale"], kl_weight=1.0, ce_weight=0.1,
                     data={"train": str(training_mix(work)), "seq_len": seq_len, "batch_tokens": a.batch_tokens})
     reset_peak()
-    r, student = e2e(student, teacher, tok, cfg, resume=resume)
-    held = heldout(tok, a.eval_tokens)
-    return r, student, held
-
-
-def tok_of(work: Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(work / "after_align")
+    return e2e(student, teacher, tok, cfg, resume=resume)
 
 
 def run_sweep(a, work: Path):
+    teacher, tok = load_teacher_gpu(a.teacher)
+    held = heldout(tok, a.eval_tokens)
     out = {}
     for name in VARIANTS:
-        r, student, held = run_b(a, work, f"sweep-{name}", name, a.sweep_steps, a.sweep_minutes, a.seq_len, resume=False)
+        r, student = run_b(a, work, teacher, tok, f"sweep-{name}", name, a.sweep_steps, a.sweep_minutes, a.seq_len,
+                           resume=False)
         out[name] = {"ppl": ppl(student, held, a.eval_seq_len), "steps": r.step, "tokens": r.tokens,
                      "tok_per_s": round(r.tokens / r.seconds), **VARIANTS[name]}
         record(work, "sweep", out)
@@ -222,9 +219,12 @@ def run_train(a, work: Path):
                                            "speed_estimate": speed})["train_plan"]
     run_dir = work / "e2e"
     resume = (run_dir / "checkpoints").exists()
-    r, student, held = run_b(a, work, "e2e", plan["variant"], plan["max_steps"], a.minutes, plan["seq_len"], resume)
+    teacher, tok = load_teacher_gpu(a.teacher)
+    r, student = run_b(a, work, teacher, tok, "e2e", plan["variant"], plan["max_steps"], a.minutes, plan["seq_len"],
+                       resume)
+    held = heldout(tok, a.eval_tokens)
     from hybridize.distill.align import save_final
-    save_final(student, tok_of(work), work / "distilled")   # whatever the step: the evaluation and GRPO use it
+    save_final(student, tok, work / "distilled")   # whatever the step: the evaluation and GRPO use it
     calls = res.get("after_e2e", {}).get("calls", 0) + 1
     record(work, "after_e2e", {"ppl": ppl(student, held, a.eval_seq_len), "steps": r.step, "max_steps": plan["max_steps"],
                                "tokens": r.tokens, "seconds_this_call": round(r.seconds, 1),

@@ -184,17 +184,14 @@ def select_trainable(model: nn.Module, spec: str, layers: list[int] | None = Non
             raise UserError(f"layers {missing} are not converted; converted layers: {sorted(conv)}")
         conv = {i: conv[i] for i in layers}
 
-    def mixer_params(new_only: bool) -> set[str]:
-        return mixer_parameter_names(model, conv, new_only)
-
     if spec == "all":
         chosen = set(names)
     elif spec in ("mixer", "mixer_new"):
         if not conv:
             raise UserError(f"params={spec} but the model has no converted layers")
-        chosen = mixer_params(spec == "mixer_new")
+        chosen = mixer_parameter_names(model, conv, spec == "mixer_new")
     elif spec == "lora":
-        chosen = {n for n in names if "lora_" in n} | mixer_params(False)
+        chosen = {n for n in names if "lora_" in n} | mixer_parameter_names(model, conv)
         if not any("lora_" in n for n in names):
             raise UserError("params=lora but the model has no LoRA weights (wrap it with peft first)")
     else:

@@ -177,10 +177,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`[B, T, Hkv, D]` -> `[B, T, Hkv * n_rep, D]`, each KV head shared by its query group."""
+    """`[..., Hkv, D]` -> `[..., Hkv * n_rep, D]`, each KV head shared by its query group (one copy:
+    expand + reshape; `repeat_interleave` builds an index tensor first, a kernel more per call)."""
     if n_rep == 1:
         return x
-    return x.repeat_interleave(n_rep, dim=2)
+    *lead, h, d = x.shape
+    return x.unsqueeze(-2).expand(*lead, h, n_rep, d).reshape(*lead, h * n_rep, d)
 
 
 def mask_tokens(x: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:

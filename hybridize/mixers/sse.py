@@ -71,10 +71,6 @@ from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNo
 
 #: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
 SILU_ONE = 1.278464542761074
-#: attribute a decode cache sets to True on the state object it owns (and will replace with the returned
-#: state): the step may then update that state's tensors in place (`sse_recurrent(inplace=True)`); copies
-#: made by `MixerState.map` / `dataclasses.replace` do not carry it
-WRITABLE = "writable"
 FEATURE_MAPS = ("silu", "softmax", "identity")
 
 
@@ -152,15 +148,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x = x.to(torch.promote_types(dtype, torch.float32))
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`repeat_kv` on dim -2 of `[..., Hkv, D]` as one copy (expand + reshape; `repeat_interleave` with
-    an int count builds an index tensor first): the same values, each KV head repeated n_rep times."""
-    if n_rep == 1:
-        return x
-    *lead, h, d = x.shape
-    return x.unsqueeze(-2).expand(*lead, h, n_rep, d).reshape(*lead, h * n_rep, d)
 
 
 def _spread_decays(n: int, lo: float, hi: float) -> torch.Tensor:
@@ -365,7 +352,7 @@ class SSE(Mixer):
         if mode == "recurrent":
             fn = sse_recurrent
             # the caller owns this state object (decode cache): the GPU step may update it in place
-            kw["inplace"] = bool(getattr(state, WRITABLE, False))
+            kw["inplace"] = state is not None and state.writable
         else:
             fn = LAYOUTS[pick_layout(layout or c.layout, T, cu_seqlens, c.varlen_min_len)]
         init = None if state is None else (state.shared, state.sparse)
@@ -496,9 +483,9 @@ class SSE(Mixer):
                 raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
             both = apply_rope(both, *position_embeddings)
         q = feature_map(both[..., :H, :], c.q_map)
-        k = _repeat_heads(feature_map(both[..., H:, :], c.k_map), self.n_rep)
+        k = repeat_kv(feature_map(both[..., H:, :], c.k_map), self.n_rep)
         q, k = self.normalize_qk(q, k)
-        v = _repeat_heads(feature_map(v.view(B, T, Hk, D), c.v_map), self.n_rep)
+        v = repeat_kv(feature_map(v.view(B, T, Hk, D), c.v_map), self.n_rep)
         (g_sh, b_sh), (g_sp, b_sp) = self.decode_gates(u[..., 2 * n:], direct, B, T)
         sparse = PathInputs(q=q[1], k=k[1], v=v, g=g_sp, beta=b_sp)
         shared = None

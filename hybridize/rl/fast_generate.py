@@ -246,10 +246,6 @@ class StaticKV:
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
 
-#: the state attribute a decode cache sets on states it owns (see `hybridize.mixers.sse.WRITABLE`)
-_WRITABLE = "writable"
-
-
 def _mixer_layer_class():
     from hybridize.modeling import MixerCacheLayer
 
@@ -258,7 +254,7 @@ def _mixer_layer_class():
         (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF).
 
         The layer owns the state it holds (the session's own copies), so it marks that state object
-        writable (`hybridize.mixers.sse.WRITABLE`): a mixer that honours the mark updates the tensors in
+        writable (`MixerState.writable`): a mixer that honours the mark updates the tensors in
         place and returns them, and the static copy below finds nothing to copy."""
 
         def __init__(self, state):
@@ -274,7 +270,7 @@ def _mixer_layer_class():
         @state.setter
         def state(self, value):
             if value is not None:
-                setattr(value, _WRITABLE, True)
+                value.writable = True
             self.__dict__["_state"] = value
 
         def update_state(self, state, num_new_tokens: int) -> None:
