@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# One GPU call that checks and times the GPU paths added for issues 5-7 (device side, repo root):
-#   bash benchmarks/gpu_session.sh $OUT
-# Needs .whl/ installed on PYTHONPATH and .tiny/smollm2 (config + tokenizer of the embedded default,
-# written by `python -c "..."` in benchmarks/README or any SmolLM2-135M folder). Speed runs on a
-# random-weight SmolLM2-135M (speed does not depend on the weights' values) and its 5:1 SSE conversion.
+# GPU checks and timings of the paths added for issues 5-8, as named steps that fit 10-minute device calls
+# (device side, repo root):
+#   bash benchmarks/gpu_session.sh $OUT                       # the default steps (session 2's call)
+#   bash benchmarks/gpu_session.sh $OUT tests profile fp32    # chosen steps, in order
+# Steps:
+#   tests     CUDA tests of the GPU paths (SSE varlen/decode/graphs, CCQ Triton, decode attention, fast
+#             generation, batched eval), failures and errors listed
+#   speed     eval_default.py speed task: random SmolLM2-135M teacher vs its 5:1 SSE hybrid, 1k-8k
+#   attn      the split-KV decode attention kernel alone
+#   rollouts  rollouts.py fast path, sdpa vs Triton decode attention, Qwen3-1.7B and SmolLM2 shapes at 16k
+#   sse       kernels.py: SSE varlen/masking vs chunk_gla, decode steps
+#   ccq       ccq_triton.py: fused CCQ read vs the previous path
+#   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
+#   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
+#   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
+#   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
+#             same-regime control for the 2-GPU run)
+# Needs .whl/ installed on PYTHONPATH and .tiny/smollm2 (config + tokenizer of the embedded default). Speed runs on
+# random weights (speed does not depend on their values); `scale` reads $HYBRIDIZE_DATA_DIR/general_text.
 set -uo pipefail
-OUT=${1:?output folder}
+OUT=${1:?output folder}; shift
+STEPS_=("$@")
+[ ${#STEPS_[@]} -eq 0 ] && STEPS_=(tests speed attn rollouts sse ccq)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
+mkdir -p "$OUT"
 step() { echo "== $(date +%T) $*"; }
-step "CUDA tests of the new paths"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py tests/kernels/test_gpu_sse_decode.py \
-  tests/kernels/test_ccq_triton.py tests/rl/test_attn_decode.py tests/rl/test_fast_generate.py tests/eval/test_generate.py \
-  -rs 2>&1 | tail -25 | tee "$OUT/tests.log"
-step "random-weight SmolLM2-135M teacher"
-python3 - <<'PY'
+
+random_teacher() {  # /root/rand-smollm2: random-weight SmolLM2-135M (seeded), once per machine
+  [ -f /root/rand-smollm2/config.json ] && return
+  python3 - <<'PY'
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 torch.manual_seed(0)
@@ -21,17 +36,48 @@ cfg = AutoConfig.from_pretrained(".tiny/smollm2")
 AutoModelForCausalLM.from_config(cfg).save_pretrained("/root/rand-smollm2")
 AutoTokenizer.from_pretrained(".tiny/smollm2").save_pretrained("/root/rand-smollm2")
 PY
-step "speed: teacher vs 5:1 SSE hybrid, 1k-8k"
-timeout 150 python3 -u benchmarks/eval_default.py --teacher /root/rand-smollm2 --model converted=convert --tasks speed \
-  --device cuda --dtype bfloat16 --speed-lengths 1k,2k,4k,8k --speed-batch 1,8 --decode-tokens 32 --time-budget 140 \
-  --out "$OUT/speed" 2>&1 | tail -30
-step "decode attention kernel"
-timeout 60 python3 -m hybridize.kernels.triton.attn_decode 2>&1 | tail -15 | tee "$OUT/attn_decode.log"
-step "rollouts: fast path with sdpa vs triton attention"
-timeout 120 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 --batch 8 \
-  --new-tokens 48 --attention sdpa,triton --out "$OUT/rollouts_attn.json" 2>&1 | tail -20
-step "SSE kernels vs chunk_gla"
-timeout 110 python3 benchmarks/kernels.py --T 4096,16384 --sections gla,sse,decode --sse-n 4 --out "$OUT/bench_sse.json" 2>&1 | tail -30
-step "CCQ fused read"
-timeout 70 python3 benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 --out "$OUT/ccq_triton.json" 2>&1 | tail -15
+}
+
+for s in "${STEPS_[@]}"; do
+  step "$s"
+  case $s in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py \
+        tests/kernels/test_gpu_sse_decode.py tests/kernels/test_ccq_triton.py tests/rl/test_attn_decode.py \
+        tests/rl/test_fast_generate.py tests/eval/test_generate.py -rfEs 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+    speed)
+      random_teacher
+      timeout 150 python3 -u benchmarks/eval_default.py --teacher /root/rand-smollm2 --model converted=convert \
+        --tasks speed --device cuda --dtype bfloat16 --speed-lengths 1k,2k,4k,8k --speed-batch 1,8 \
+        --decode-tokens 32 --time-budget 140 --out "$OUT/speed" 2>&1 | tail -30 ;;
+    attn)
+      timeout 60 python3 -m hybridize.kernels.triton.attn_decode 2>&1 | tail -15 | tee "$OUT/attn_decode.log" ;;
+    rollouts)
+      timeout 120 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
+        --batch 8 --new-tokens 48 --attention sdpa,triton --out "$OUT/rollouts_attn.json" 2>&1 | tail -20 ;;
+    sse)
+      timeout 110 python3 benchmarks/kernels.py --T 4096,16384 --sections gla,sse,decode --sse-n 4 \
+        --out "$OUT/bench_sse.json" 2>&1 | tail -30 ;;
+    ccq)
+      timeout 70 python3 benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 \
+        --out "$OUT/ccq_triton.json" 2>&1 | tail -15 ;;
+    profile)
+      timeout 200 python3 benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
+        --json "$OUT/profile_decode.json" 2>&1 | tail -70 | tee "$OUT/profile_decode.log" ;;
+    fp32)
+      timeout 200 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
+        --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;
+    compile)
+      timeout 420 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
+        --batch 8 --new-tokens 48 --attention triton --compile off,on --budget 400 \
+        --out "$OUT/rollouts_compile.json" 2>&1 | tail -16 ;;
+    scale)
+      random_teacher
+      for mp in bf16 no; do
+        RUNS="ref_1gpu zero2_1proc" STEPS=${SCALE_STEPS:-12} MIXED=$mp RUN_TIMEOUT=150 \
+          bash benchmarks/scale_gpu.sh "$OUT/scale_$mp" /root/rand-smollm2 "$HYBRIDIZE_DATA_DIR/general_text" 2>&1 | tail -25
+      done ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
 step done

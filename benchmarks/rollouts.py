@@ -117,7 +117,7 @@ class StepClock:
 
 
 def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
-                attentions: tuple[str, ...] = ("auto",)) -> list[dict]:
+                attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",)) -> list[dict]:
     from transformers import LogitsProcessorList
 
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
@@ -150,14 +150,16 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "same": "ref"})
     else:
         ref = None
-    # fast path, once per decode attention setting
-    for attention in attentions:
+    # fast path, once per (decode attention, compile) setting
+    for attention, compile_ in [(a, c) for a in attentions for c in compiles]:
         if budget.left() <= 0:
             break
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention))
+        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention, compile=compile_))
+        t_warm = time.perf_counter()
         gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)  # warm-up + graph capture, same bucket
+        t_warm = time.perf_counter() - t_warm
         out, tot = time_call(lambda: gen(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kw))
         st = gen.stats
         step = st["decode_s"] / max(1, st["steps"] - 1)
@@ -169,7 +171,8 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "prefill_s": st["prefill_s"], "decode_ms": 1e3 * step, "decode_tok_s": B / step,
                      "rollout_tok_s": B * n / tot,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                     "same": same, "attention": f"{attention} ({st['attention']})"})
+                     "same": same, "attention": f"{attention} ({st['attention']})", "compile": compile_,
+                     "warmup_s": t_warm})
         del gen
         gc.collect()
         if device.type == "cuda":
@@ -191,7 +194,7 @@ def part_speed(args, device, dtype, budget: Budget) -> list[dict]:
                     continue
                 try:
                     rows = bench_model(model, name, T, args.batch, args.new_tokens, device, budget,
-                                       tuple(args.attention.split(",")))
+                                       tuple(args.attention.split(",")), tuple(args.compile.split(",")))
                 except torch.cuda.OutOfMemoryError as e:
                     rows = [{"model": name, "path": "OOM", "error": str(e)[:120]}]
                 for r in rows:
@@ -292,6 +295,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto",
                     help="fast path decode attention(s), comma-separated: auto | triton | sdpa (e.g. sdpa,triton "
                          "times both and adds an attention column)")
+    ap.add_argument("--compile", default="off",
+                    help="fast path FastGenConfig.compile setting(s), comma-separated: off | on (off,on times both)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--model", default="default", help="GRPO part: teacher source ('default' = SmolLM2-135M GGUF)")
@@ -334,12 +339,14 @@ def main(argv=None):
     print("\n## Rollout decode speed (random weights)\n")
     print(header + "\n")
     if results.get("speed"):
-        extra = ["attention"] if args.attention != "auto" else []
+        extra = (["attention"] if args.attention != "auto" else []) + (["compile", "warmup_s"]
+                                                                       if args.compile != "off" else [])
         print(table(results["speed"], ["shape", "prompt_len", "model", "path"] + extra + [
             "prefill_s", "decode_ms", "decode_tok_s", "rollout_tok_s", "peak_gib", "same"]))
         by = {}
         for r in results["speed"]:
-            key = (r["model"].split()[0], r["path"].split()[0], r.get("attention") if extra else None)
+            setting = " ".join(f"{k}={r[k]}" for k in ("attention", "compile") if k in extra and k in r) or None
+            key = (r["model"].split()[0], r["path"].split()[0], setting)
             by.setdefault((r["shape"], r["prompt_len"]), {})[key] = r
         lines = []
         for (shape, T), d in by.items():

@@ -32,9 +32,15 @@ def register_gpu(op: str, mode: str, fn: Callable) -> None:
     _GPU[(op, mode)] = fn
 
 
+_TORCH: dict[tuple[str, str], Callable] = {}
+
+
 def torch_impl(op: str, mode: str) -> Callable:
-    module = importlib.import_module(f"hybridize.kernels.{op}")
-    return getattr(module, f"{op}_{mode}")
+    fn = _TORCH.get((op, mode))
+    if fn is None:   # looked up once: a dict read is also what torch.compile can trace (import_module is not)
+        module = importlib.import_module(f"hybridize.kernels.{op}")
+        fn = _TORCH[(op, mode)] = getattr(module, f"{op}_{mode}")
+    return fn
 
 
 def run(op: str, mode: str, *args, **kwargs):

@@ -404,12 +404,15 @@ class SSE(Mixer):
         buffers when the shapes allow (a captured CUDA graph keeps reading the current weights after
         `refresh_decode_weights`). Checkpoints and parameters are unchanged."""
         c = self.config
+        cache = self.__dict__.get("_fused_cache")
+        if cache is not None and torch.compiler.is_compiling():
+            # a compiled decode step cannot trace the storage check; its loop refreshes the weights first
+            return cache[1]
         s1, s2 = self._stage1(), self._stage2()
         params = [p for m in s1 + s2 for p in (m.weight, m.bias) if p is not None]
         if c.qk_norm:
             params += [self.q_norm.weight, self.k_norm.weight]
         key = tuple((p.data_ptr(), p._version) for p in params)
-        cache = self.__dict__.get("_fused_cache")
         if cache is not None and cache[0] == key:
             return cache[1]
         w = s1[0].weight

@@ -82,6 +82,10 @@ class FastGenConfig:
         "help": "keep every step's fp32 logits [B, V] in `FastGenerator.last_logits` (eager decode only; tests)"})
     fallback: bool = field(default=True, metadata={"help": "use model.generate when a setting is unsupported "
                                                            "(else raise)"})
+    compile: str = field(default="off", metadata={
+        "help": "torch.compile the decode step (norms, gates and elementwise ops fused into few kernels) for the "
+                "masked / CUDA-graph path: off | on. Compiles on the first step of each new session (a minute "
+                "or so on a GPU for a 28-layer model), so it pays off for long rollouts and GRPO runs"})
     attention: str = field(default="auto", metadata={
         "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
                 "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
@@ -282,8 +286,9 @@ def _mixer_layer_class():
             dst, src = self.state.tensors(), state.tensors()
             if len(dst) != len(src) or any(d.shape != s.shape for d, s in zip(dst, src)):
                 raise RuntimeError("a mixer's decode state changed layout between steps")
+            compiling = torch.compiler.is_compiling()   # a compiled step cannot trace data_ptr
             for d, s in zip(dst, src):
-                if d.data_ptr() != s.data_ptr():
+                if (d is not s) if compiling else (d.data_ptr() != s.data_ptr()):
                     d.copy_(s)
 
     return StaticMixerLayer
@@ -352,6 +357,7 @@ class _Session:
         self.use_mask = True
         self.sampling: _Sampling | None = None
         self.recorded: list | None = None              # per-step logits when recording
+        self.compiled = None                           # torch.compile(logits) when FastGenConfig.compile is on
 
     # -- masks --------------------------------------------------------------------------------
     def _mask(self, window: int | None):
@@ -370,6 +376,21 @@ class _Session:
 
     # -- the decode step ----------------------------------------------------------------------
     def step(self) -> None:
+        """One decode step: logits of the last token (compiled when `compiled` is set, except on the exact
+        path, whose host-side length changes every step and would recompile it), then HF's token choice,
+        eager (inductor draws random numbers from its own generator: a compiled sampler would not give
+        HF's tokens for a seed)."""
+        use_compiled = self.compiled is not None and self.exact_length is None
+        logits = self.compiled() if use_compiled else self.logits()
+        nxt = self.select(logits)
+        self.out.index_copy_(1, self.step_idx, nxt[:, None])
+        self.tok.copy_(nxt[:, None])
+        self.pos.add_(1)
+        self.slot.add_(1)
+        self.step_idx.add_(1)
+
+    def logits(self) -> torch.Tensor:
+        """The model on the last token, states and KV buffers updated in place -> fp32 logits `[B, V]`."""
         m = self.model
         base = m.model
         h = base.embed_tokens(self.tok)
@@ -385,13 +406,7 @@ class _Session:
                 h = layer(h, attention_mask=masks[w], position_embeddings=pe, position_ids=self.pos,
                           past_key_values=self.cache, use_cache=True)
         h = base.norm(h)
-        logits = m.lm_head(h[:, -1:, :])[:, -1].to(dtype=torch.float32)
-        nxt = self.select(logits)
-        self.out.index_copy_(1, self.step_idx, nxt[:, None])
-        self.tok.copy_(nxt[:, None])
-        self.pos.add_(1)
-        self.slot.add_(1)
-        self.step_idx.add_(1)
+        return m.lm_head(h[:, -1:, :])[:, -1].to(dtype=torch.float32)
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         """HF's token choice: processors, then multinomial (as argmax(p / Exp(1))) or argmax; pad
@@ -587,6 +602,10 @@ class FastGenerator:
         sess.slot = pos_slot   # the KV layers and the mask share the slot counter
         sess.sampling = sampling
         sess.attn_fn = attn_fn
+        if self.config.compile not in ("off", "on"):
+            raise ValueError(f"compile must be off or on, got {self.config.compile!r}")
+        if self.config.compile == "on":
+            sess.compiled = torch.compile(sess.logits, dynamic=False)
         self._load(sess, cache, T)
         if key is not None:
             self._sessions[key] = sess
