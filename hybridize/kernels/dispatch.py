@@ -11,6 +11,8 @@ import importlib
 import os
 from typing import Callable
 
+import torch
+
 _GPU: dict[tuple[str, str], Callable] = {}
 _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
 _backend = os.environ.get("HYBRIDIZE_KERNELS", "auto")
@@ -55,6 +57,8 @@ def run(op: str, mode: str, *args, **kwargs):
             fla_adapter.activate()
         fn = _GPU.get((op, mode))
         if fn is not None:
+            if torch.compiler.is_compiling():   # fla / Triton launchers stay opaque inside a compiled region
+                return torch.compiler.disable(fn)(*args, **kwargs)
             return fn(*args, **kwargs)
         if _backend == "gpu":
             raise RuntimeError(f"no GPU kernel registered for {op}/{mode}; set HYBRIDIZE_KERNELS=auto to fall back")

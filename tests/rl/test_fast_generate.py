@@ -190,14 +190,16 @@ def test_through_peft_wrapper():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graphs_same_tokens():
+@pytest.mark.parametrize("compile_", ["off", "on"])
+@pytest.mark.parametrize("mixer", ["gla", "sse"])
+def test_cuda_graphs_same_tokens(mixer, compile_):
     """On the GPU: the eager exact path equals HF generate; the CUDA-graph path equals the eager path
     with the same (whole-buffer, masked) layout, token for token; graphs are reused across calls."""
-    model, _ = tiny_hybrid(mixer="gla")
+    model, _ = tiny_hybrid(mixer=mixer)
     model = model.cuda()
     exact = FastGenerator(model, FastGenConfig(cuda_graphs="off"))
     masked = FastGenerator(model, FastGenConfig(cuda_graphs="off", exact_lengths=False, bucket=16))
-    graphs = FastGenerator(model, FastGenConfig(cuda_graphs="on", bucket=16, check_every=4))
+    graphs = FastGenerator(model, FastGenConfig(cuda_graphs="on", bucket=16, check_every=4, compile=compile_))
     ids, am = (t.cuda() for t in _batch())
     for kw in SETTINGS:
         kw = {**kw, "eos_token_id": EOS}

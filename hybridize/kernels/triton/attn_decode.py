@@ -237,6 +237,7 @@ def num_splits(L: int, B: int, Hkv: int, device, block_n: int = 64) -> int:
     return max(1, min(want, -(-L // max(256, block_n))))
 
 
+@torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start=None,
                 window: int | None = None, scale: float | None = None, splits: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:

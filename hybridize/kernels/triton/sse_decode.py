@@ -79,6 +79,7 @@ def _sse_decode_kernel(state, index, q, k, p, v, g, beta, wq, wk, o, scale,
     tl.store(o + row * V + o_v, b_o, mask=m_v)
 
 
+@torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
 def sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, scale=None, wq=None, wk=None):
     """One decode token for every row: update the selected partitions of `state` in place; see module doc."""
     B, P, H, K, V = state.shape
