@@ -373,11 +373,13 @@ class SSE(Mixer):
         return [self.gates[p] for p in (("shared", "sparse") if c.shared_partition else ("sparse",))]
 
     def _stage1(self) -> list[nn.Linear]:
-        """Linear layers that read x, in the order of the fused projection's output columns."""
+        """Linear layers that read x, in the order of the fused projection's output columns: the wide ones
+        first and the narrow router / direct gates last, so the low-rank block (the second matmul's input)
+        starts at a 16-byte-aligned column (a misaligned operand sends cuBLAS to a 2x slower kernel)."""
         c = self.config
         mods = [self.q_proj, self.k_proj, self.v_proj] + ([self.g_proj] if c.output_gate else [])
-        return mods + [self.router] + self.direct_gate_linears() + [self.lora_q.down, self.lora_k.down] + [
-            g.down for g in self.lowrank_gates()]
+        return mods + [self.lora_q.down, self.lora_k.down] + [g.down for g in self.lowrank_gates()] + [
+            self.router] + self.direct_gate_linears()
 
     def _stage2(self) -> list[nn.Linear]:
         return [self.lora_q.up, self.lora_k.up] + [g.up for g in self.lowrank_gates()]
@@ -419,13 +421,16 @@ class SSE(Mixer):
         n = (c.num_heads + c.num_kv_heads) * c.head_dim
         rows2 = 2 * n + sum(m.out_features for m in s2[2:])
         cols2 = sum(m.in_features for m in s2)
-        shapes = [(sum(m.out_features for m in s1), c.hidden_size), (rows2, cols2)]
+        rows1 = sum(m.out_features for m in s1)
+        # zero rows up to a multiple of 8: the output's row stride stays 16-byte aligned (cuBLAS fast path)
+        shapes = [(-(-rows1 // 8) * 8, c.hidden_size), (rows2, cols2)]
         old = cache[1] if cache is not None else None
         reuse = old is not None and all(t.shape == sh and t.dtype == w.dtype and t.device == w.device
                                         for t, sh in zip((old[0], old[2]), shapes))
         W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
         with torch.no_grad():
-            torch.cat([m.weight for m in s1], out=W1)
+            torch.cat([m.weight for m in s1], out=W1[:rows1])
+            W1[rows1:].zero_()
             W2.zero_()
             r0, c0 = n, 0
             for m in s2:
@@ -433,8 +438,9 @@ class SSE(Mixer):
                 r0, c0 = r0 + m.out_features, c0 + m.in_features
             b1 = b2 = None
             if any(m.bias is not None for m in s1):
-                b1 = old[1] if reuse and old[1] is not None else w.new_empty(shapes[0][0])
-                torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in s1], out=b1)
+                b1 = old[1] if reuse and old[1] is not None else w.new_zeros(shapes[0][0])
+                torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in s1],
+                          out=b1[:rows1])
             if any(m.bias is not None for m in s2):
                 b2 = old[3] if reuse and old[3] is not None else w.new_empty(rows2)
                 torch.cat([w.new_zeros(n)] + [m.bias if m.bias is not None else w.new_zeros(m.out_features)
@@ -468,14 +474,15 @@ class SSE(Mixer):
         n = (H + Hk) * D
         W1, b1, W2, b2, wn = self._fused_weights()
         y = F.linear(x, W1, b1)                                                # [B, T, n1]
-        widths = [n, Hk * D] + ([H * D] if c.output_gate else []) + [c.num_partitions] + [
-            m.out_features for m in self.direct_gate_linears()] + [W2.shape[1]]   # last: low-rank inputs
+        widths = [n, Hk * D] + ([H * D] if c.output_gate else []) + [W2.shape[1], c.num_partitions] + [
+            m.out_features for m in self.direct_gate_linears()]                # W2.shape[1]: low-rank inputs
+        widths.append(y.shape[-1] - sum(widths))                               # alignment padding
         cols = iter(torch.split(y, widths, dim=-1))
         qk, v = next(cols), next(cols)
         gate = next(cols) if c.output_gate else None
+        u = F.linear(next(cols), W2, b2)                                       # [B, T, 2n + gate widths]
         logits = next(cols)
         direct = [next(cols) for _ in self.direct_gate_linears()]
-        u = F.linear(next(cols), W2, b2)                                       # [B, T, 2n + gate widths]
         both = torch.empty(2, B, T, n, dtype=y.dtype, device=y.device)        # [shared, sparse] q|k
         torch.add(qk.unsqueeze(0), u[..., :2 * n].view(B, T, 2, n).movedim(2, 0), out=both)
         both = both.view(2, B, T, H + Hk, D)
