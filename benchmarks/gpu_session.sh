@@ -12,6 +12,7 @@
 #   sse       kernels.py: SSE varlen/masking vs chunk_gla, decode steps
 #   ccq       ccq_triton.py: fused CCQ read vs the previous path
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
+#   profile_compile  the same with FastGenConfig.compile=on
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
@@ -42,9 +43,9 @@ for s in "${STEPS_[@]}"; do
   step "$s"
   case $s in
     tests)
-      # the CUDA cases only (the CPU cases run in CI), 8 workers when pytest-xdist is installed
-      python3 -c "import xdist" 2>/dev/null && XD=(-n 8) || XD=()
-      timeout 300 python3 -m pytest -q -p no:cacheprovider "${XD[@]}" tests/kernels/test_sse_gpu_paths.py \
+      # the CUDA cases only (the CPU cases run in CI); ~45 s on an H100. Not under pytest-xdist: 8 workers
+      # sharing the GPU hung past 300 s there
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py \
         tests/kernels/test_gpu_sse_decode.py tests/kernels/test_ccq_triton.py tests/rl/test_attn_decode.py \
         tests/rl/test_fast_generate.py tests/eval/test_generate.py -k "cuda or gpu" -rfE 2>&1 | tail -40 \
         | tee "$OUT/tests.log" ;;
@@ -64,9 +65,10 @@ for s in "${STEPS_[@]}"; do
     ccq)
       timeout 70 python3 benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 \
         --out "$OUT/ccq_triton.json" 2>&1 | tail -15 ;;
-    profile)
+    profile|profile_compile)
+      c=off; [ "$s" = profile_compile ] && c=on
       timeout 200 python3 benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
-        --json "$OUT/profile_decode.json" 2>&1 | tail -70 | tee "$OUT/profile_decode.log" ;;
+        --compile $c --json "$OUT/$s.json" 2>&1 | tail -70 | tee "$OUT/$s.log" ;;
     fp32)
       timeout 200 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
         --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;

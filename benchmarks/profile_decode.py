@@ -357,11 +357,12 @@ def batch(model, B: int, T: int, device):
     return ids, mask
 
 
-def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False):
+def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False,
+                compile_: str = "off"):
     """(profile, profiled steps, generator stats) for `steps` decode steps after a warm-up call."""
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
 
-    cfg = FastGenConfig(fallback=False, attention=attention,
+    cfg = FastGenConfig(fallback=False, attention=attention, compile=compile_,
                         **({} if graphs else {"cuda_graphs": "off", "exact_lengths": False}))
     gen = FastGenerator(model, cfg)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -405,7 +406,8 @@ def profile_model(model, args, device) -> dict:
     kinds = Counter(layer_kind(layer) for layer in model.model.layers)
     out: dict = {"layers": dict(kinds)}
     emulate = not cuda and args.decode_kernel == "emulate"
-    prof, steps, stats = run_profile(model, ids, mask, args.steps, False, args.attention, device, emulate)
+    prof, steps, stats = run_profile(model, ids, mask, args.steps, False, args.attention, device, emulate,
+                                     args.compile)
     ev = prof.events()
     items = work_items(ev, cuda)
     unit = "device kernels" if cuda else "outermost aten ops that do work (CPU proxy for kernels)" + (
@@ -419,7 +421,8 @@ def profile_model(model, args, device) -> dict:
     if cuda:   # kernels the profiler could not tie to a launching CPU op show as a gap here
         out["eager"]["all_device_events_per_step"] = len(device_items(ev)) / steps
     if cuda and args.graphs:
-        prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device)
+        prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device,
+                                         compile_=args.compile)
         dev = device_items(prof.events())
         out["graphs"] = {"steps": steps, "graphs": stats["graphs"], "attention": stats["attention"],
                          "kernels_per_step": len(dev) / steps,
@@ -466,6 +469,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
     ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     ap.add_argument("--attention", default="auto", help="FastGenConfig.attention: auto | triton | sdpa")
+    ap.add_argument("--compile", default="off", choices=["off", "on"],
+                    help="FastGenConfig.compile (the graph replay then runs the compiled step's kernels)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")
     ap.add_argument("--decode-kernel", default="emulate", choices=["emulate", "torch"],

@@ -363,7 +363,8 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
         model=model, reward_funcs=funcs, args=args, train_dataset=to_dataset(records), processing_class=tok,
         peft_config=_lora_config(cfg) if cfg.lora.enabled else None,
         callbacks=[MetricsCallback(run_dir), *(callbacks or [])],
-        fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs))
+        fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs,
+                                                                   compile=cfg.compile_decode))
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     train_s = time.perf_counter() - t0
