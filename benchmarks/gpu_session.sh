@@ -15,6 +15,7 @@
 #   profile_compile  the same with FastGenConfig.compile=on
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
+#             (COMPILE_MODES, default off,on; e.g. off,on,max-autotune; SHAPES, default qwen3-1.7b,smollm2-135m)
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 # Needs .whl/ installed on PYTHONPATH and .tiny/smollm2 (config + tokenizer of the embedded default). Speed runs on
@@ -73,8 +74,8 @@ for s in "${STEPS_[@]}"; do
       timeout 200 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
         --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;
     compile)
-      timeout 420 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
-        --batch 8 --new-tokens 48 --attention triton --compile off,on --budget 400 \
+      timeout 420 python3 benchmarks/rollouts.py --no-grpo --shapes ${SHAPES:-qwen3-1.7b,smollm2-135m} --prompt-lens 16384 \
+        --batch 8 --new-tokens 48 --attention triton --compile ${COMPILE_MODES:-off,on} --budget 400 \
         --out "$OUT/rollouts_compile.json" 2>&1 | tail -16 ;;
     scale)
       random_teacher

@@ -84,14 +84,17 @@ class FastGenConfig:
                                                            "(else raise)"})
     compile: str = field(default="off", metadata={
         "help": "torch.compile the decode step (norms, gates and elementwise ops fused into few kernels) for the "
-                "masked / CUDA-graph path: off | on. Compiles on the first step of each new session (a minute "
-                "or so on a GPU for a 28-layer model), so it pays off for long rollouts and GRPO runs"})
+                "masked / CUDA-graph path: off | on | max-autotune (inductor also tunes the GEMMs: longer compile). "
+                "Compiles on the first steps of each new session (2-13 s on an H100 with `on`), so it pays off "
+                "for long rollouts and GRPO runs"})
     attention: str = field(default="auto", metadata={
         "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
                 "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
                 "kernel's PyTorch reference) | sdpa (always the model's own attention)"})
 
 
+#: FastGenConfig.compile values; max-autotune = inductor also benchmarks its own GEMM kernels against cuBLAS
+COMPILE_MODES = ("off", "on", "max-autotune")
 _ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 _ATTN_IMPLS = ("sdpa", "eager")
 # generate() arguments that change nothing in the sampled tokens
@@ -602,10 +605,11 @@ class FastGenerator:
         sess.slot = pos_slot   # the KV layers and the mask share the slot counter
         sess.sampling = sampling
         sess.attn_fn = attn_fn
-        if self.config.compile not in ("off", "on"):
-            raise ValueError(f"compile must be off or on, got {self.config.compile!r}")
-        if self.config.compile == "on":
-            sess.compiled = torch.compile(sess.logits, dynamic=False)
+        if self.config.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {' | '.join(COMPILE_MODES)}, got {self.config.compile!r}")
+        if self.config.compile != "off":
+            mode = "max-autotune-no-cudagraphs" if self.config.compile == "max-autotune" else None
+            sess.compiled = torch.compile(sess.logits, dynamic=False, mode=mode)
         self._load(sess, cache, T)
         if key is not None:
             self._sessions[key] = sess
