@@ -15,7 +15,7 @@
 #   profile_compile  the same with FastGenConfig.compile=on
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
-#             (COMPILE_MODES, default off,on; e.g. off,on,max-autotune; SHAPES, default qwen3-1.7b,smollm2-135m)
+#             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m)
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 # Needs .whl/ installed on PYTHONPATH and .tiny/smollm2 (config + tokenizer of the embedded default). Speed runs on

@@ -469,7 +469,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
     ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     ap.add_argument("--attention", default="auto", help="FastGenConfig.attention: auto | triton | sdpa")
-    ap.add_argument("--compile", default="off", choices=["off", "on", "max-autotune"],
+    ap.add_argument("--compile", default="off", choices=["off", "on"],
                     help="FastGenConfig.compile (the graph replay then runs the compiled step's kernels)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")

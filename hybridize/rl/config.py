@@ -91,7 +91,7 @@ class GRPORunConfig:
     fast_generation: bool = _f(True, "rollouts through hybridize.rl.fast_generate (static buffers, CUDA graphs); "
                                      "falls back to model.generate for settings it does not support")
     cuda_graphs: str = _f("auto", "CUDA graphs in the fast path: auto | on | off")
-    compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on | max-autotune): 25-35% faster decode "
+    compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): 25-35% faster decode "
                                     "steps on an H100 (benchmarks/RESULTS.md), a few seconds of compilation per "
                                     "new rollout shape")
     save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)")
@@ -108,7 +108,7 @@ class GRPORunConfig:
 def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | None = None) -> GRPORunConfig:
     """Defaults < recipe (a path or a name under recipes/, e.g. `smollm2-135m/grpo`) < overrides."""
     cfg = load_config(GRPORunConfig, recipe, overrides)
-    for name, allowed in (("cuda_graphs", ("auto", "on", "off")), ("compile_decode", ("off", "on", "max-autotune"))):
+    for name, allowed in (("cuda_graphs", ("auto", "on", "off")), ("compile_decode", ("off", "on"))):
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")
     return cfg

@@ -84,7 +84,7 @@ class FastGenConfig:
                                                            "(else raise)"})
     compile: str = field(default="off", metadata={
         "help": "torch.compile the decode step (norms, gates and elementwise ops fused into few kernels) for the "
-                "masked / CUDA-graph path: off | on | max-autotune (inductor also tunes the GEMMs: longer compile). "
+                "masked / CUDA-graph path: off | on. "
                 "Compiles on the first steps of each new session (2-13 s on an H100 with `on`), so it pays off "
                 "for long rollouts and GRPO runs"})
     attention: str = field(default="auto", metadata={
@@ -93,8 +93,8 @@ class FastGenConfig:
                 "kernel's PyTorch reference) | sdpa (always the model's own attention)"})
 
 
-#: FastGenConfig.compile values; max-autotune = inductor also benchmarks its own GEMM kernels against cuBLAS
-COMPILE_MODES = ("off", "on", "max-autotune")
+#: FastGenConfig.compile values (inductor's max-autotune was measured: no faster than "on", see RESULTS)
+COMPILE_MODES = ("off", "on")
 _ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 _ATTN_IMPLS = ("sdpa", "eager")
 # generate() arguments that change nothing in the sampled tokens
@@ -607,9 +607,8 @@ class FastGenerator:
         sess.attn_fn = attn_fn
         if self.config.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {' | '.join(COMPILE_MODES)}, got {self.config.compile!r}")
-        if self.config.compile != "off":
-            mode = "max-autotune-no-cudagraphs" if self.config.compile == "max-autotune" else None
-            sess.compiled = torch.compile(sess.logits, dynamic=False, mode=mode)
+        if self.config.compile == "on":
+            sess.compiled = torch.compile(sess.logits, dynamic=False)
         self._load(sess, cache, T)
         if key is not None:
             self._sessions[key] = sess
