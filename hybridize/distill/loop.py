@@ -58,14 +58,20 @@ def single_process_deepspeed(path: str):
                         "`accelerate launch --config_file recipes/accelerate/zero*.yaml` and leave it empty")
     from accelerate.utils import DeepSpeedPlugin
 
+    single_process_env()
+    # zero3_init_flag off: models are built whole (the teacher must stay whole; the mixers initialise their
+    # new parameters in place in __init__, which DeepSpeed's zero.Init partitioning does not allow)
+    return DeepSpeedPlugin(hf_ds_config=str(path), zero3_init_flag=False)
+
+
+def single_process_env() -> None:
+    """The rank-0, world-size-1 environment `accelerate launch` would set (DeepSpeed initialises
+    torch.distributed from it); keys already set are kept."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
         os.environ.setdefault(key, value)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # zero3_init_flag off: models are built whole (the teacher must stay whole; the mixers initialise their
-    # new parameters in place in __init__, which DeepSpeed's zero.Init partitioning does not allow)
-    return DeepSpeedPlugin(hf_ds_config=str(path), zero3_init_flag=False)
 
 
 def _free_port() -> int:

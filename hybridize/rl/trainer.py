@@ -249,6 +249,20 @@ def resolve_device_dtype(cfg: GRPORunConfig) -> tuple[str, torch.dtype]:
     return device, dtype
 
 
+def _check_deepspeed(path: str) -> None:
+    import importlib.util
+    import os
+
+    from hybridize.distill.loop import single_process_env
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("grpo.extra.deepspeed needs DeepSpeed: pip install deepspeed")
+    if not Path(path).is_file():
+        raise UserError(f"grpo.extra.deepspeed: no such DeepSpeed config {path} (see recipes/accelerate/ds_zero*.json)")
+    if "WORLD_SIZE" not in os.environ:   # started without a launcher
+        single_process_env()
+
+
 def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_weights: list[float]) -> GRPOConfig:
     g = cfg.grpo
     kw = dict(
@@ -270,6 +284,8 @@ def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_
     if g.loss_type:
         kw["loss_type"] = g.loss_type
     kw.update(g.extra or {})
+    if kw.get("deepspeed"):   # grpo.extra={deepspeed: recipes/accelerate/ds_zero2.json}: one process, no launcher
+        _check_deepspeed(str(kw["deepspeed"]))
     try:
         return GRPOConfig(**kw)
     except TypeError as e:
