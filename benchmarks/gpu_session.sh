@@ -18,6 +18,7 @@
 #             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m)
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
+#   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
 # Needs .whl/ installed on PYTHONPATH and .tiny/smollm2 (config + tokenizer of the embedded default). Speed runs on
 # random weights (speed does not depend on their values); `scale` reads $HYBRIDIZE_DATA_DIR/general_text.
 set -uo pipefail
@@ -83,6 +84,27 @@ for s in "${STEPS_[@]}"; do
         RUNS="ref_1gpu zero2_1proc" STEPS=${SCALE_STEPS:-12} MIXED=$mp RUN_TIMEOUT=150 \
           bash benchmarks/scale_gpu.sh "$OUT/scale_$mp" /root/rand-smollm2 "$HYBRIDIZE_DATA_DIR/general_text" 2>&1 | tail -25
       done ;;
+    grpo_ds)
+      # GRPO on one GPU: plain vs DeepSpeed ZeRO-2 / ZeRO-3 in one process (random-weight 5:1 SSE hybrid of the
+      # SmolLM2 config, GSM8K train prompts from $HYBRIDIZE_DATA_DIR, 4 x 8 completions of 128 tokens, 3 steps)
+      random_teacher
+      [ -f /root/rand-hybrid/config.json ] || python3 -m hybridize.cli convert --src /root/rand-smollm2 \
+        --out /root/rand-hybrid --layers 5:1 --mixer sse --samples 1 > "$OUT/grpo_convert.log" 2>&1
+      for z in plain 2 3; do
+        extra=(); [ $z != plain ] && extra=("grpo.extra={deepspeed: recipes/accelerate/ds_zero$z.json}")
+        timeout 200 python3 -m hybridize.cli grpo --model /root/rand-hybrid --output-dir "$OUT/grpo_$z" \
+          "data.train=[gsm8k]" grpo.num_generations=8 grpo.per_device_train_batch_size=32 \
+          grpo.max_completion_length=128 grpo.max_steps=3 save_steps=0 progress=false "data.eval=" \
+          "${extra[@]}" > "$OUT/grpo_$z.log" 2>&1 || { echo "grpo $z FAILED"; tail -15 "$OUT/grpo_$z.log"; }
+        python3 - "$OUT/grpo_$z/metrics.jsonl" "$z" <<'PY'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
+r = [x for x in rows if "rollout/tokens_per_s" in x]
+print(f"grpo {sys.argv[2]}: steps {len(r)}, rollout tok/s {[round(x['rollout/tokens_per_s']) for x in r]}, "
+      f"fast {[x.get('rollout/fast') for x in r]}, loss {[x.get('loss') for x in r]}")
+PY
+      done
+      rm -rf "$OUT"/grpo_*/final "$OUT"/grpo_*/checkpoint-* ;;
     *) echo "unknown step $s" ;;
   esac
 done
