@@ -11,6 +11,7 @@
 #   rollouts  rollouts.py fast path, sdpa vs Triton decode attention, Qwen3-1.7B and SmolLM2 shapes at 16k
 #   sse       kernels.py: SSE varlen/masking vs chunk_gla, decode steps
 #   ccq       ccq_triton.py: fused CCQ read vs the previous path
+#   qdelta    kernels.py delta section: Gated DeltaNet vs Q-Delta (fused erase direction), 4k-64k
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
 #   profile_compile  the same with FastGenConfig.compile=on
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
@@ -49,7 +50,8 @@ for s in "${STEPS_[@]}"; do
       # sharing the GPU hung past 300 s there
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py \
         tests/kernels/test_gpu_sse_decode.py tests/kernels/test_ccq_triton.py tests/rl/test_attn_decode.py \
-        tests/rl/test_fast_generate.py tests/eval/test_generate.py -k "cuda or gpu" -rfE 2>&1 | tail -40 \
+        tests/rl/test_fast_generate.py tests/eval/test_generate.py tests/kernels/test_erase.py -k "cuda or gpu" -rfE \
+        2>&1 | tail -40 \
         | tee "$OUT/tests.log" ;;
     speed)
       random_teacher
@@ -64,6 +66,9 @@ for s in "${STEPS_[@]}"; do
     sse)
       timeout 110 python3 benchmarks/kernels.py --T 4096,16384 --sections gla,sse,decode --sse-n 4 \
         --out "$OUT/bench_sse.json" 2>&1 | tail -30 ;;
+    qdelta)
+      timeout 300 python3 benchmarks/kernels.py --T 4096,16384,32768,65536 --sections delta \
+        --out "$OUT/bench_delta.json" 2>&1 | tail -20 ;;
     ccq)
       timeout 70 python3 benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 \
         --out "$OUT/ccq_triton.json" 2>&1 | tail -15 ;;

@@ -8,7 +8,8 @@ Sections (each row: forward and forward+backward milliseconds):
            (`kernels/triton/sse_route.py`); `sse_varlen_torchmove_n{N}k1` is the same plan with the
            PyTorch row movers (`sse.USE_TRITON = False`), to show what the kernels buy;
 - ccq:     the CCQ covariance read alone (`ccq` op, GPU path), next to GLA and GDN: overhead = ccq / backbone;
-- delta:   Gated DeltaNet vs Q-Delta (p = k + lambda q) through the delta op (fla fwd + checked bwd);
+- delta:   Gated DeltaNet vs Q-Delta (lam: p = k + lambda q formed by the op) through the delta op (fla fwd +
+           checked bwd);
 - decode:  one-token step latency at context 4k..64k: GLA, GDN, Q-Delta recurrent steps (fla fused
            recurrent); SSE n4k1 + shared as the full layer op `sse.sse_recurrent` (routing included):
            `decode_sse_n4k1` eager on our Triton decode kernel (state updated in place),
@@ -72,7 +73,7 @@ def delta_inputs(T, qdelta=False):
              beta=torch.rand(1, T, H, device="cuda").requires_grad_(),
              g=(-torch.rand(1, T, H, device="cuda") * 0.1).requires_grad_())
     if qdelta:
-        x["lam"] = torch.full((H, 1), 0.1, device="cuda", dtype=DT)
+        x["lam"] = torch.full((H,), 0.1, device="cuda").requires_grad_()   # the mixer's lambda: a parameter
     return x
 
 
@@ -83,8 +84,8 @@ def run_gla(q, k, v, g):
 
 def run_delta(q, k, v, beta, g, lam=None):
     from hybridize.kernels import dispatch
-    p = None if lam is None else k + lam * q
-    return dispatch.run("delta", "chunk", q, k, v, beta, g=g, p=p)[0]
+    # Q-Delta as the mixer calls it: the op forms p = k + lam q (one fused pass with exp(g) on the GPU)
+    return dispatch.run("delta", "chunk", q, k, v, beta, g=g, lam=lam)[0]
 
 
 def run_ccq(q, k):

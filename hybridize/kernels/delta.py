@@ -18,7 +18,8 @@ L2-normalised, beta in (0, 1) and lambda in [0, 1], a_t = 1 + lambda cos(q_t, k_
 1 + lambda], so beta_t a_t lies in [0, 2) always (0 only at lambda = 1 and q = -k). The op does not
 enforce it (it is exact for any inputs); `contraction_factor` computes beta_t a_t for monitoring.
 
-Shapes: q, k, p `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, g `[B, T, H]` or None,
+Shapes: q, k, p `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, g `[B, T, H]` or None, lam `[H]` or None
+(instead of p: Q-Delta's p = k + lam q, formed by the op so the GPU path can fuse it into one pass),
 initial/final state `[N, H, K, V]`, packed input: B == 1 with `cu_seqlens` `[N+1]`.
 
 `delta_recurrent` is the per-token ground truth. `delta_chunk` is the chunkwise WY / UT-transform
@@ -78,8 +79,19 @@ def _check(q, k, v, beta, g, p, initial_state):
                          f"got {tuple(initial_state.shape)}")
 
 
-def _run(fn, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens, **kw):
+def query_erase(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """Q-Delta's erase direction p = k + lam q `[B, T, H, K]` for lam `[H]` (in q's dtype)."""
+    if lam.shape != (q.shape[2],):
+        raise ValueError(f"lam must hold one value per head [H] = [{q.shape[2]}], got {tuple(lam.shape)}")
+    return k + lam.to(k.dtype)[:, None] * q
+
+
+def _run(fn, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens, lam=None, **kw):
     """Shared front end: checks, defaults, and packed input routed through the padded batch form."""
+    if lam is not None:
+        if p is not None:
+            raise ValueError("give the erase direction as p or as lam (p = k + lam q), not both")
+        p = query_erase(q, k, lam)
     _check(q, k, v, beta, g, p, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
@@ -95,9 +107,10 @@ def _run(fn, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_s
 
 
 def delta_recurrent(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None):
+                    cu_seqlens=None, lam=None):
     """Reference: one token at a time. Returns (o `[B, T, H, V]`, final state `[N, H, K, V]` or None)."""
-    return _run(_delta_recurrent, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens)
+    return _run(_delta_recurrent, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens,
+                lam=lam)
 
 
 def _delta_recurrent(q, k, v, beta, g, p, scale, initial_state, output_final_state):
@@ -118,12 +131,12 @@ def _delta_recurrent(q, k, v, beta, g, p, scale, initial_state, output_final_sta
 
 
 def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None, chunk_size: int = 32):
+                cu_seqlens=None, chunk_size: int = 32, lam=None):
     """Chunkwise WY / UT-transform form (module docstring); equal to `delta_recurrent` up to rounding."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _run(_delta_chunk, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens,
-                chunk_size=chunk_size)
+                lam=lam, chunk_size=chunk_size)
 
 
 def _delta_chunk(q, k, v, beta, g, p, scale, initial_state, output_final_state, chunk_size):

@@ -163,6 +163,17 @@ def comba_p(p, g):
     return p if g is None else p * g.float().exp().unsqueeze(-1).to(p.dtype)
 
 
+def _erase_for_fla(q, k, p, lam, g):
+    """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
+    p = k + lam q) in one fused pass (`triton/erase.py`)."""
+    if lam is None:
+        return None if p is None else comba_p(p, g).contiguous()
+    if p is not None:
+        raise ValueError("give the erase direction as p or as lam (p = k + lam q), not both")
+    from .triton.erase import comba_erase
+    return comba_erase(q, k, lam, g)
+
+
 def _dqkwg_is_ours() -> bool:
     return os.environ.get("HYBRIDIZE_FLA_DQKWG", "torch") != "fla"
 
@@ -212,42 +223,44 @@ class _GatedDelta(torch.autograd.Function):
 
 
 def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None, chunk_size=None):
+                cu_seqlens=None, chunk_size=None, lam=None):
     if _unsupported(q, k, v, beta, g, p, initial_state) or v.shape[2] != q.shape[2]:
         return _fallback("delta", "chunk", q, k, v, beta, g=g, p=p, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, lam=lam)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     c = lambda t: t.contiguous()  # noqa: E731
     beta = beta.to(q.dtype)  # fla's kernels take beta in the activation dtype
     cu, h0 = _cu(cu_seqlens), _state(initial_state)
-    if p is None and g is None and q.dtype != torch.float32:  # fla's ungated kernel is 16-bit only
+    if p is None and lam is None and g is None and q.dtype != torch.float32:  # fla's ungated kernel: 16-bit only
         o, st = fla().chunk_delta_rule(c(q), c(k), c(v), c(beta), scale=scale, initial_state=h0,
                                        output_final_state=output_final_state, cu_seqlens=cu)
         return o.to(v.dtype), st
     gf = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else g.float()
-    pf = None if p is None else c(comba_p(p, g))
+    pf = _erase_for_fla(q, k, p, lam, g)
     o, st = _GatedDelta.apply(c(q), c(k), c(v), pf, c(gf), c(beta), scale, h0, output_final_state, cu)
     return o.to(v.dtype), (st if output_final_state else None)
 
 
 def delta_recurrent(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None):
+                    cu_seqlens=None, lam=None):
     if _unsupported(q, k, v, beta, g, p, initial_state) or v.shape[2] != q.shape[2]:
         return _fallback("delta", "recurrent", q, k, v, beta, g=g, p=p, scale=scale,
-                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if _needs_grad(q, k, v, beta, g, p, initial_state):  # fla's fused recurrent kernels are forward-only
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                         lam=lam)
+    if _needs_grad(q, k, v, beta, g, p, initial_state, lam):  # fla's fused recurrent kernels are forward-only
         return delta_chunk(q, k, v, beta, g=g, p=p, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, lam=lam)
     c = lambda t: t.contiguous()  # noqa: E731
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     beta = beta.to(q.dtype)
     kw = dict(scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
               cu_seqlens=_cu(cu_seqlens))
     gf = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else c(g.float())
-    if p is None:
+    pf = _erase_for_fla(q, k, p, lam, g)
+    if pf is None:
         o, st = fla().fused_recurrent_gated_delta_rule(c(q), c(k), c(v), g=gf, beta=c(beta), **kw)
     else:
-        o, st = fla().fused_recurrent_comba(q=c(q), k=c(k), p=c(comba_p(p, g)), v=c(v), g=gf, beta=c(beta), **kw)
+        o, st = fla().fused_recurrent_comba(q=c(q), k=c(k), p=pf, v=c(v), g=gf, beta=c(beta), **kw)
     return o.to(v.dtype), st
 
 

@@ -71,10 +71,10 @@ class QDelta(GatedDeltaNet):
             return torch.full((c.num_heads,), float(c.fixed_lambda), device=self.b_proj.weight.device)
         return torch.sigmoid(self.lambda_logit.float())
 
-    def erase_direction(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """x = k + lambda q `[B, T, H, K]` (q, k already L2-normalised)."""
-        lam = self.query_feedback().to(q.dtype)
-        return k + lam[:, None] * q
+    def erase_feedback(self) -> torch.Tensor:
+        """lambda `[H]`: the delta op forms x = k + lambda q itself (q, k already L2-normalised), in one fused
+        pass with fla's exp(g) factor on the GPU (`kernels/triton/erase.py`)."""
+        return self.query_feedback()
 
 
 __all__ = ["QDelta", "QDeltaConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridize.kernels.delta import contraction_factor
+from hybridize.kernels.delta import contraction_factor, query_erase
 from hybridize.mixers import build_mixer
 from hybridize.mixers.qdelta import QDelta
 from tests.mixers.helpers import (FP32_TOL, call, check_backward, check_chunk_equals_recurrent, check_left_padding,
@@ -107,9 +107,11 @@ def test_stability_condition_holds(perturb, x_scale):
     m.lambda_logit.fill_(6.0)                                     # lambda ~ 1, the worst case
     x = random_hidden(2, 50, m.config.hidden_size) * x_scale
     inputs, _ = m.features(x)
-    a = contraction_factor(inputs["k"], inputs["beta"], inputs["p"])
+    assert inputs["p"] is None   # the op forms x = k + lambda q from lam
+    p = query_erase(inputs["q"], inputs["k"], inputs["lam"])
+    a = contraction_factor(inputs["k"], inputs["beta"], p)
     assert (a < 2).all() and ((a > 0).all() if x_scale == 1.0 else (a >= 0).all())
     assert torch.allclose(inputs["q"].norm(dim=-1), torch.ones(2, 50, 2))
-    k_dot_x = (inputs["k"] * inputs["p"]).sum(-1)
+    k_dot_x = (inputs["k"] * p).sum(-1)
     lam = m.query_feedback()
     assert torch.allclose(k_dot_x, 1 + lam * (inputs["q"] * inputs["k"]).sum(-1), atol=1e-5)
