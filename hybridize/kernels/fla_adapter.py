@@ -11,7 +11,8 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 | gla / recurrent    | `fused_recurrent_gla`                                                         |
 | delta / chunk      | g, p None, 16-bit: `chunk_delta_rule`; p None: GDN = fla's gated delta rule  |
 |                    | forward + fla's backward with our PyTorch `chunk_bwd_dqkwg`; p given: Comba,  |
-|                    | same scheme, with p_fla = exp(g) * p                                          |
+|                    | same scheme, with p_fla = exp(g) * p; lam given (Q-Delta, p = k + lam q):     |
+|                    | p_fla = exp(g) (k + lam q) in one Triton pass (`triton/erase.py`)             |
 | delta / recurrent  | `fused_recurrent_gated_delta_rule` / `fused_recurrent_comba` (forward only:   |
 |                    | with gradients required the chunk path above is used)                        |
 | log_linear / chunk | `chunk_log_linear_attn` (on fp32 copies) when no state in/out, no clamped level|
