@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -135,6 +136,34 @@ def teacher_dtype(acc, teacher: nn.Module) -> torch.dtype:
     if zero_stage(acc) and acc.mixed_precision == "bf16":
         return torch.bfloat16
     return next(teacher.parameters()).dtype
+
+
+def check_deepspeed_file(path: str, setting: str) -> None:
+    """For a DeepSpeed JSON handed to an HF / TRL trainer (`setting` names it in errors): DeepSpeed installed,
+    the file present; started without a launcher, the rank-0 environment a launcher would set."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"{setting} needs DeepSpeed: pip install deepspeed (or pip install 'hybridize[deepspeed]')")
+    if not Path(path).is_file():
+        raise UserError(f"{setting}: no such DeepSpeed config {path} (see recipes/accelerate/ds_zero*.json)")
+    if "WORLD_SIZE" not in os.environ:
+        single_process_env()
+
+
+@contextmanager
+def zero3_gathered(model: nn.Module):
+    """Whole parameters inside the block when `model` holds ZeRO-3 shards (a collective: every rank must
+    enter it), for saving or scoring a model a trainer has partitioned; read-only (what the block changes
+    is dropped at its end). A no-op otherwise."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
 
 
 def gathered_state_dict(acc, model: nn.Module) -> dict | None:

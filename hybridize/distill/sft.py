@@ -82,7 +82,11 @@ def trl_config(cfg: SFTStageConfig):
 
     t = cfg.train
     name, kw = _scheduler(t)
+    if t.deepspeed:
+        from .loop import check_deepspeed_file
+        check_deepspeed_file(t.deepspeed, "train.deepspeed")
     return SFTConfig(
+        deepspeed=t.deepspeed or None,
         output_dir=str(Path(t.run_dir) / "checkpoints"), max_steps=t.max_steps, learning_rate=t.lr,
         lr_scheduler_type=name, lr_scheduler_kwargs=kw, warmup_steps=t.warmup_steps,
         gradient_accumulation_steps=t.grad_accum, max_grad_norm=t.max_grad_norm or 0.0,
@@ -155,9 +159,12 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     out = trainer.train(resume_from_checkpoint=ckpt)
     model = trainer.model
-    if cfg.params == "lora" and hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    save_final(model, tokenizer, run_dir / "final")
+    from .loop import zero3_gathered
+    with zero3_gathered(model):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
+        if cfg.params == "lora" and hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()
+        if trainer.accelerator.is_main_process:
+            save_final(model, tokenizer, run_dir / "final")
     return out, model
 
 

@@ -236,6 +236,15 @@ class Mixer(nn.Module):
         self.load_state_dict(copied, strict=False)
         self.reset_new_parameters()
 
+    def init_new_parameters(self) -> None:
+        """`reset_new_parameters`, as each mixer's `__init__` calls it, except when DeepSpeed's zero.Init has
+        already partitioned the parameters (transformers builds models that way while a ZeRO-3 trainer
+        config is live, e.g. TRL's reference model): their values then come from the checkpoint being
+        loaded, and the shards are empty."""
+        if any(hasattr(p, "ds_id") for p in self.parameters()):
+            return
+        self.reset_new_parameters()
+
     def reset_new_parameters(self) -> None:
         """Initialise parameters the teacher does not have (the stated rule of each mixer)."""
         for name in ("q_conv", "k_conv", "v_conv"):

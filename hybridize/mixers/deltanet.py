@@ -83,7 +83,7 @@ class DeltaNet(Mixer):
     def __init__(self, config: DeltaNetConfig):
         super().__init__(config)
         self.build_new_parameters()
-        self.reset_new_parameters()
+        self.init_new_parameters()
 
     def build_new_parameters(self) -> None:
         """Create the parameters the teacher lacks (subclasses extend; values set by reset_new_parameters)."""

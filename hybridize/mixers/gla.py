@@ -75,7 +75,7 @@ class GLA(LinearAttention):
                                      nn.Linear(c.gate_low_rank_dim, c.num_heads * c.head_dim, bias=True))
         if c.output_gate != "none":
             self.g_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=True)
-        self.reset_new_parameters()
+        self.init_new_parameters()
 
     def reset_new_parameters(self) -> None:
         """The init rule of the module docstring."""

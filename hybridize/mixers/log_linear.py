@@ -133,7 +133,7 @@ class LogLinearAttention(Mixer):
             self.o_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         if c.output_gate != "none":
             self.g_proj = nn.Linear(c.hidden_size, H * c.head_dim, bias=True)
-        self.reset_new_parameters()
+        self.init_new_parameters()
 
     def reset_new_parameters(self) -> None:
         """The init rule of the module docstring."""

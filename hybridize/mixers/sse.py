@@ -177,7 +177,7 @@ class SSE(Mixer):
         self.o_norm = RMSNorm(D, c.rms_norm_eps)
         if c.output_gate:
             self.g_proj = nn.Linear(c.hidden_size, H * D, bias=True)
-        self.reset_new_parameters()
+        self.init_new_parameters()
 
     def _validate(self) -> None:
         c = self.config

@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from hybridize.distill.loop import zero3_gathered
 from hybridize.errors import UserError
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
 from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
@@ -249,20 +250,6 @@ def resolve_device_dtype(cfg: GRPORunConfig) -> tuple[str, torch.dtype]:
     return device, dtype
 
 
-def _check_deepspeed(path: str) -> None:
-    import importlib.util
-    import os
-
-    from hybridize.distill.loop import single_process_env
-
-    if importlib.util.find_spec("deepspeed") is None:
-        raise UserError("grpo.extra.deepspeed needs DeepSpeed: pip install deepspeed")
-    if not Path(path).is_file():
-        raise UserError(f"grpo.extra.deepspeed: no such DeepSpeed config {path} (see recipes/accelerate/ds_zero*.json)")
-    if "WORLD_SIZE" not in os.environ:   # started without a launcher
-        single_process_env()
-
-
 def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_weights: list[float]) -> GRPOConfig:
     g = cfg.grpo
     kw = dict(
@@ -284,8 +271,9 @@ def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_
     if g.loss_type:
         kw["loss_type"] = g.loss_type
     kw.update(g.extra or {})
-    if kw.get("deepspeed"):   # grpo.extra={deepspeed: recipes/accelerate/ds_zero2.json}: one process, no launcher
-        _check_deepspeed(str(kw["deepspeed"]))
+    if kw.get("deepspeed"):   # grpo.extra={deepspeed: recipes/accelerate/ds_zero2.json}
+        from hybridize.distill.loop import check_deepspeed_file
+        check_deepspeed_file(str(kw["deepspeed"]), "grpo.extra.deepspeed")
     try:
         return GRPOConfig(**kw)
     except TypeError as e:
@@ -387,15 +375,19 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
 
     final = run_dir / "final"
     policy = trainer.model
-    if cfg.lora.enabled:
-        policy.save_pretrained(final / "adapter")
-        policy = policy.merge_and_unload()
-    if trainer.accelerator.is_main_process:
-        policy.save_pretrained(final)
-        tok.save_pretrained(final)
-    if held_out:
-        scores["after"] = score_prompts(policy, tok, held_out, **score_kw)
-        scores_path.write_text(json.dumps(scores, indent=1))
+    main = trainer.accelerator.is_main_process
+    # under ZeRO-3 the trained weights are shards: save and score inside a gather (the LoRA merge included)
+    with zero3_gathered(policy):
+        if cfg.lora.enabled:
+            if main:
+                policy.save_pretrained(final / "adapter")
+            policy = policy.merge_and_unload()
+        if main:
+            policy.save_pretrained(final)
+            tok.save_pretrained(final)
+        if held_out:
+            scores["after"] = score_prompts(policy, tok, held_out, **score_kw)
+            scores_path.write_text(json.dumps(scores, indent=1))
     rows = read_metrics(run_dir / "metrics.jsonl")
     rewards = [r["reward"] for r in rows if "reward" in r]
     tps = [r["rollout/tokens_per_s"] for r in rows if "rollout/tokens_per_s" in r]

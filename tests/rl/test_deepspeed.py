@@ -1,12 +1,14 @@
-"""GRPO under DeepSpeed ZeRO-2 and ZeRO-3 (one process, CPU, no launcher): the trainer runs the same recipe with a
+"""GRPO and SFT under DeepSpeed ZeRO-2 / ZeRO-3 (one process, CPU, no launcher): the trainer runs the same recipe with a
 DeepSpeed config (`grpo.extra={deepspeed: recipes/accelerate/ds_zero{2,3}.json}`; the GRPO args set the rank-0
 environment a launcher would), rollouts still take the fast path
-(TRL gathers ZeRO-3's partitioned weights for generation), and the parameters change.
+(TRL gathers ZeRO-3's partitioned weights for generation), and the parameters change; under ZeRO-3 the final
+folders of `run_grpo` and of SFT (`train.deepspeed`) hold the whole model, not empty shards.
 
 DeepSpeed initialises torch.distributed for the whole process, so the runs happen in a subprocess (this file
 run as a script), as in tests/distill/test_scale.py."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -18,6 +20,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    """Largest absolute weight difference between two saved models (shapes must match: a ZeRO-3 save of
+    ungathered shards would hold empty tensors)."""
+    from safetensors.torch import load_file
+
+    # the files, not from_pretrained: in this process transformers would rebuild models under zero.Init
+    read = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    sa, sb = read(a), read(b)
+    assert sa and sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa), "saved model is incomplete"
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
 def _worker(tmp: Path) -> dict:
@@ -60,6 +74,31 @@ def _worker(tmp: Path) -> dict:
                       "steps": len(logs), "fast": [r.get("rollout/fast") for r in logs],
                       "changed": len(changed), "params": len(params),
                       "mixer_changed": any(".self_attn." in n and "layers.0" in n for n in changed)}
+        del trainer, engine, args
+        gc.collect()
+    # run_grpo under ZeRO-3: the final folder holds the whole trained model (the policy's shards gathered).
+    # The recipe's math rewards are 0 for a random model, so no update: final/ must equal the start.
+    from hybridize.rl.trainer import run_grpo
+    # the ZeRO-3 trainer above leaves transformers' ZeRO-3 flag on in this process, so the hybrid below is built
+    # under zero.Init (its mixers skip their own init into empty shards; the checkpoint fills them)
+    ds3 = str(ROOT / "recipes" / "accelerate" / "ds_zero3.json")
+    run_grpo(load_grpo_config(None, [
+        f"model={tmp / 'm'}", f"output_dir={tmp / 'grpo3'}", f"data.train=[{tmp / 'p.jsonl'}]",
+        "grpo.num_generations=4", "grpo.per_device_train_batch_size=4", "grpo.max_completion_length=6",
+        "grpo.max_steps=1", "progress=false", "save_steps=0", "grpo.extra={deepspeed: %s}" % ds3]))
+    out["grpo_final_vs_start"] = _max_diff(tmp / "grpo3" / "final", tmp / "m")
+    # SFT (TRL SFTTrainer) under ZeRO-3 through train.deepspeed: trains, and final/ holds the whole model
+    from hybridize.distill.config import SFTStageConfig, load_config
+    from hybridize.distill.sft import sft
+    rows = "".join(json.dumps({"problem": f"What is {i}+{i}?", "solution": f"{2 * i}"}) + "\n" for i in range(8))
+    (tmp / "t.jsonl").write_text(rows)
+    cfg = load_config(SFTStageConfig, None, {
+        "traces": str(tmp / "t.jsonl"), "max_length": 48, "batch_size": 2,
+        "train": {"run_dir": str(tmp / "sft3"), "max_steps": 2, "save_every": 0, "lr": 1e-2, "progress": False,
+                  "warmup_steps": 0, "deepspeed": ds3}})
+    _, trained = sft(AutoModelForCausalLM.from_pretrained(tmp / "m"), tok, cfg)
+    out["sft_zero3"] = any(hasattr(p, "ds_id") for p in trained.parameters())   # really ran partitioned
+    out["sft_final_vs_start"] = _max_diff(tmp / "sft3" / "final", tmp / "m")
     from hybridize.errors import UserError
     try:
         build_grpo_args(load_grpo_config(None, ["grpo.extra={deepspeed: no/such.json}"]), "cpu", torch.float32, [1.0])
@@ -80,6 +119,8 @@ def test_grpo_under_zero2_and_zero3(tmp_path):
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(lines[-1][7:])
     assert res["bad_path"].startswith("grpo.extra.deepspeed: no such DeepSpeed config"), res["bad_path"]
+    assert res["grpo_final_vs_start"] == 0.0            # gathered, whole, and unchanged (zero rewards)
+    assert res["sft_zero3"] and res["sft_final_vs_start"] > 1e-4   # SFT ran under ZeRO-3, trained, final/ whole
     for stage in ("2", "3"):
         r = res[stage]
         assert r["engine"] == "DeepSpeedEngine" and r["zero_stage"] == int(stage), r
