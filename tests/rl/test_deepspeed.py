@@ -2,7 +2,8 @@
 DeepSpeed config (`grpo.extra={deepspeed: recipes/accelerate/ds_zero{2,3}.json}`; the GRPO args set the rank-0
 environment a launcher would), rollouts still take the fast path
 (TRL gathers ZeRO-3's partitioned weights for generation), and the parameters change; under ZeRO-3 the final
-folders of `run_grpo` and of SFT (`train.deepspeed`) hold the whole model, not empty shards.
+folders of `run_grpo` and of SFT (`train.deepspeed`) hold the whole model, not empty shards, and a GRPO run
+resumes from its ZeRO-3 checkpoint.
 
 DeepSpeed initialises torch.distributed for the whole process, so the runs happen in a subprocess (this file
 run as a script), as in tests/distill/test_scale.py."""
@@ -82,10 +83,13 @@ def _worker(tmp: Path) -> dict:
     # the ZeRO-3 trainer above leaves transformers' ZeRO-3 flag on in this process, so the hybrid below is built
     # under zero.Init (its mixers skip their own init into empty shards; the checkpoint fills them)
     ds3 = str(ROOT / "recipes" / "accelerate" / "ds_zero3.json")
-    run_grpo(load_grpo_config(None, [
-        f"model={tmp / 'm'}", f"output_dir={tmp / 'grpo3'}", f"data.train=[{tmp / 'p.jsonl'}]",
-        "grpo.num_generations=4", "grpo.per_device_train_batch_size=4", "grpo.max_completion_length=6",
-        "grpo.max_steps=1", "progress=false", "save_steps=0", "grpo.extra={deepspeed: %s}" % ds3]))
+    base = [f"model={tmp / 'm'}", f"output_dir={tmp / 'grpo3'}", f"data.train=[{tmp / 'p.jsonl'}]",
+            "grpo.num_generations=4", "grpo.per_device_train_batch_size=4", "grpo.max_completion_length=6",
+            "progress=false", "save_steps=1", "grpo.extra={deepspeed: %s}" % ds3]
+    run_grpo(load_grpo_config(None, base + ["grpo.max_steps=1"]))              # writes checkpoint-1 (ZeRO-3)
+    run_grpo(load_grpo_config(None, base + ["grpo.max_steps=2"]), resume=True)  # resumes from it
+    out["grpo_steps"] = [json.loads(x).get("step") for x in (tmp / "grpo3" / "metrics.jsonl").read_text().splitlines()
+                         if "reward" in json.loads(x)]
     out["grpo_final_vs_start"] = _max_diff(tmp / "grpo3" / "final", tmp / "m")
     # SFT (TRL SFTTrainer) under ZeRO-3 through train.deepspeed: trains, and final/ holds the whole model
     from hybridize.distill.config import SFTStageConfig, load_config
@@ -119,6 +123,7 @@ def test_grpo_under_zero2_and_zero3(tmp_path):
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(lines[-1][7:])
     assert res["bad_path"].startswith("grpo.extra.deepspeed: no such DeepSpeed config"), res["bad_path"]
+    assert res["grpo_steps"] == [1, 2]                  # ZeRO-3 checkpoint written and resumed
     assert res["grpo_final_vs_start"] == 0.0            # gathered, whole, and unchanged (zero rewards)
     assert res["sft_zero3"] and res["sft_final_vs_start"] > 1e-4   # SFT ran under ZeRO-3, trained, final/ whole
     for stage in ("2", "3"):
