@@ -48,12 +48,7 @@ def make_accelerator(train: TrainArgs):
 def single_process_deepspeed(path: str):
     """A DeepSpeedPlugin for a run started WITHOUT a launcher: sets the rank-0, world-size-1 environment
     that `accelerate launch` would set (DeepSpeed initialises torch.distributed from it)."""
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        raise UserError("train.deepspeed needs DeepSpeed: pip install deepspeed (or pip install 'hybridize[deepspeed]')")
-    if not Path(path).is_file():
-        raise UserError(f"train.deepspeed: no such DeepSpeed config {path} (see recipes/accelerate/ds_zero*.json)")
+    check_deepspeed_file(path, "train.deepspeed")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("train.deepspeed is for one process; for several use "
                         "`accelerate launch --config_file recipes/accelerate/zero*.yaml` and leave it empty")
@@ -172,10 +167,7 @@ def gathered_state_dict(acc, model: nn.Module) -> dict | None:
     Without ZeRO-3 return None: `save_pretrained` reads the parameters directly."""
     if zero_stage(acc) != 3:
         return None
-    import deepspeed
-
-    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with zero3_gathered(model):
         if not acc.is_main_process:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -25,6 +25,7 @@ from hybridize.errors import UserError
 from .align import save_final
 from .config import SFTStageConfig, save_config
 from .data import load_rows, shared_data
+from .loop import check_deepspeed_file, zero3_gathered
 from .metrics import MetricsLog, plot_losses
 from .models import apply_lora, load_student, select_trainable, trainable_summary
 
@@ -83,7 +84,6 @@ def trl_config(cfg: SFTStageConfig):
     t = cfg.train
     name, kw = _scheduler(t)
     if t.deepspeed:
-        from .loop import check_deepspeed_file
         check_deepspeed_file(t.deepspeed, "train.deepspeed")
     return SFTConfig(
         deepspeed=t.deepspeed or None,
@@ -159,7 +159,6 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     out = trainer.train(resume_from_checkpoint=ckpt)
     model = trainer.model
-    from .loop import zero3_gathered
     with zero3_gathered(model):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
         if cfg.params == "lora" and hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()

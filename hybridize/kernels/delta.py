@@ -79,18 +79,26 @@ def _check(q, k, v, beta, g, p, initial_state):
                          f"got {tuple(initial_state.shape)}")
 
 
-def query_erase(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """Q-Delta's erase direction p = k + lam q `[B, T, H, K]` for lam `[H]` (in q's dtype)."""
+def check_erase(q: torch.Tensor, p, lam) -> None:
+    """The erase direction comes as p or as lam (p = k + lam q, lam `[H]`), never both."""
+    if lam is None:
+        return
+    if p is not None:
+        raise ValueError("give the erase direction as p or as lam (p = k + lam q), not both")
     if lam.shape != (q.shape[2],):
         raise ValueError(f"lam must hold one value per head [H] = [{q.shape[2]}], got {tuple(lam.shape)}")
+
+
+def query_erase(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """Q-Delta's erase direction p = k + lam q `[B, T, H, K]` for lam `[H]` (in q's dtype)."""
+    check_erase(q, None, lam)
     return k + lam.to(k.dtype)[:, None] * q
 
 
 def _run(fn, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens, lam=None, **kw):
     """Shared front end: checks, defaults, and packed input routed through the padded batch form."""
+    check_erase(q, p, lam)
     if lam is not None:
-        if p is not None:
-            raise ValueError("give the erase direction as p or as lam (p = k + lam q), not both")
         p = query_erase(q, k, lam)
     _check(q, k, v, beta, g, p, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -167,10 +167,11 @@ def comba_p(p, g):
 def _erase_for_fla(q, k, p, lam, g):
     """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
     p = k + lam q) in one fused pass (`triton/erase.py`)."""
+    from .delta import check_erase
+
+    check_erase(q, p, lam)
     if lam is None:
         return None if p is None else comba_p(p, g).contiguous()
-    if p is not None:
-        raise ValueError("give the erase direction as p or as lam (p = k + lam q), not both")
     from .triton.erase import comba_erase
     return comba_erase(q, k, lam, g)
 

@@ -22,7 +22,7 @@ Departures from the GDN paper / fla layer, all for conversion from a pretrained 
 
 Padding (attention_mask False): k = 0, beta = 0 and g = 0 on those tokens, so the state is untouched.
 
-Subclass hooks: `log_decay` (GDN), `erase_feedback` / `erase_direction` (Q-Delta) and `transform_query` (between the
+Subclass hooks: `log_decay` (GDN), `erase_feedback` (Q-Delta) and `transform_query` (between the
 front end and the op: swaps the read query and adds fields to the returned state; used by CCQ).
 """
 from __future__ import annotations
@@ -117,13 +117,9 @@ class DeltaNet(Mixer):
         """Scalar log-decay g `[B, T, H]` (<= 0) in fp32, or None for no decay."""
         return None
 
-    def erase_direction(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        """p `[B, T, H, K]` of the erase term (I - beta k p^T); None means p = k."""
-        return None
-
     def erase_feedback(self) -> torch.Tensor | None:
-        """lam `[H]` when the erase direction is p = k + lam q (Q-Delta): the op forms p itself (one fused
-        pass on the GPU) and `erase_direction` is not called. None: use `erase_direction`."""
+        """lam `[H]` when the erase direction of (I - beta k p^T) is p = k + lam q (Q-Delta): the op forms
+        p itself (one fused pass on the GPU). None: p = k."""
         return None
 
     def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
@@ -145,14 +141,12 @@ class DeltaNet(Mixer):
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.log_decay(x)
         lam = self.erase_feedback()
-        p = self.erase_direction(q, k) if lam is None else None
         if attention_mask is not None:
-            # padded tokens: no write (k = 0, beta = 0), no erase (p = 0; with lam, beta = 0 already makes the
-            # erase term vanish) and no decay (g = 0)
-            k, p, v = (mask_tokens(t, attention_mask) for t in (k, p, v))
+            # padded tokens: no write (k = 0, beta = 0), hence no erase, and no decay (g = 0)
+            k, v = (mask_tokens(t, attention_mask) for t in (k, v))
             beta = mask_tokens(beta, attention_mask)
             g = mask_tokens(g, attention_mask)
-        return dict(q=q, k=k, v=v, beta=beta, g=g, p=p, **({} if lam is None else {"lam": lam})), conv
+        return dict(q=q, k=k, v=v, beta=beta, g=g, p=None, **({} if lam is None else {"lam": lam})), conv
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o `[B, T, H, D]` -> hidden `[B, T, hidden]`: RMSNorm, silu output gate, o_proj."""

@@ -579,7 +579,8 @@ class FastGenerator:
                 use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values, pos, am
 
-    def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling, attn_fn=None):
+    def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling, windows: list[int | None],
+                 attn_fn=None):
         """A session whose buffers hold the prefill `cache`. With graphs, sessions are kept and reused
         when the shapes, the sampling settings (baked into the graph) and the parameters' storage match."""
         m = self.model
@@ -593,7 +594,6 @@ class FastGenerator:
                 self._sessions[key] = sess   # most recently used last
                 self._load(sess, cache, T)
                 return sess
-        sliding = _layer_windows(m)
         StaticMixerLayer = _mixer_layer_class()
         pos_slot = torch.zeros(1, device=device, dtype=torch.long)
         layers = []
@@ -608,7 +608,7 @@ class FastGenerator:
                 layers.append(StaticKV(keys, values, pos_slot))
         impl = getattr(tc, "_attn_implementation", None) or "eager"
         # HF's sdpa takes a bool mask, its eager attention an additive float mask
-        sess = _Session(m, StaticCache(layers), B, L, device, None if impl == "sdpa" else dtype, sliding)
+        sess = _Session(m, StaticCache(layers), B, L, device, None if impl == "sdpa" else dtype, windows)
         sess.slot = pos_slot   # the KV layers and the mask share the slot counter
         sess.sampling = sampling
         sess.attn_fn = attn_fn
@@ -663,7 +663,7 @@ class FastGenerator:
         exact = self.config.exact_lengths and not use_graphs
         attn_fn = self._attention(device, exact, attention_mask)
         _refresh_decode_weights(m)
-        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, attn_fn)
+        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn)
         del cache
         sampling = sess.sampling
         sess.out.fill_(sampling.pad)

@@ -28,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from hybridize.distill.loop import zero3_gathered
+from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
 from hybridize.errors import UserError
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
 from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
@@ -272,7 +272,6 @@ def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_
         kw["loss_type"] = g.loss_type
     kw.update(g.extra or {})
     if kw.get("deepspeed"):   # grpo.extra={deepspeed: recipes/accelerate/ds_zero2.json}
-        from hybridize.distill.loop import check_deepspeed_file
         check_deepspeed_file(str(kw["deepspeed"]), "grpo.extra.deepspeed")
     try:
         return GRPOConfig(**kw)
