@@ -16,7 +16,10 @@
 #   profile_compile  the same with FastGenConfig.compile=on
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
-#             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m)
+#             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m; GEMMS, FastGenConfig.gemm
+#             settings, default auto)
+#   gemm      decode_gemm.py: F.linear vs the Triton decode GEMM per weight shape, 8 rows (autotunes first)
+#   sse_profile  profile_sse.py: SSE varlen n4k1 and chunk_gla, device vs wall time and top kernels, 4k/16k
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -52,7 +55,10 @@ for s in "${STEPS_[@]}"; do
         tests/kernels/test_gpu_sse_decode.py tests/kernels/test_ccq_triton.py tests/rl/test_attn_decode.py \
         tests/rl/test_fast_generate.py tests/eval/test_generate.py tests/kernels/test_erase.py -k "cuda or gpu" -rfE \
         2>&1 | tail -40 \
-        | tee "$OUT/tests.log" ;;
+        | tee "$OUT/tests.log"
+      # every case of the decode GEMM runs on the GPU when there is one (autotuning included)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_linear.py -rfE 2>&1 | tail -15 \
+        | tee -a "$OUT/tests.log" ;;
     speed)
       random_teacher
       timeout 150 python3 -u benchmarks/eval_default.py --teacher /root/rand-smollm2 --model converted=convert \
@@ -75,14 +81,18 @@ for s in "${STEPS_[@]}"; do
     profile|profile_compile)
       c=off; [ "$s" = profile_compile ] && c=on
       timeout 200 python3 benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
-        --compile $c --json "$OUT/$s.json" 2>&1 | tail -70 | tee "$OUT/$s.log" ;;
+        --compile $c --gemm ${GEMM:-auto} --json "$OUT/$s.json" 2>&1 | tail -70 | tee "$OUT/$s.log" ;;
     fp32)
       timeout 200 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
         --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;
     compile)
       timeout 420 python3 benchmarks/rollouts.py --no-grpo --shapes ${SHAPES:-qwen3-1.7b,smollm2-135m} --prompt-lens 16384 \
-        --batch 8 --new-tokens 48 --attention triton --compile ${COMPILE_MODES:-off,on} --budget 400 \
+        --batch 8 --new-tokens 48 --attention triton --compile ${COMPILE_MODES:-off,on} --gemm ${GEMMS:-auto} --budget 400 \
         --out "$OUT/rollouts_compile.json" 2>&1 | tail -16 ;;
+    gemm)
+      timeout 200 python3 benchmarks/decode_gemm.py --rows 8 --out "$OUT/decode_gemm.json" 2>&1 | tail -16 ;;
+    sse_profile)
+      timeout 200 python3 benchmarks/profile_sse.py --T 4096,16384 --out "$OUT/profile_sse.json" 2>&1 | tail -120 ;;
     scale)
       random_teacher
       for mp in bf16 no; do

@@ -358,11 +358,11 @@ def batch(model, B: int, T: int, device):
 
 
 def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False,
-                compile_: str = "off"):
+                compile_: str = "off", gemm: str = "auto"):
     """(profile, profiled steps, generator stats) for `steps` decode steps after a warm-up call."""
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
 
-    cfg = FastGenConfig(fallback=False, attention=attention, compile=compile_,
+    cfg = FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm,
                         **({} if graphs else {"cuda_graphs": "off", "exact_lengths": False}))
     gen = FastGenerator(model, cfg)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -407,7 +407,7 @@ def profile_model(model, args, device) -> dict:
     out: dict = {"layers": dict(kinds)}
     emulate = not cuda and args.decode_kernel == "emulate"
     prof, steps, stats = run_profile(model, ids, mask, args.steps, False, args.attention, device, emulate,
-                                     args.compile)
+                                     args.compile, args.gemm)
     ev = prof.events()
     items = work_items(ev, cuda)
     unit = "device kernels" if cuda else "outermost aten ops that do work (CPU proxy for kernels)" + (
@@ -422,7 +422,7 @@ def profile_model(model, args, device) -> dict:
         out["eager"]["all_device_events_per_step"] = len(device_items(ev)) / steps
     if cuda and args.graphs:
         prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device,
-                                         compile_=args.compile)
+                                         compile_=args.compile, gemm=args.gemm)
         dev = device_items(prof.events())
         out["graphs"] = {"steps": steps, "graphs": stats["graphs"], "attention": stats["attention"],
                          "kernels_per_step": len(dev) / steps,
@@ -471,6 +471,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto", help="FastGenConfig.attention: auto | triton | sdpa")
     ap.add_argument("--compile", default="off", choices=["off", "on"],
                     help="FastGenConfig.compile (the graph replay then runs the compiled step's kernels)")
+    ap.add_argument("--gemm", default="auto", choices=["auto", "torch"],
+                    help="FastGenConfig.gemm: the Triton decode GEMM (auto, on CUDA) or F.linear (torch)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")
     ap.add_argument("--decode-kernel", default="emulate", choices=["emulate", "torch"],

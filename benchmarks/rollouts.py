@@ -117,7 +117,8 @@ class StepClock:
 
 
 def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
-                attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",)) -> list[dict]:
+                attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",),
+                gemms: tuple[str, ...] = ("auto",)) -> list[dict]:
     from transformers import LogitsProcessorList
 
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
@@ -150,13 +151,13 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "same": "ref"})
     else:
         ref = None
-    # fast path, once per (decode attention, compile) setting
-    for attention, compile_ in [(a, c) for a in attentions for c in compiles]:
+    # fast path, once per (decode attention, compile, decode GEMM) setting
+    for attention, compile_, gemm in [(a, c, g) for a in attentions for c in compiles for g in gemms]:
         if budget.left() <= 0:
             break
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention, compile=compile_))
+        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm))
         t_warm = time.perf_counter()
         gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)  # warm-up + graph capture, same bucket
         t_warm = time.perf_counter() - t_warm
@@ -172,7 +173,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "rollout_tok_s": B * n / tot,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "same": same, "attention": f"{attention} ({st['attention']})", "compile": compile_,
-                     "warmup_s": t_warm})
+                     "gemm": gemm, "warmup_s": t_warm})
         del gen
         gc.collect()
         if device.type == "cuda":
@@ -194,7 +195,8 @@ def part_speed(args, device, dtype, budget: Budget) -> list[dict]:
                     continue
                 try:
                     rows = bench_model(model, name, T, args.batch, args.new_tokens, device, budget,
-                                       tuple(args.attention.split(",")), tuple(args.compile.split(",")))
+                                       tuple(args.attention.split(",")), tuple(args.compile.split(",")),
+                                       tuple(args.gemm.split(",")))
                 except torch.cuda.OutOfMemoryError as e:
                     rows = [{"model": name, "path": "OOM", "error": str(e)[:120]}]
                 for r in rows:
@@ -297,6 +299,8 @@ def main(argv=None):
                          "times both and adds an attention column)")
     ap.add_argument("--compile", default="off",
                     help="fast path FastGenConfig.compile setting(s), comma-separated: off | on (off,on times both)")
+    ap.add_argument("--gemm", default="auto",
+                    help="fast path FastGenConfig.gemm setting(s), comma-separated: auto | torch (torch,auto times both)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--model", default="default", help="GRPO part: teacher source ('default' = SmolLM2-135M GGUF)")
@@ -340,12 +344,13 @@ def main(argv=None):
     print(header + "\n")
     if results.get("speed"):
         extra = (["attention"] if args.attention != "auto" else []) + (["compile", "warmup_s"]
-                                                                       if args.compile != "off" else [])
+                                                                       if args.compile != "off" else []) + (
+            ["gemm"] if args.gemm != "auto" else [])
         print(table(results["speed"], ["shape", "prompt_len", "model", "path"] + extra + [
             "prefill_s", "decode_ms", "decode_tok_s", "rollout_tok_s", "peak_gib", "same"]))
         by = {}
         for r in results["speed"]:
-            setting = " ".join(f"{k}={r[k]}" for k in ("attention", "compile") if k in extra and k in r) or None
+            setting = " ".join(f"{k}={r[k]}" for k in ("attention", "compile", "gemm") if k in extra and k in r) or None
             key = (r["model"].split()[0], r["path"].split()[0], setting)
             by.setdefault((r["shape"], r["prompt_len"]), {})[key] = r
         lines = []

@@ -120,7 +120,10 @@ def route(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None = None) -
     if not 1 <= top_k <= n:
         raise ValueError(f"top_k must be in [1, num_partitions={n}], got {top_k}")
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    top, index = probs.topk(top_k, dim=-1)
+    if top_k == 1:   # a max reduction: torch.topk's CUDA kernel costs ~4.5 us per decode step and layer
+        top, index = probs.max(dim=-1, keepdim=True)
+    else:
+        top, index = probs.topk(top_k, dim=-1)
     if valid is None:   # `selected` is built only if a layout asks for it (decode steps do not)
         return Routing(probs, index, None, top)
     selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, True) & valid.bool().unsqueeze(-1)

@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybridize.kernels.decode_linear import decode_linear
 from hybridize.kernels.sse import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
@@ -473,14 +474,14 @@ class SSE(Mixer):
         H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim
         n = (H + Hk) * D
         W1, b1, W2, b2, wn = self._fused_weights()
-        y = F.linear(x, W1, b1)                                                # [B, T, n1]
+        y = decode_linear(x, W1, b1)                                              # [B, T, n1]
         widths = [n, Hk * D] + ([H * D] if c.output_gate else []) + [W2.shape[1], c.num_partitions] + [
             m.out_features for m in self.direct_gate_linears()]                # W2.shape[1]: low-rank inputs
         widths.append(y.shape[-1] - sum(widths))                               # alignment padding
         cols = iter(torch.split(y, widths, dim=-1))
         qk, v = next(cols), next(cols)
         gate = next(cols) if c.output_gate else None
-        u = F.linear(next(cols), W2, b2)                                       # [B, T, 2n + gate widths]
+        u = decode_linear(next(cols), W2, b2)                                     # [B, T, 2n + gate widths]
         logits = next(cols)
         direct = [next(cols) for _ in self.direct_gate_linears()]
         both = torch.empty(2, B, T, n, dtype=y.dtype, device=y.device)        # [shared, sparse] q|k

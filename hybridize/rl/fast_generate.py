@@ -48,6 +48,11 @@ attention under `auto`, as it exists to give HF's bits. The kernel needs a left-
 (padding, then real tokens); other masks keep HF's attention. On CPU, `attention=triton` runs the
 kernel's PyTorch reference (or the kernel itself under `TRITON_INTERPRET=1`), to test the wiring.
 
+Linear layers in the decode step (`FastGenConfig.gemm`): at 8 rows cuBLAS reads the weights at about half
+of HBM bandwidth, and the weights are most of a step's bytes; on CUDA every plain `nn.Linear` of the model
+(and SSE's fused decode projections) runs the weight-streaming Triton GEMM instead while `generate` runs
+(`hybridize.kernels.decode_linear`; prefill calls have more rows and keep F.linear).
+
 Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
 config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
 set). A prompt longer than the window leaves only the last `window - 1` keys in HF's sliding cache layers:
@@ -68,6 +73,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+from hybridize.kernels import decode_linear
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,10 @@ class FastGenConfig:
                 "Compiles on the first steps of each new session (2-13 s on an H100 with `on`), so it pays off "
                 "for long rollouts and GRPO runs; past torch._dynamo's recompile limit (8 by default) further "
                 "shapes run uncompiled"})
+    gemm: str = field(default="auto", metadata={
+        "help": "linear layers in decode steps: auto (the Triton weight-streaming GEMM for <= 16 rows on CUDA, "
+                "bf16/fp16; autotuned per shape on first use) | triton (also on CPU under TRITON_INTERPRET=1) | "
+                "torch (F.linear, cuBLAS)"})
     attention: str = field(default="auto", metadata={
         "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
                 "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
@@ -465,6 +476,7 @@ class FastGenerator:
         self.config = config or FastGenConfig()
         if self.config.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {' | '.join(COMPILE_MODES)}, got {self.config.compile!r}")
+        decode_linear.check_mode(self.config.gemm)
         self._sessions: dict = {}
         self.last_fallback_reason: str | None = None
         self.last_logits: list | None = None
@@ -553,7 +565,7 @@ class FastGenerator:
             return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
                                     generation_config=generation_config, **kwargs)
         self._gc, sampling, max_new = resolved
-        with torch.no_grad(), _no_checkpointing(m):
+        with torch.no_grad(), _no_checkpointing(m), decode_linear.linears_routed(m, self.config.gemm):
             return self._generate(input_ids, attention_mask, sampling, max_new)
 
     # -- prefill + decode -------------------------------------------------------------------------
@@ -705,7 +717,7 @@ class FastGenerator:
         sess.recorded = None
         self.stats = {"prefill_s": t_prefill, "decode_s": total - t_prefill, "new_tokens": out.shape[1],
                       "steps": n_done, "graphs": sess.graph is not None, "batch": B, "prompt_len": T,
-                      "attention": getattr(sess.attn_fn, "__name__", "model")}
+                      "attention": getattr(sess.attn_fn, "__name__", "model"), "gemm": self.config.gemm}
         return torch.cat([input_ids, out.clone()], dim=1)
 
     @staticmethod

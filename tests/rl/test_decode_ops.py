@@ -158,7 +158,7 @@ def test_decode_step_op_budget():
     torch.set_num_threads(1)
     args = SimpleNamespace(shape="qwen3-tiny", layers=6, plan="5:1", mixer="sse", batch=2, prompt_len=16,
                            steps=3, attention="auto", top=5, graphs=False, decode_kernel="emulate",
-                           compile="off")
+                           compile="off", gemm="auto")
     model = pd.build(args, torch.device("cpu"), torch.float32)
     res = pd.profile_model(model, args, torch.device("cpu"))
     rows = {r["layer_type"]: r for r in res["eager"]["by_layer_type"]}

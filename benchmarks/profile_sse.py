@@ -1,0 +1,88 @@
+"""Where the SSE layer op's time goes on the GPU: device kernels vs wall time, against chunk_gla alone.
+
+    python benchmarks/profile_sse.py --T 4096,16384 --out profile_sse.json
+
+For each T: `kernels.sse.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
+as `benchmarks/kernels.py --sections sse`) and fla's chunk_gla on T tokens, forward and forward+backward,
+bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
+kernel count, and the top kernels by time. A wall time far above the device time means the host (Python,
+launches, syncs) is the bound; device time above ~2x chunk_gla's means kernels to fuse.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def profile(fn, reps: int = 5, top: int = 12) -> dict:
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps
+    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    syncs = 0
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            per[e.name][0] += 1
+            per[e.name][1] += e.device_time_total
+        elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
+                        "aten::_local_scalar_dense"):
+            syncs += e.name in ("aten::item", "aten::_local_scalar_dense")
+    dev = sum(t for _, t in per.values()) / reps / 1e3
+    n = sum(c for c, _ in per.values()) / reps
+    tops = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"wall_ms": 1e3 * wall, "device_ms": dev, "kernels": n, "item_calls": syncs / reps,
+            "top": [{"kernel": k[:90], "per_call": c / reps, "ms": t / reps / 1e3} for k, (c, t) in tops]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", default="4096,16384")
+    ap.add_argument("--n", type=int, default=4, help="partitions")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
+    import kernels as bk   # benchmarks/kernels.py: the same inputs as its sse and gla sections
+
+    from hybridize.kernels import fla_adapter
+    assert fla_adapter.activate()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    for T in [int(t) for t in args.T.split(",")]:
+        call, inputs, leaves = bk.sse_setup(T, args.n, "varlen")
+        f, fb, _ = bk.fwd_bwd(call, inputs)
+        gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
+        for name, fn in ((f"sse_varlen_n{args.n}k1 fwd", f), (f"sse_varlen_n{args.n}k1 fwd+bwd", fb),
+                         ("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb)):
+            r = {"case": name, "T": T, **profile(fn)}
+            res["cases"].append(r)
+            print(f"\n### {name}, T={T}: wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
+                  f"{r['kernels']:.0f} kernels, {r['item_calls']:.0f} .item() per call")
+            for t in r["top"]:
+                print(f"  {t['ms']:8.3f} ms  x{t['per_call']:4.0f}  {t['kernel']}")
+            sys.stdout.flush()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Linear layers of a decode step through the weight-streaming GEMM (`kernels/triton/decode_linear.py`).
+
+`decode_linear(x, weight, bias, mode)` runs the Triton kernel when it applies (CUDA, or the Triton
+interpreter with mode "triton"; 16-bit x and weight of one dtype; at most 16 rows; row-major weight)
+and `F.linear` otherwise, so callers never check. `linears_routed(model, mode)` routes every plain
+`nn.Linear` of a model through it for the duration of a block (the fast rollout loop's decode steps),
+restoring the modules after: HF's own layers (MLP, attention, lm_head) and PEFT's base/adapter
+linears included, without touching their classes or checkpoints. Prefill and training calls have
+more rows and go to `F.linear` unchanged.
+
+Modes: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1, for tests),
+"torch" (always F.linear). Code that calls `decode_linear` without a mode (SSE's fused decode
+projections) gets the mode of the enclosing `linears_routed` block, and "torch" outside one, so plain
+`model.generate` is unchanged.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("auto", "triton", "torch")
+MAX_ROWS = 16
+_KERNEL = None
+_ACTIVE = "torch"   # the mode of the enclosing linears_routed block
+
+
+def _kernel():
+    """The custom op, or None when triton is missing."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from hybridize.kernels.triton import decode_linear as mod
+        except ImportError:
+            mod = None
+        _KERNEL = torch.ops.hybridize.decode_linear if mod is not None and mod.triton is not None else False
+    return _KERNEL or None
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"decode GEMM mode must be one of {' | '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto") -> bool:
+    """Whether `decode_linear` runs the kernel for these tensors (shape / dtype / device checks only)."""
+    if mode == "torch":
+        return False
+    if not (x.is_cuda or (mode == "triton" and os.environ.get("TRITON_INTERPRET") == "1")):
+        return False
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and _kernel() is not None)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  mode: str | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the decode GEMM kernel when it applies (`mode` None: the
+    enclosing `linears_routed` block's)."""
+    mode = _ACTIVE if mode is None else mode
+    if applies(x, weight, mode) and (bias is None or bias.dtype == x.dtype):
+        return _kernel()(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _routed_forward(module: nn.Linear, mode: str):
+    """The module's routed forward, made once per (module, mode) and kept on it: the same function object
+    at every call, so a compiled decode step that traced it is not recompiled."""
+    cache = module.__dict__.setdefault("_decode_linear_forwards", {})
+    if mode not in cache:
+        def forward(x):
+            return decode_linear(x, module.weight, module.bias, mode)
+        cache[mode] = forward
+    return cache[mode]
+
+
+@contextmanager
+def linears_routed(model: nn.Module, mode: str = "auto"):
+    """Within the block every plain `nn.Linear` of `model` (exact type, no forward override of its own:
+    accelerate's offload hooks, for one, keep theirs) calls `decode_linear`; restored after. Mode "torch"
+    changes nothing."""
+    global _ACTIVE
+    check_mode(mode)
+    patched = []
+    if mode != "torch":
+        _kernel()   # import (and register the op) now, not while torch.compile traces a step
+        for mod in model.modules():
+            if type(mod) is nn.Linear and "forward" not in mod.__dict__:
+                mod.forward = _routed_forward(mod, mode)
+                patched.append(mod)
+    before, _ACTIVE = _ACTIVE, mode
+    try:
+        yield len(patched)
+    finally:
+        _ACTIVE = before
+        for mod in patched:
+            mod.__dict__.pop("forward", None)

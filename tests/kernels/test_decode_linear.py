@@ -1,0 +1,204 @@
+"""The decode-step GEMM (`kernels/triton/decode_linear.py`) and its dispatcher (`kernels/decode_linear.py`).
+
+Reference: `F.linear` in fp32 on the same 16-bit values, rounded once to the output dtype. The kernel
+runs under TRITON_INTERPRET=1 on CPU (its bf16 dot is done in fp32 there: the interpreter's own bf16 dot is
+wrong) and on CUDA in bf16/fp16 tensor-core dots. The dispatcher tests need neither: they check when the
+kernel applies, that everything else is F.linear bit for bit, and that `linears_routed` patches exactly
+the plain linears of a model and restores them. A fast-generation test checks the wiring end to end.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridize.kernels import decode_linear as dl
+
+TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+CUDA = TRITON and torch.cuda.is_available()
+needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs CUDA or TRITON_INTERPRET=1 with triton")
+DEVICE = "cuda" if CUDA else "cpu"
+
+# (rows, N, K): odd N (a partial last column block), K below / not a multiple of / a multiple of the K tile
+SHAPES = [(1, 33, 17), (3, 70, 200), (8, 50, 40), (16, 64, 96), (8, 130, 256)]
+
+
+def _reference(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,N,K", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias):
+    from hybridize.kernels.triton.decode_linear import decode_linear_triton
+
+    torch.manual_seed(rows * 1000 + N + K)
+    x = torch.randn(rows, K, device=DEVICE).to(dtype)
+    w = torch.randn(N, K, device=DEVICE).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype) if bias else None
+    y = decode_linear_triton(x, w, b)
+    ref = _reference(x, w, b)
+    assert y.shape == (rows, N) and y.dtype == dtype
+    # fp32 accumulation in another order, then one rounding to the output dtype: within 1 ulp of |ref|
+    ulp = torch.finfo(dtype).eps
+    assert torch.allclose(y.float(), ref, rtol=2 * ulp, atol=2 * ulp * ref.abs().max().item())
+
+
+@needs_kernel
+def test_kernel_strided_rows_and_leading_dims():
+    """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
+    from hybridize.kernels.triton.decode_linear import decode_linear_triton
+
+    torch.manual_seed(0)
+    wide = torch.randn(5, 1, 90, device=DEVICE).bfloat16()
+    x = wide[..., 10:74]                                # row stride 90, K = 64
+    w = torch.randn(24, 64, device=DEVICE).bfloat16()
+    y = decode_linear_triton(x, w)
+    assert y.shape == (5, 1, 24)
+    ref = _reference(x, w, None)
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.skipif(not CUDA, reason="autotuning runs on CUDA only")
+def test_autotuned_path_and_custom_op_on_cuda():
+    """The autotuned launch (every config compiles and runs) through the registered op, under a CUDA graph."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 1, 2048, device="cuda").bfloat16()
+    w = torch.randn(6144, 2048, device="cuda").bfloat16()
+    ref = _reference(x, w, None)
+    y = dl.decode_linear(x, w, None, "auto")
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        z = dl.decode_linear(x, w, None, "auto")
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = _reference(x, w, None)
+    torch.testing.assert_close(z.float(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_check_args_one_line_errors():
+    from hybridize.kernels.triton.decode_linear import check_args
+
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        check_args(torch.zeros(17, 8, dtype=torch.bfloat16), w, None)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        check_args(torch.zeros(2, 8), w.float(), None)
+    with pytest.raises(ValueError, match="do not fit"):
+        check_args(torch.zeros(2, 7, dtype=torch.bfloat16), w, None)
+    with pytest.raises(ValueError, match="row-major"):
+        check_args(torch.zeros(2, 4, dtype=torch.bfloat16), w.t(), None)
+    with pytest.raises(ValueError, match="bias"):
+        check_args(torch.zeros(2, 8, dtype=torch.bfloat16), w, torch.zeros(5, dtype=torch.bfloat16))
+
+
+def test_applies_only_where_the_kernel_can_run():
+    x = torch.zeros(8, 1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not dl.applies(x, w, "auto")            # CPU under auto: never
+    assert not dl.applies(x, w, "torch")
+    assert not dl.applies(x.float(), w.float(), "triton")                      # fp32: tf32 dots, not F.linear
+    assert not dl.applies(torch.zeros(17, 64, dtype=torch.bfloat16), w, "triton")   # too many rows
+    assert not dl.applies(x, torch.zeros(64, 32, dtype=torch.bfloat16).t(), "triton")  # column-major weight
+    assert dl.applies(x, w, "triton") == INTERPRET
+    with pytest.raises(ValueError, match="auto | triton | torch"):
+        dl.check_mode("cublas")
+
+
+def test_fallback_is_f_linear_bit_for_bit():
+    torch.manual_seed(0)
+    for x, w, b in [(torch.randn(3, 40), torch.randn(50, 40), torch.randn(50)),             # fp32
+                    (torch.randn(20, 40).bfloat16(), torch.randn(50, 40).bfloat16(), None)]:  # 20 rows
+        assert torch.equal(dl.decode_linear(x, w, b, "triton"), F.linear(x, w, b))
+        assert torch.equal(dl.decode_linear(x, w, b), F.linear(x, w, b))   # no block: mode "torch"
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4, bias=False)
+        self.hooked = nn.Linear(4, 4)
+        self.hooked.forward = lambda x: x * 2          # someone else's forward override: left alone
+        self.emb = nn.Embedding(5, 8)
+
+    def forward(self, x):
+        return self.hooked(self.b(torch.relu(self.a(x))))
+
+
+def test_linears_routed_patches_plain_linears_and_restores(monkeypatch):
+    net = _Net()
+    calls = []
+    real = dl.decode_linear
+
+    def counting(x, w, b=None, mode=None):
+        calls.append((tuple(w.shape), mode))
+        return real(x, w, b, mode)
+
+    monkeypatch.setattr(dl, "decode_linear", counting)
+    x = torch.randn(2, 8)
+    before = net(x)
+    with dl.linears_routed(net, "triton") as n:
+        assert n == 2
+        assert dl._ACTIVE == "triton"
+        forwards = (net.a.forward, net.b.forward)
+        inside = net(x)
+    assert calls == [((16, 8), "triton"), ((4, 16), "triton")]
+    assert torch.equal(inside, before)                     # fp32 on CPU: F.linear itself
+    assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
+    assert "forward" in net.hooked.__dict__ and dl._ACTIVE == "torch"
+    with dl.linears_routed(net, "triton"):                 # the same function objects: no recompiles
+        assert (net.a.forward, net.b.forward) == forwards
+    with pytest.raises(RuntimeError):                      # restored when the block raises
+        with dl.linears_routed(net, "auto"):
+            raise RuntimeError("boom")
+    assert "forward" not in net.a.__dict__ and dl._ACTIVE == "torch"
+    with dl.linears_routed(net, "torch") as n:
+        assert n == 0 and "forward" not in net.a.__dict__
+    with pytest.raises(ValueError, match="decode GEMM mode"):
+        with dl.linears_routed(net, "fast"):
+            pass
+
+
+@needs_kernel
+@pytest.mark.skipif(CUDA, reason="the CPU interpreter wiring check (CUDA runs the graph test in test_fast_generate)")
+def test_fast_generate_through_the_kernel(monkeypatch):
+    """A tiny bf16 SSE hybrid (fused decode projections included) decodes through the kernel: every decode
+    step's linears run it, and the logits stay within bf16 rounding of the F.linear run."""
+    from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+    from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
+
+    model, _ = tiny_hybrid(mixer="sse")
+    model = model.to(torch.bfloat16)
+    pad = byte_tokenizer().pad_token_id
+    ids, am = left_padded_batch()
+    kernel = dl._kernel()
+    shapes = []
+
+    def counting(x, w, b):
+        shapes.append(tuple(w.shape))
+        return kernel(x, w, b)
+
+    monkeypatch.setattr(dl, "_KERNEL", counting)
+    outs = {}
+    for mode in ("triton", "torch"):
+        gen = FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm=mode))
+        outs[mode] = (gen(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=4),
+                      gen.last_logits)
+        if mode == "triton":
+            n_triton = len(shapes)
+    assert n_triton > 0 and len(shapes) == n_triton           # used in the triton run only
+    assert (model.lm_head.weight.shape[0], model.config.hidden_size) in shapes
+    assert any(s[0] % 8 == 0 and s[0] > 4 * model.config.hidden_size for s in shapes)   # SSE's fused stage 1
+    for a, b in zip(outs["triton"][1], outs["torch"][1]):
+        assert torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
