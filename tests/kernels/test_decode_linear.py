@@ -32,18 +32,24 @@ def _reference(x, w, b):
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+# None: the config picked for the shape (on CUDA timed against cuBLAS); the others force split-K paths,
+# including slices that start past K (3 x 32 > 17) and a partial last slice
+CONFIGS = [None, dict(BN=16, BK=32, SPLIT=2), dict(BN=32, BK=16, SPLIT=3, num_warps=2)]
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias):
+@pytest.mark.parametrize("config", CONFIGS, ids=["picked", "split2", "split3"])
+def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
     from hybridize.kernels.triton.decode_linear import decode_linear_triton
 
     torch.manual_seed(rows * 1000 + N + K)
     x = torch.randn(rows, K, device=DEVICE).to(dtype)
     w = torch.randn(N, K, device=DEVICE).to(dtype)
     b = torch.randn(N, device=DEVICE).to(dtype) if bias else None
-    y = decode_linear_triton(x, w, b)
+    y = decode_linear_triton(x, w, b, config=config)
     ref = _reference(x, w, b)
     assert y.shape == (rows, N) and y.dtype == dtype
     # fp32 accumulation in another order, then one rounding to the output dtype: within 1 ulp of |ref|
@@ -67,9 +73,60 @@ def test_kernel_strided_rows_and_leading_dims():
 
 
 @needs_kernel
-@pytest.mark.skipif(not CUDA, reason="autotuning runs on CUDA only")
-def test_autotuned_path_and_custom_op_on_cuda():
-    """The autotuned launch (every config compiles and runs) through the registered op, under a CUDA graph."""
+def test_choice_is_the_fastest_timed_candidate(monkeypatch):
+    """The per-shape choice: every candidate is timed once on the real tensors, the fastest kept (cuBLAS when
+    it wins), a config that fails is skipped, the choice is reused, and nothing is timed during a capture."""
+    import triton.testing
+
+    from hybridize.kernels.triton import decode_linear as kern
+
+    x = torch.randn(4, 64, device=DEVICE).bfloat16()
+    w = torch.randn(48, 64, device=DEVICE).bfloat16()
+    ref = _reference(x, w, None)
+    timed = []
+
+    def fake_bench(fn, **kw):
+        fn()                       # every candidate runs once on the real tensors
+        timed.append(kw)
+        n = len(timed)
+        if n == 3:
+            raise RuntimeError("out of shared memory")
+        return {1: 5.0, 6: 1.0}.get(n, 3.0)      # cuBLAS is timed first (5.0); candidate 5 is fastest
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(kern, "_CHOICE", {})
+    monkeypatch.setattr(kern, "_TIMINGS", {})
+    key = (48, 64, 4, torch.bfloat16, False)
+    best = kern._choose(x, w, None, key)
+    assert best == kern.CONFIGS[4] and kern._CHOICE[key] == best
+    assert len(timed) == 1 + len(kern.CONFIGS)
+    shown = kern.choices()["48x64 m=4 bfloat16"]
+    assert shown["choice"] == kern._name(best) and len(shown["us"]) == len(kern.CONFIGS)   # one failed
+    # cuBLAS (timed first) wins when it is fastest
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 0.5 if not calls.append(fn) and len(calls) == 1
+                        else 2.0)
+    assert kern._choose(x, w, None, ("other",)) == "cublas"
+    # the kept config computes the product
+    out = torch.empty(4, 48, dtype=torch.bfloat16, device=DEVICE)
+    kern._launch(x, w, None, out, best)
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    # the kept choice is reused without timing again; during a capture an untimed shape gets cuBLAS, untimed
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    assert kern._picked(x, w, None) == best
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x5 = torch.randn(5, 64, device=DEVICE).bfloat16()
+    assert kern._picked(x5, w, None) == "cublas"
+    assert (48, 64, 5, torch.bfloat16, False) not in kern._CHOICE
+
+
+@needs_kernel
+@pytest.mark.skipif(not CUDA, reason="timing runs on CUDA only")
+def test_timed_choice_and_custom_op_on_cuda():
+    """The timed choice on a real shape (every config compiles and runs), through the registered op, then
+    replayed from a CUDA graph with new inputs."""
+    from hybridize.kernels.triton import decode_linear as kern
+
     torch.manual_seed(0)
     x = torch.randn(8, 1, 2048, device="cuda").bfloat16()
     w = torch.randn(6144, 2048, device="cuda").bfloat16()
@@ -84,6 +141,8 @@ def test_autotuned_path_and_custom_op_on_cuda():
     torch.cuda.synchronize()
     ref = _reference(x, w, None)
     torch.testing.assert_close(z.float(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+    shown = kern.choices()["6144x2048 m=8 bfloat16"]
+    assert len(shown["us"]) > len(kern.CONFIGS) // 2 and "cublas" in shown["us"]
 
 
 def test_check_args_one_line_errors():

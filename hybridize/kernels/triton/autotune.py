@@ -6,8 +6,6 @@ on an H100. `limit_autotune(top)` keeps only the `top` configs closest to num_wa
 (stable order otherwise) after the kernel's own pruning, so a new key costs a few compilations.
 With top >= 2 a config that fails to compile is still survived (Triton times it as inf).
 The price is a possibly slower config than full tuning; `benchmarks/RESULTS.md` says which was used.
-Our own kernels whose config grid is already small and whose speed is the point (`FULL_TUNE`: the
-decode GEMM) keep their whole grid.
 Winning configs are cached on disk by Triton (`cache_results`, fla's default), so later processes
 reuse them. `HYBRIDIZE_AUTOTUNE_TOP=<n>` applies this when the adapter activates; 0 disables.
 """
@@ -17,9 +15,6 @@ import math
 import os
 
 _ORIGINAL = None
-
-#: kernel function names the cap leaves alone
-FULL_TUNE = {"_decode_linear_kernel"}
 
 
 def _rank(cfg) -> tuple:
@@ -40,7 +35,7 @@ def limit_autotune(top: int) -> None:
 
     def prune_configs(self, kwargs):
         configs = original(self, kwargs)
-        if len(configs) <= top or getattr(self.base_fn, "__name__", "") in FULL_TUNE:
+        if len(configs) <= top:
             return configs
         return sorted(configs, key=_rank)[:top]
 

@@ -1,20 +1,26 @@
-"""`x @ W^T (+ b)` for a decode step's few rows (M <= 16): a weight-streaming GEMM, bf16/fp16.
+"""`x @ W^T (+ b)` for a decode step's few rows (M <= 16): a weight-streaming GEMM, bf16/fp16, and the
+per-shape choice between it and cuBLAS.
 
 Why: a decode step of the fast rollout loop multiplies 8 rows by every weight matrix of the model, so
 it is bound by reading the weights once. cuBLAS picks tile shapes made for large M there: in the
-compiled Qwen3-1.7B-shaped 5:1 hybrid step (B=8, H100) its GEMMs took 2.06 ms for ~3.4 GB of weights,
-about half of HBM bandwidth, with split-K and a separate reduce kernel on the tall-K matrices.
-Here each program owns `BN` output columns (weight rows), streams its `[BN, K]` weight panel through
-`BK`-wide tiles, and multiplies them with the whole `[M, BK]` input tile (padded to 16 rows, the
-smallest tensor-core operand), so the weight is read exactly once and nothing else is. No split-K:
-`BN` as small as 16 gives every SM its own panel already for N >= 2048.
+compiled Qwen3-1.7B-shaped 5:1 hybrid step (B=8, H100) its GEMMs took 2.06 ms for ~3.9 GB of weights,
+about 55% of HBM bandwidth, with split-K and a separate reduce kernel on the tall-K matrices.
+Here each program owns `BN` output columns (weight rows) and one of `SPLIT` slices of K, streams its
+weight panel through `BK`-wide tiles and multiplies them with the `[M, BK]` input tile (padded to 16
+rows, the smallest tensor-core operand), so the weight is read exactly once. With `SPLIT` > 1 the
+slices write fp32 partial sums and a second small kernel adds them (+ bias) into the output.
 
-fp32 accumulation (as cuBLAS), output and bias in x's dtype. Configs are autotuned per (N, K) on the
-first call (seconds; Triton caches the winner on disk); `benchmarks/decode_gemm.py` compares it with
-`F.linear` per shape. Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
+Which is faster depends on the shape and the GPU, so `decode_linear_triton` does not guess: on the
+first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `CONFIGS` with a cold L2
+(`triton.testing.do_bench` flushes it, as a decode step meets its weights) and keeps the fastest,
+cuBLAS included (`choices()` shows what was picked and the timings). That costs a few seconds per shape
+once per process, in the eager warm-up steps before a CUDA graph is captured; while a graph is being
+captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and bias in x's dtype.
+Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
-    decode_linear(x, weight, bias=None) -> `[..., N]`
-        x `[..., K]` with at most 16 rows in all, weight `[N, K]` (row-major), bias `[N]` or None
+    decode_linear_triton(x, weight, bias=None, config=None) -> `[..., N]`
+        x `[..., K]` with at most 16 rows in all, weight `[N, K]` (row-major), bias `[N]` or None;
+        config {BN, BK, SPLIT, num_warps, num_stages} runs that config (benchmarks, tests), "cublas" F.linear
 
 Registered as the custom op `hybridize::decode_linear`, so `torch.compile` keeps it as one opaque call
 (no graph break) and CUDA graphs capture the launch. The caller (`hybridize.kernels.decode_linear`)
@@ -25,6 +31,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -35,40 +42,43 @@ except ImportError:  # CPU installs: F.linear is used
 #: rows one call may have (the MMA operand height the kernel pads to)
 MAX_ROWS = 16
 
+#: candidate configs (BN, BK, SPLIT, num_warps, num_stages): narrow BN and split-K give tall-K / narrow-N
+#: matrices enough programs; wide BN the wide ones (lm_head); deep pipelines keep HBM busy
+CONFIGS = [dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, sp, w, st in [
+    (16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (16, 512, 1, 2, 4), (32, 256, 1, 4, 4), (32, 128, 1, 4, 5),
+    (64, 128, 1, 4, 4), (64, 256, 1, 8, 3), (128, 128, 1, 8, 4), (128, 64, 1, 4, 5),
+    (16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (16, 256, 2, 2, 4), (32, 256, 2, 4, 4), (32, 256, 4, 4, 4),
+    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 8, 4, 4)]]
 
-def _configs():
-    # a small grid: (BN, BK, warps, stages); BN 16/32 for the narrow-N, tall-K matrices (enough programs
-    # without split-K), 64/128 for the wide ones (lm_head, MLP up), deep pipelines to keep HBM busy
-    out = []
-    for bn, bk, warps, stages in [(16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 4, 5), (32, 256, 4, 4),
-                                  (32, 512, 4, 3), (32, 256, 4, 6), (64, 128, 4, 4), (64, 256, 4, 4),
-                                  (64, 256, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 64, 4, 6)]:
-        out.append(triton.Config({"BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
-    return out
+_CHOICE: dict[tuple, dict | str] = {}      # (N, K, M, dtype, bias) -> config or "cublas"
+_TIMINGS: dict[tuple, dict[str, float]] = {}
 
 
 if triton is not None:
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              UPCAST: tl.constexpr = False):
+                              SPLIT: tl.constexpr, UPCAST: tl.constexpr):
         # UPCAST: fp32 dots, for the interpreter, whose bf16 dot is wrong (numpy has no bf16).
-        # K is a compile-time constant: a static loop (the interpreter takes no tensor bounds in range())
-        # and no K mask when BK divides it
+        # K is a compile-time constant: static loop bounds (the interpreter takes no tensor bounds in
+        # range()) and no K mask when the slice is a multiple of BK.
+        # SPLIT > 1: out is the fp32 partial buffer [SPLIT, M, N]; slice s writes out[s]
+        KS: tl.constexpr = ((K + SPLIT * BK - 1) // (SPLIT * BK)) * BK      # K per slice, whole tiles
+        i_s = tl.program_id(1)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         offs_m = tl.arange(0, BM)
-        offs_k = tl.arange(0, BK)
+        offs_k = i_s * KS + tl.arange(0, BK)
         m_n = offs_n < N
         m_m = offs_m < M
         p_w = w + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]     # [BN, BK]
         p_x = x + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]     # [BK, BM] (x^T tile)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            if K % BK == 0:
+        for k0 in range(0, KS, BK):
+            if K % (SPLIT * BK) == 0:
                 b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
                 b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
             else:
-                m_k = (k0 + offs_k) < K
+                m_k = (i_s * KS + k0 + tl.arange(0, BK)) < K
                 b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
                 b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
             if UPCAST:
@@ -77,32 +87,90 @@ if triton is not None:
                 acc = tl.dot(b_w, b_x, acc)
             p_w += BK
             p_x += BK
-        if HAS_BIAS:
-            acc += tl.load(b + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
-        p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(b + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
+            p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
+        else:
+            p_o = out + (i_s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+            tl.store(p_o, acc, mask=m_n[:, None] & m_m[None, :])
 
-    _decode_linear_tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"],
-                                           cache_results=True)(_decode_linear_kernel)
+    @triton.jit
+    def _split_sum_kernel(part, b, out, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        # out[m, n] = sum_s part[s, m, n] (+ b[n]), one program per BLOCK outputs of one row
+        m = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part + (s * M + m).to(tl.int64) * N + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + m.to(tl.int64) * stride_om + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: dict | None = None) -> None:
+            cfg: dict) -> None:
     M, K = x2.shape
     N = weight.shape[0]
-    args = (x2, weight, bias if bias is not None else weight, out, M, N, x2.stride(0), weight.stride(0),
-            out.stride(0), K)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if config is not None or interpret:
-        cfg = dict(config or {"BN": 16, "BK": 32})
-        warps = cfg.pop("num_warps", 4)
-        stages = cfg.pop("num_stages", 2)
-        grid = (triton.cdiv(N, cfg["BN"]),)
-        _decode_linear_kernel[grid](*args, HAS_BIAS=bias is not None, BM=MAX_ROWS, UPCAST=interpret,
-                                    num_warps=warps, num_stages=stages, **cfg)
-        return
-    grid = lambda meta: (triton.cdiv(N, meta["BN"]),)  # noqa: E731
-    _decode_linear_tuned[grid](*args, HAS_BIAS=bias is not None, BM=MAX_ROWS)
+    cfg = dict(cfg)
+    warps, stages, split = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2), cfg.pop("SPLIT", 1)
+    b = bias if bias is not None else weight
+    dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(N, cfg["BN"]), split)
+    _decode_linear_kernel[grid](x2, weight, b, dst, M, N, x2.stride(0), weight.stride(0), out.stride(0), K,
+                                HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret,
+                                num_warps=warps, num_stages=stages, **cfg)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(N, block), M)](dst, b, out, M, N, out.stride(0), HAS_BIAS=bias is not None,
+                                                      SPLIT=split, BLOCK=block)
+
+
+def _name(cfg) -> str:
+    if cfg == "cublas":
+        return "cublas"
+    return "BN{BN}_BK{BK}_S{SPLIT}_w{num_warps}_s{num_stages}".format(**cfg)
+
+
+def _choose(x2, weight, bias, key) -> dict | str:
+    """Time cuBLAS and every config on these tensors with a cold L2; remember and return the fastest."""
+    from triton.testing import do_bench
+
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
+    times = {"cublas": do_bench(lambda: F.linear(x2, weight, bias), warmup=5, rep=20, return_mode="median")}
+    best, best_t = "cublas", times["cublas"]
+    for cfg in CONFIGS:
+        try:
+            t = do_bench(lambda: _launch(x2, weight, bias, out, cfg), warmup=5, rep=20, return_mode="median")
+        except Exception:  # a config this GPU cannot run (shared memory): skip it
+            continue
+        times[_name(cfg)] = t
+        if t < best_t:
+            best, best_t = cfg, t
+    _CHOICE[key] = best
+    _TIMINGS[key] = times
+    return best
+
+
+def _picked(x2, weight, bias) -> dict | str:
+    """The kept choice for this shape, timed now if there is none; never timed inside a CUDA graph
+    capture (an untimed shape runs cuBLAS there, and is timed at its next call outside one)."""
+    key = (weight.shape[0], x2.shape[1], x2.shape[0], x2.dtype, bias is not None)
+    config = _CHOICE.get(key)
+    if config is None:
+        config = "cublas" if torch.cuda.is_current_stream_capturing() else _choose(x2, weight, bias, key)
+    return config
+
+
+def choices() -> dict[str, dict]:
+    """What was picked per shape so far: {"NxK m=rows dtype bias": {"choice": name, "us": {...}}}."""
+    return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}":
+            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()}}
+            for (n, k, m, dt, hb), c in _CHOICE.items()}
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -123,17 +191,22 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: dict | None = None) -> torch.Tensor:
-    """The kernel on x `[..., K]` (<= 16 rows): `[..., N]` in x's dtype. `config` fixes
-    {BN, BK, num_warps, num_stages} instead of autotuning (benchmarks and the interpreter)."""
+                         config: dict | str | None = None) -> torch.Tensor:
+    """x `[..., K]` (<= 16 rows) -> `[..., N]` in x's dtype, by the config picked for this shape (timed on
+    the first call, see the module docstring), or by `config` when given ("cublas": F.linear)."""
     check_args(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
+    M, N = x2.shape[0], weight.shape[0]
+    if config is None:   # CPU tensors (the interpreter): no timing, one small config
+        config = _picked(x2, weight, bias) if x.is_cuda else dict(BN=16, BK=32, SPLIT=1)
+    if config == "cublas":
+        return F.linear(x, weight, bias)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
         _launch(x2, weight, bias, out, config)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], N)
 
 
 if triton is not None:
