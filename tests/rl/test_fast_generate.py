@@ -116,6 +116,37 @@ def test_compiled_decode_step_same_tokens():
     assert counters["stats"]["unique_graphs"] > 0   # the step went through dynamo
 
 
+def test_compile_raises_dynamo_limits_for_the_call_only(monkeypatch):
+    """compile=on: dynamo's recompile limits are raised to 8 (32 accumulated) entries per decoder layer while the
+    generator runs (each layer's frames are compiled on their own on the GPU, where our kernels are graph breaks;
+    under the default limit of 8 the later layers silently ran uncompiled) and restored after; off: untouched."""
+    import torch._dynamo
+
+    from hybridize.rl import fast_generate as fg
+
+    cfg = torch._dynamo.config
+    model, _ = tiny_hybrid(mixer="sse", layers=12)
+    before = (cfg.cache_size_limit, cfg.accumulated_cache_size_limit)
+    with cfg.patch(cache_size_limit=8, accumulated_cache_size_limit=256):
+        with fg._compile_limits(model, True):
+            assert (cfg.cache_size_limit, cfg.accumulated_cache_size_limit) == (96, 384)
+        assert (cfg.cache_size_limit, cfg.accumulated_cache_size_limit) == (8, 256)
+        with fg._compile_limits(model, False):
+            assert cfg.cache_size_limit == 8
+        with cfg.patch(cache_size_limit=500):   # a user's higher limit is kept
+            with fg._compile_limits(model, True):
+                assert cfg.cache_size_limit == 500
+        seen = []
+        real = fg.FastGenerator._generate
+        monkeypatch.setattr(fg.FastGenerator, "_generate",
+                            lambda self, *a: seen.append(cfg.cache_size_limit) or real(self, *a))
+        ids, am = _batch()
+        FastGenerator(model, FastGenConfig(exact_lengths=False, compile="on"))(
+            input_ids=ids, attention_mask=am, pad_token_id=PAD, max_new_tokens=2)
+        assert seen == [96] and cfg.cache_size_limit == 8
+    assert (cfg.cache_size_limit, cfg.accumulated_cache_size_limit) == before
+
+
 def test_compiled_decode_step_through_lora():
     """compile=on with LoRA-wrapped projections (what GRPO with lora.enabled decodes through): same greedy
     tokens as the uncompiled step."""
