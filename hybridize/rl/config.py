@@ -94,6 +94,9 @@ class GRPORunConfig:
     compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): 25-35% faster decode "
                                     "steps on an H100 (benchmarks/RESULTS.md), a few seconds of compilation per "
                                     "new rollout shape")
+    decode_gemm: str = _f("auto", "linear layers in the fast path's decode steps: auto (per weight shape the faster "
+                                  "of cuBLAS and our Triton weight-streaming GEMM, timed on first use; CUDA, "
+                                  "16-bit) | torch (cuBLAS)")
     save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)")
     save_total_limit: int = _f(2, "checkpoints kept")
     logging_steps: int = _f(1, "metrics line every N optimizer steps")
@@ -108,7 +111,8 @@ class GRPORunConfig:
 def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | None = None) -> GRPORunConfig:
     """Defaults < recipe (a path or a name under recipes/, e.g. `smollm2-135m/grpo`) < overrides."""
     cfg = load_config(GRPORunConfig, recipe, overrides)
-    for name, allowed in (("cuda_graphs", ("auto", "on", "off")), ("compile_decode", ("off", "on"))):
+    for name, allowed in (("cuda_graphs", ("auto", "on", "off")), ("compile_decode", ("off", "on")),
+                          ("decode_gemm", ("auto", "torch"))):
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")
     return cfg

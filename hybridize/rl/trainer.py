@@ -367,7 +367,8 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
         peft_config=_lora_config(cfg) if cfg.lora.enabled else None,
         callbacks=[MetricsCallback(run_dir), *(callbacks or [])],
         fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs,
-                                                                   compile=cfg.compile_decode))
+                                                                   compile=cfg.compile_decode,
+                                                                   gemm=cfg.decode_gemm))
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     train_s = time.perf_counter() - t0

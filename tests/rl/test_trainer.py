@@ -93,3 +93,22 @@ def test_lora_run(setup):
 def test_resume_without_checkpoint_is_one_line_error(setup):
     with pytest.raises(UserError, match="no checkpoint-N"):
         run_grpo(_cfg(setup), resume=True)
+
+
+def test_fast_path_settings_reach_the_generator(setup, monkeypatch):
+    """cuda_graphs / compile_decode / decode_gemm from the run config are what the trainer's generator gets."""
+    import hybridize.rl.trainer as tr
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def record(**kw):
+        seen.append(kw)
+        raise Built
+
+    monkeypatch.setattr(tr, "FastGenConfig", record)
+    with pytest.raises(Built):
+        run_grpo(_cfg(setup, "decode_gemm=torch", "compile_decode=on", "cuda_graphs=off", "data.eval="))
+    assert seen == [dict(cuda_graphs="off", compile="on", gemm="torch")]
