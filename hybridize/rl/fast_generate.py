@@ -16,8 +16,8 @@ mixers, so this module is a gpt-fast-style loop for the model classes we have:
   length / parameter storage, kept for reuse across calls - the rollouts of a GRPO run share shapes);
 - optionally (`compile="on"`) run the step's model part through `torch.compile` first, inside the same graph:
   inductor fuses the norms, gates and casts (1,822 -> 658 kernels per step, 6.2 -> 4.4 ms at the Qwen3-1.7B
-  shape, 16k, batch 8 on an H100); our Triton launchers and fla's kernels stay opaque to it, and sampling
-  stays eager (inductor's RNG would not reproduce HF's draws).
+  shape, 16k, batch 8 on an H100; 3.8 ms with the decode GEMM below); our Triton launchers and fla's kernels
+  stay opaque to it, and sampling stays eager (inductor's RNG would not reproduce HF's draws).
 
 Same tokens as HF generate: sampling uses HF's own logits processors (temperature, top-k, top-p,
 min-p; anything else falls back to `model.generate`) and draws with `argmax(p / Exp(1))`, which is
@@ -50,8 +50,9 @@ kernel's PyTorch reference (or the kernel itself under `TRITON_INTERPRET=1`), to
 
 Linear layers in the decode step (`FastGenConfig.gemm`): at 8 rows cuBLAS reads the weights at about half
 of HBM bandwidth, and the weights are most of a step's bytes; on CUDA every plain `nn.Linear` of the model
-(and SSE's fused decode projections) runs the weight-streaming Triton GEMM instead while `generate` runs
-(`hybridize.kernels.decode_linear`; prefill calls have more rows and keep F.linear).
+(and SSE's fused decode projections) goes through `hybridize.kernels.decode_linear` while `generate` runs: per
+weight shape the faster of cuBLAS and a weight-streaming Triton GEMM, timed on first use (prefill calls have
+more rows and keep F.linear).
 
 Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
 config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
@@ -101,9 +102,9 @@ class FastGenConfig:
                 "breaks), so dynamo's recompile limits are raised to 8 entries per layer (32 in all) during the "
                 "call; shapes past that run uncompiled"})
     gemm: str = field(default="auto", metadata={
-        "help": "linear layers in decode steps: auto (the Triton weight-streaming GEMM for <= 16 rows on CUDA, "
-                "bf16/fp16; autotuned per shape on first use) | triton (also on CPU under TRITON_INTERPRET=1) | "
-                "torch (F.linear, cuBLAS)"})
+        "help": "linear layers in decode steps: auto (<= 16 rows of bf16/fp16 on CUDA: per weight shape the faster "
+                "of cuBLAS and the Triton weight-streaming GEMM, timed on first use) | triton (also on CPU under "
+                "TRITON_INTERPRET=1) | torch (F.linear, cuBLAS)"})
     attention: str = field(default="auto", metadata={
         "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
                 "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
