@@ -69,8 +69,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _routed_forward(module: nn.Linear, mode: str):
     """The module's routed forward, made once per (module, mode) and kept on it: the same function object
-    at every call, so a compiled decode step that traced it is not recompiled."""
-    cache = module.__dict__.setdefault("_decode_linear_forwards", {})
+    at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id:
+    a deep copy of the module (TRL's reference model) carries the dict but gets its own functions."""
+    owner, cache = module.__dict__.get("_decode_linear_forwards", (None, None))
+    if owner != id(module):
+        cache = {}
+        module.__dict__["_decode_linear_forwards"] = (id(module), cache)
     if mode not in cache:
         def forward(x):
             return decode_linear(x, module.weight, module.bias, mode)

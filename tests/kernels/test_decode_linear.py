@@ -222,6 +222,16 @@ def test_linears_routed_patches_plain_linears_and_restores(monkeypatch):
         with dl.linears_routed(net, "auto"):
             raise RuntimeError("boom")
     assert "forward" not in net.a.__dict__ and dl._ACTIVE == "torch"
+    # a deep copy (TRL's reference model) routes through its own weights, not the original's
+    import copy
+
+    twin = copy.deepcopy(net)
+    with torch.no_grad():
+        twin.a.weight.mul_(2)
+    with dl.linears_routed(twin, "triton"):
+        routed = twin.a(x)
+    assert torch.equal(routed, F.linear(x, twin.a.weight, twin.a.bias))
+    assert not torch.equal(routed, F.linear(x, net.a.weight, net.a.bias))
     with dl.linears_routed(net, "torch") as n:
         assert n == 0 and "forward" not in net.a.__dict__
     with pytest.raises(ValueError, match="decode GEMM mode"):
