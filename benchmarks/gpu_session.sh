@@ -13,7 +13,7 @@
 #   ccq       ccq_triton.py: fused CCQ read vs the previous path
 #   qdelta    kernels.py delta section: Gated DeltaNet vs Q-Delta (fused erase direction), 4k-64k
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
-#   profile_compile  the same with FastGenConfig.compile=on
+#   profile_compile  the same with FastGenConfig.compile=on (both profiles: GEMM=auto|torch, FastGenConfig.gemm)
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
 #             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m; GEMMS, FastGenConfig.gemm
