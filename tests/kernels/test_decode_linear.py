@@ -111,6 +111,12 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", cublas_fastest)
     assert kern._choose(x, w, None, ("other",)) == "cublas"
+    # out of memory while timing (the L2 flush buffer): cuBLAS, no error
+    def oom(fn, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(triton.testing, "do_bench", oom)
+    assert kern._choose(x, w, None, ("full",)) == "cublas"
     # the kept config computes the product
     out = torch.empty(4, 48, dtype=torch.bfloat16, device=DEVICE)
     kern._launch(x, w, None, out, best)
