@@ -92,6 +92,6 @@ def fit_gains(contrib: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
     Solved in fp64: the fit has ~10^5 rows and a residual far larger than the fitted part (the reads start
     nearly uncorrelated with the teacher's), so an fp32 solve was off by up to 0.4 per gain on the embedded
-    default (condition number ~170) and changed between processes (with the hash seed) (the converted model's
-    perplexity ranged 1,185-1,823 over runs of one command); in fp64 it is the same every run."""
+    default (condition number ~170) and changed between processes: the converted model's perplexity ranged
+    1,185-1,823 over runs of one command. In fp64 it is the same every run."""
     return torch.linalg.lstsq(contrib.double(), target.double()[:, None]).solution.squeeze(1).clamp_min(0.0)
