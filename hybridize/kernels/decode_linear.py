@@ -23,20 +23,21 @@ import torch.nn.functional as F
 from torch import nn
 
 MODES = ("auto", "triton", "torch")
-MAX_ROWS = 16
-_KERNEL = None
+_KERNEL = None      # the kernel module, or False without triton
+_OP = None          # its custom op, torch.ops.hybridize.decode_linear (registered by the module's import)
 _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
-    """The custom op, or None when triton is missing."""
-    global _KERNEL
+    """`hybridize.kernels.triton.decode_linear`, or None without triton."""
+    global _KERNEL, _OP
     if _KERNEL is None:
         try:
             from hybridize.kernels.triton import decode_linear as mod
         except ImportError:
             mod = None
-        _KERNEL = torch.ops.hybridize.decode_linear if mod is not None and mod.triton is not None else False
+        _KERNEL = mod if mod is not None and mod.triton is not None else False
+        _OP = torch.ops.hybridize.decode_linear if _KERNEL else None
     return _KERNEL or None
 
 
@@ -46,15 +47,14 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto") -> bool:
-    """Whether `decode_linear` runs the kernel for these tensors (shape / dtype / device checks only)."""
+def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None) -> bool:
+    """Whether `decode_linear` runs the kernel for these tensors (device / shape / dtype checks only)."""
     if mode == "torch":
         return False
     if not (x.is_cuda or (mode == "triton" and os.environ.get("TRITON_INTERPRET") == "1")):
         return False
-    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and _kernel() is not None)
+    kernel = _kernel()
+    return kernel is not None and kernel.unsupported(x, weight, bias) is None
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -62,8 +62,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`F.linear(x, weight, bias)`, through the decode GEMM kernel when it applies (`mode` None: the
     enclosing `linears_routed` block's)."""
     mode = _ACTIVE if mode is None else mode
-    if applies(x, weight, mode) and (bias is None or bias.dtype == x.dtype):
-        return _kernel()(x, weight, bias)
+    if applies(x, weight, mode, bias):
+        return _OP(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -111,7 +111,10 @@ class GRPORunConfig:
 def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | None = None) -> GRPORunConfig:
     """Defaults < recipe (a path or a name under recipes/, e.g. `smollm2-135m/grpo`) < overrides."""
     cfg = load_config(GRPORunConfig, recipe, overrides)
-    for name, allowed in (("cuda_graphs", ("auto", "on", "off")), ("compile_decode", ("off", "on")),
+    from hybridize.rl.fast_generate import COMPILE_MODES, CUDA_GRAPH_MODES
+
+    # decode_gemm: FastGenConfig.gemm without "triton", which only forces the kernel for CPU interpreter tests
+    for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", COMPILE_MODES),
                           ("decode_gemm", ("auto", "torch"))):
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")

@@ -113,6 +113,8 @@ class FastGenConfig:
 
 #: FastGenConfig.compile values (inductor's max-autotune was measured: no faster than "on", see RESULTS)
 COMPILE_MODES = ("off", "on")
+#: FastGenConfig.cuda_graphs values
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 _ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 _ATTN_IMPLS = ("sdpa", "eager")
 # generate() arguments that change nothing in the sampled tokens
@@ -531,7 +533,7 @@ class FastGenerator:
 
     def _use_graphs(self, device) -> bool:
         mode = self.config.cuda_graphs
-        if mode not in ("auto", "on", "off"):
+        if mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be auto, on or off, got {mode!r}")
         return device.type == "cuda" and mode != "off"
 

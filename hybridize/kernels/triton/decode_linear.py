@@ -176,21 +176,27 @@ def choices() -> dict[str, dict]:
             for (n, k, m, dt, hb), c in _CHOICE.items()}
 
 
+def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why the kernel cannot take these tensors (a one-line message), or None when it can."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return f"decode_linear: x [..., K] and weight [N, K] do not fit: {tuple(x.shape)}, {tuple(weight.shape)}"
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > MAX_ROWS:
+        return f"decode_linear takes at most {MAX_ROWS} rows, got {rows}; use F.linear"
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return f"decode_linear takes bf16/fp16 x and weight of one dtype, got {x.dtype}, {weight.dtype}"
+    if weight.stride(1) != 1:
+        return "decode_linear needs a row-major weight (stride 1 along K)"
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        return f"decode_linear: bias must be [N={weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+    return None
+
+
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """One-line errors for what the kernel cannot take (the dispatcher avoids all of these)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"decode_linear: x [..., K] and weight [N, K] do not fit: {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}")
-    if rows > MAX_ROWS:
-        raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}; use F.linear")
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        raise ValueError(f"decode_linear takes bf16/fp16 x and weight of one dtype, got {x.dtype}, {weight.dtype}")
-    if weight.stride(1) != 1:
-        raise ValueError("decode_linear needs a row-major weight (stride 1 along K)")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"decode_linear: bias must be [N={weight.shape[0]}] in {x.dtype}, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")
+    reason = unsupported(x, weight, bias)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

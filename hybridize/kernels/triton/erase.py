@@ -13,6 +13,8 @@ PyTorch): as PyTorch elementwise ops in fp32 it cost Q-Delta's fwd+bwd ~8% at 64
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -32,8 +34,8 @@ def comba_erase_reference(q, k, lam, g=None):
 
 if triton is not None:
     @triton.jit
-    def _erase_kernel(q, k, lam, g, p, n_rows, H, K: tl.constexpr, HAS_G: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_block(q, k, lam, n_rows, H, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's rows of the flattened `[B*T*H, K]` q and k (fp32), their lambda, and the indexing."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_K)
         rmask = rows < n_rows
@@ -42,25 +44,23 @@ if triton is not None:
         b_q = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
         b_k = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
         b_l = tl.load(lam + rows % H, mask=rmask, other=0.0).to(tl.float32)
+        return rows, rmask, mask, offs, b_q, b_k, b_l
+
+    @triton.jit
+    def _erase_kernel(q, k, lam, g, p, n_rows, H, K: tl.constexpr, HAS_G: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows, rmask, mask, offs, b_q, b_k, b_l = _row_block(q, k, lam, n_rows, H, K, BLOCK_R, BLOCK_K)
         b_x = b_k + b_l[:, None] * b_q
         if HAS_G:
             b_g = tl.load(g + rows, mask=rmask, other=0.0).to(tl.float32)
             b_x = b_x * tl.exp(b_g)[:, None]
         tl.store(p + offs, b_x.to(p.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _erase_bwd_kernel(dp, q, k, lam, g, dq, dk, dg_row, dl_row, n_rows, H, K: tl.constexpr,
                           HAS_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_K)
-        rmask = rows < n_rows
-        mask = rmask[:, None] & (cols[None, :] < K)
-        offs = rows[:, None] * K + cols[None, :]
+        rows, rmask, mask, offs, b_q, b_k, b_l = _row_block(q, k, lam, n_rows, H, K, BLOCK_R, BLOCK_K)
         b_dp = tl.load(dp + offs, mask=mask, other=0.0).to(tl.float32)
-        b_q = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
-        b_k = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
-        b_l = tl.load(lam + rows % H, mask=rmask, other=0.0).to(tl.float32)
         if HAS_G:
             b_s = tl.exp(tl.load(g + rows, mask=rmask, other=0.0).to(tl.float32))
             b_dk = b_dp * b_s[:, None]
@@ -110,7 +110,6 @@ def _erase_triton(q, k, lam, g):
 
 
 def _use_triton(q) -> bool:
-    import os
     return triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
