@@ -1,100 +1,98 @@
-"""CCQ covariance read: fused Triton kernel vs the current GPU path vs the GLA backbone (issue 6).
+"""CCQ covariance read: the fused Triton kernel at several piece lengths vs its two backbones (issue 6).
 
-Rows, each forward and forward+backward milliseconds (median of `triton.testing.do_bench`), side by side
-in one process at the same shape `[B, T, H, D]`:
-- `ccq fused (auto split)`: `kernels.triton.ccq_read.ccq_triton`, forward split into pieces;
-- `ccq fused (no split)`:   the same, one pass per sequence (segment_len=0);
-- `ccq current`:            `fla_adapter.ccq_chunk` (second `chunk_gla` with values = keys + fp32 epilogue);
-- `gla chunk_gla`:          the GLA backbone the overhead is measured against (per-key gate);
-plus the overhead column ccq / GLA and the fused-vs-current max relative difference of the forward.
+For each T, side by side in one process at `[1, T, H, D]`, forward and forward+backward:
+- `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
+  both directions (`auto`: the default choice; `0`: one pass per sequence);
+- `gla`: the GLA backbone (`dispatch.run("gla", "chunk")`, fla's chunk_gla);
+- `gdn`: the Gated DeltaNet backbone (`dispatch.run("delta", "chunk")`: fla forward, our erase backward);
+each with wall ms (median of `triton.testing.do_bench`, host included) and device ms (torch.profiler: the
+sum of the call's kernel times, i.e. what the GPU spends once the host runs ahead, as it does in a
+training step). Overhead columns: the CCQ row over each backbone, by device time. Also the forward's
+max relative difference between the fused read and the fp64 PyTorch chunked op.
 
-    python benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 [--out ccq.json]
+    python benchmarks/ccq_triton.py --T 4096,16384 --segments auto,0,128,256,512,1024 [--out ccq.json]
 
-Needs CUDA, triton and fla-core. The first call of each shape autotunes (a few seconds per kernel).
+Needs CUDA, triton and fla-core. The first call of each kernel variant autotunes (seconds).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def bench(fn, grad_to_none=None):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
-
-
-def timed(fn, leaves):
-    """(forward ms, forward+backward ms) of `fn() -> o`, with a fixed random cotangent."""
-    with torch.enable_grad():
-        cot = torch.randn_like(fn().float()).to(leaves[0].dtype)
-
-    def fwd():
-        with torch.no_grad():
-            fn()
-
-    def fwd_bwd():
-        fn().backward(cot)
-    return bench(fwd), bench(fwd_bwd, grad_to_none=leaves)
-
-
-def run(B, T, H, D, dtype):
-    from hybridize.kernels import fla_adapter
+def run(T, segments):
+    import kernels as bk             # benchmarks/kernels.py: the same backbone inputs and calls
+    from profile_sse import profile  # wall + device time of one call
+    from hybridize.kernels.ccq import ccq_chunk
     from hybridize.kernels.triton.ccq_read import ccq_triton
 
     torch.manual_seed(0)
-    dev = "cuda"
-    q = torch.randn(B, T, H, D, device=dev, dtype=dtype).requires_grad_()
-    k = F.normalize(torch.randn(B, T, H, D, device=dev) + 0.3, dim=-1).to(dtype).requires_grad_()
-    v = torch.randn(B, T, H, D, device=dev, dtype=dtype).requires_grad_()
-    kg = (torch.randn(B, T, H, D, device=dev, dtype=dtype) * D ** -0.5).requires_grad_()
-    g = (F.logsigmoid(torch.randn(B, T, H, D, device=dev)) / 16).requires_grad_()
-    fns = {
-        "ccq fused (auto split)": (lambda: ccq_triton(q, k)[0], [q, k]),
-        "ccq fused (no split)": (lambda: ccq_triton(q, k, segment_len=0)[0], [q, k]),
-        "ccq current": (lambda: fla_adapter.ccq_chunk(q, k)[0], [q, k]),
-        "gla chunk_gla": (lambda: fla_adapter.gla_chunk(q, kg, v, g)[0], [q, kg, v, g]),
-    }
+    x = bk.gla_inputs(T)
+    inp = dict(q=x["q"], k=F.normalize(x["k"].detach().float() + 0.3, dim=-1).to(bk.DT).requires_grad_())
+    cases = {}
+    for s in segments:
+        seg = None if s == "auto" else int(s)
+        cases[f"ccq seg={s}"] = (lambda q, k, seg=seg: ccq_triton(q, k, segment_len=seg)[0], inp)
+    cases["gla"] = (bk.run_gla, x)
+    cases["gdn"] = (bk.run_delta, bk.delta_inputs(T))
     with torch.no_grad():
-        a, b = fns["ccq fused (auto split)"][0]().float(), fns["ccq current"][0]().float()
+        a = ccq_triton(inp["q"], inp["k"])[0].double()
+        b = ccq_chunk(inp["q"].double(), inp["k"].double())[0]
         diff = ((a - b).abs().max() / b.abs().max()).item()
-    rows = {name: timed(fn, leaves) for name, (fn, leaves) in fns.items()}
+    rows = {}
+    for name, (fn, args) in cases.items():
+        f, fb, leaves = bk.fwd_bwd(fn, args)
+        pf, pfb = profile(f), profile(fb)
+        rows[name] = dict(fwd_wall=bk.bench(f), fwd_dev=pf["device_ms"], fb_wall=bk.bench(fb, grad_to_none=leaves),
+                          fb_dev=pfb["device_ms"], fwd_top=pf["top"][:4], fb_top=pfb["top"][:6])
     return rows, diff
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", default="4096,16384", help="comma-separated sequence lengths")
-    ap.add_argument("--B", type=int, default=1, help="batch size")
-    ap.add_argument("--H", type=int, default=16, help="heads")
-    ap.add_argument("--D", type=int, default=128, help="head dim (K = V)")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype")
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--segments", default="auto,0,128,256,512,1024",
+                    help="piece lengths of the fused read to time (auto: the default choice, 0: no split)")
+    ap.add_argument("--out", default=None, help="also write the rows (with the top kernels) as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ccq_triton.py needs a CUDA device")
     import triton
 
-    dtype = DTYPES[args.dtype]
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
-    print(f"shape [B, T, H, D] = [{args.B}, T, {args.H}, {args.D}], dtype {args.dtype}; ms fwd / fwd+bwd "
-          "(median); overhead = row / gla chunk_gla")
+    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
+    from hybridize.kernels import fla_adapter
+    if not fla_adapter.activate():
+        raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
+    import kernels as bk
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
-    print("| T | op | fwd ms | fwd+bwd ms | fwd / GLA | fwd+bwd / GLA |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| T | op | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | fwd / GLA | fwd+bwd / GLA "
+          "| fwd / GDN | fwd+bwd / GDN |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     out = []
     for T in [int(t) for t in args.T.split(",")]:
-        rows, diff = run(args.B, T, args.H, args.D, dtype)
-        gf, gb = rows["gla chunk_gla"]
-        for name, (f, fb) in rows.items():
-            print(f"| {T} | {name} | {f:.3f} | {fb:.3f} | {f / gf:.2f} | {fb / gb:.2f} |")
-            out.append(dict(T=T, op=name, fwd_ms=f, fwd_bwd_ms=fb, B=args.B, H=args.H, D=args.D,
-                            dtype=args.dtype, device=torch.cuda.get_device_name()))
-        print(f"| {T} | fused vs current, max rel. diff of the forward | {diff:.1e} | | | |")
+        rows, diff = run(T, args.segments.split(","))
+        g, d = rows["gla"], rows["gdn"]
+        for name, r in rows.items():
+            print(f"| {T} | {name} | {r['fwd_wall']:.3f} | {r['fwd_dev']:.3f} | {r['fb_wall']:.3f} | "
+                  f"{r['fb_dev']:.3f} | {r['fwd_dev'] / g['fwd_dev']:.2f} | {r['fb_dev'] / g['fb_dev']:.2f} | "
+                  f"{r['fwd_dev'] / d['fwd_dev']:.2f} | {r['fb_dev'] / d['fb_dev']:.2f} |")
+            out.append(dict(T=T, op=name, device=torch.cuda.get_device_name(), **r))
+        print(f"| {T} | fused (auto) vs fp64 PyTorch op, max rel. diff of the forward | {diff:.1e} | | | | | | | |")
+        for name, r in rows.items():
+            if name.startswith("ccq"):
+                tops = ", ".join(f"{t['kernel'][:28]} {t['ms']:.3f}" for t in r["fb_top"])
+                print(f"  {T} {name} fwd+bwd kernels: {tops}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1)

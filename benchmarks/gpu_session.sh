@@ -10,7 +10,8 @@
 #   attn      the split-KV decode attention kernel alone
 #   rollouts  rollouts.py fast path, sdpa vs Triton decode attention, Qwen3-1.7B and SmolLM2 shapes at 16k
 #   sse       kernels.py: SSE varlen/masking vs chunk_gla, decode steps
-#   ccq       ccq_triton.py: fused CCQ read vs the previous path
+#   ccq       ccq_triton.py: fused CCQ read at several piece lengths vs the GLA and GDN backbones, wall and
+#             device time (CCQ_T, CCQ_SEGMENTS)
 #   qdelta    kernels.py delta section: Gated DeltaNet vs Q-Delta (fused erase direction), 4k-64k
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
 #   profile_compile  the same with FastGenConfig.compile=on (both profiles: GEMM=auto|torch, FastGenConfig.gemm)
@@ -19,7 +20,8 @@
 #             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m; GEMMS, FastGenConfig.gemm
 #             settings, default auto)
 #   gemm      decode_gemm.py: F.linear vs the Triton decode GEMM per weight shape, 8 rows (autotunes first)
-#   sse_profile  profile_sse.py: SSE varlen n4k1 and chunk_gla, device vs wall time and top kernels, 4k/16k
+#   sse_profile  profile_sse.py: SSE varlen n4k1, chunk_gla on T tokens and on SSE's 2T layout, device vs wall
+#             time and top kernels, 4k/16k
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -76,8 +78,8 @@ for s in "${STEPS_[@]}"; do
       timeout 300 python3 benchmarks/kernels.py --T 4096,16384,32768,65536 --sections delta \
         --out "$OUT/bench_delta.json" 2>&1 | tail -20 ;;
     ccq)
-      timeout 70 python3 benchmarks/ccq_triton.py --T 4096,16384 --H 16 --D 128 --dtype bf16 \
-        --out "$OUT/ccq_triton.json" 2>&1 | tail -15 ;;
+      timeout 300 python3 benchmarks/ccq_triton.py --T ${CCQ_T:-4096,16384} --segments ${CCQ_SEGMENTS:-auto,0,128,256,512,1024} \
+        --out "$OUT/ccq_triton.json" 2>&1 | tail -40 ;;
     profile|profile_compile)
       c=off; [ "$s" = profile_compile ] && c=on
       timeout 200 python3 benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \

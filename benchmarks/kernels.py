@@ -82,6 +82,11 @@ def run_gla(q, k, v, g):
     return dispatch.run("gla", "chunk", q, k, v, g)[0]
 
 
+def run_gla_varlen(q, k, v, g, cu_seqlens):
+    from hybridize.kernels import dispatch
+    return dispatch.run("gla", "chunk", q, k, v, g, cu_seqlens=cu_seqlens)[0]
+
+
 def run_delta(q, k, v, beta, g, lam=None):
     from hybridize.kernels import dispatch
     # Q-Delta as the mixer calls it: the op forms p = k + lam q (one fused pass with exp(g) on the GPU)

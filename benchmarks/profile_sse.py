@@ -3,7 +3,8 @@
     python benchmarks/profile_sse.py --T 4096,16384 --out profile_sse.json
 
 For each T: `kernels.sse.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
-as `benchmarks/kernels.py --sections sse`) and fla's chunk_gla on T tokens, forward and forward+backward,
+as `benchmarks/kernels.py --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
+varlen layout (shared path + routed tokens grouped by partition: the floor of that layout), forward and forward+backward,
 bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
 kernel count, and the top kernels by time. A wall time far above the device time means the host (Python,
 launches, syncs) is the bound; device time above ~2x chunk_gla's means kernels to fuse.
@@ -55,6 +56,20 @@ def profile(fn, reps: int = 5, top: int = 12) -> dict:
             "top": [{"kernel": k[:90], "per_call": c / reps, "ms": t / reps / 1e3} for k, (c, t) in tops]}
 
 
+def same_layout_inputs(T, n):
+    """Fresh GLA inputs in the exact token layout SSE's varlen call hands to chunk_gla: the shared path's T
+    tokens, then the T routed tokens grouped by partition (segment lengths from one top-1 routing of random
+    logits), as `cu_seqlens`. The floor of the layout: what fla's kernels cost before any routing work."""
+    import kernels as bk
+
+    from hybridize.kernels import sse
+    logits = torch.randn(1, T, n, device="cuda")
+    plan = sse.varlen_plan(sse.route(logits, 1), torch.tensor([0, T], device="cuda"))
+    x = bk.gla_inputs(2 * T)
+    x["cu_seqlens"] = torch.cat([torch.tensor([0, T], device="cuda"), plan.seg_cu[1:] + T])
+    return x
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", default="4096,16384")
@@ -71,8 +86,10 @@ def main(argv=None):
         call, inputs, leaves = bk.sse_setup(T, args.n, "varlen")
         f, fb, _ = bk.fwd_bwd(call, inputs)
         gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
+        lf, lfb, _ = bk.fwd_bwd(bk.run_gla_varlen, same_layout_inputs(T, args.n))
         for name, fn in ((f"sse_varlen_n{args.n}k1 fwd", f), (f"sse_varlen_n{args.n}k1 fwd+bwd", fb),
-                         ("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb)):
+                         ("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb),
+                         ("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)):
             r = {"case": name, "T": T, **profile(fn)}
             res["cases"].append(r)
             print(f"\n### {name}, T={T}: wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "

@@ -184,7 +184,8 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
     n0 = torch.arange(N) * 3
     seg_len = (_segment_len(B, T, H, T if cu is None else B * T) if split is None
                else (None if split <= 0 else split))
-    seg, n_before, segs, n_end = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len)
+    pc = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len)
+    seg, segs, n_end = pc.seg, pc.segs, pc.n_end
     G = seg.shape[0]
     assert bool((seg[:, 0] >= 0).all()) and bool((seg.sum(1) <= B * T).all()) and bool((seg[:, 1] >= 0).all())
     assert bool((segs[:, 0] >= 0).all()) and bool((segs.sum(1) <= G).all())
@@ -198,6 +199,11 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
         if count:
             assert int(pieces[0, 0]) == int(starts[i]), i
             assert torch.equal(pieces[1:, 0], (pieces[:-1, 0] + pieces[:-1, 1])), i
+        for j in range(first, first + count):   # counts before / after each piece, its sequence
+            b, n = (int(x) for x in seg[j])
+            before = int(n0[i]) + int(flat[int(starts[i]):b].sum())
+            assert int(pc.seq[j]) == i and int(pc.n_before[j]) == before, (i, j)
+            assert int(pc.n_after[j]) == before + int(flat[b:b + n].sum()), (i, j)
         s0 = int(starts[i])
         assert int(n_end[i]) == int(n0[i]) + int(flat[s0:s0 + int(lens[i])].sum()), i
 

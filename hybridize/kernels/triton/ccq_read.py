@@ -42,6 +42,7 @@ are autotuned and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_size`
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -114,9 +115,10 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
 @triton.jit
 def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_H0: tl.constexpr):
+                     HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
     # per (channel block, sequence, head): starting sums of each of the sequence's segments (exclusive
-    # prefix over its segments, plus the initial state) and the sequence's end sums, in fp32 sequence order
+    # prefix over its segments, plus the initial state) and the sequence's end sums, in fp32 sequence order;
+    # REVERSE walks the segments last to first (exclusive suffix sums, for the backward's reversed pass)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     first = tl.load(segs + 2 * i_n).to(tl.int64)
@@ -132,7 +134,10 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
         b_S += tl.load(s0 + i_nh.to(tl.int64) * K * K + blk, mask=m_blk, other=0.0)
         b_M += tl.load(m0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.0)
     for i in range(0, count):
-        g = (first + i) * H + i_h
+        if REVERSE:
+            g = (first + count - 1 - i) * H + i_h
+        else:
+            g = (first + i) * H + i_h
         b_x = tl.load(sums + g * K * K + blk, mask=m_blk, other=0.0)
         tl.store(starts + g * K * K + blk, b_S, mask=m_blk)
         b_S += b_x
@@ -148,7 +153,8 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 @triton.jit
 def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+                       HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
+                       PREC: tl.constexpr):
     # this program owns channels l in the block: it carries rows S[l, :] and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -196,22 +202,24 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
         if i_v == 0:
             tl.store(a_buf + rows * H + i_h, b_a, mask=m_t)
             tl.store(r_buf + rows * H + i_h, b_r, mask=m_t)
-        if HAS_H0:
+        if STORE_DS0:
             b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
             b_D += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
         b_S += tl.dot(tl.trans(b_kv), b_k, input_precision=PREC)
         b_M += tl.sum(b_k, 0)
         b_Mv += tl.sum(b_kv, 0)
         b_n += tl.sum(b_m, 0)
-    if HAS_H0:
+    if STORE_DS0:
         tl.store(ds0 + hbase * K + o_v[:, None] * K + o_k[None, :], b_D, mask=m_v[:, None] & m_k[None, :])
 
 
 @triton.jit
-def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, seg,
+def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PREC: tl.constexpr):
-    # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
+                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, SUMS_ONLY: tl.constexpr,
+                       PREC: tl.constexpr):
+    # reversed pass; this program owns key channels l in the block and carries rows E[l, :].
+    # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -221,10 +229,11 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
     m_k, m_v = o_k < K, o_v < K
     tril = o_t[:, None] >= o_t[None, :]
     hbase = i_nh.to(tl.int64) * K
+    e_blk = hbase * K + o_v[:, None] * K + o_k[None, :]
     b_E = tl.zeros([BV, BK], dtype=tl.float32)
     b_dM = tl.zeros([BV], dtype=tl.float32)
     if HAS_DEND:
-        b_E += tl.load(e0 + hbase * K + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_E += tl.load(e0 + e_blk, mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_dM += tl.load(dm_end + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n_end + i_n)
     NT = tl.cdiv(L, BT)
@@ -235,7 +244,6 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         p = (rows[:, None] * H + i_h) * K
         mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         b_q = tl.load(q + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
         b_do = tl.load(do + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
         b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_dov = tl.load(do + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
@@ -243,30 +251,35 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_r = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
         if HAS_MASK:
             b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
-            b_k = b_k * b_m[:, None]
         else:
             b_m = m_t.to(tl.float32)
         b_prev = b_n - tl.sum(b_m, 0)
         inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
         b_g = b_do * inv[:, None]
         b_gv = b_dov * inv[:, None]
-        b_B1 = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)   # g_i . k_j
-        b_B2 = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)   # q_i . k_j
-        b_dk = tl.dot(tl.trans(b_B1), b_qv, input_precision=PREC)
-        b_dk += tl.dot(tl.trans(b_B2), b_gv, input_precision=PREC)
-        b_dk += tl.dot(b_k, tl.trans(b_E), input_precision=PREC)
         # gradient of the key sum M_i (v-block), summed over i >= j
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
-        b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
-        if HAS_MASK:
-            b_dk = b_dk * b_m[:, None]
-        tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
+        if not SUMS_ONLY:
+            b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+            if HAS_MASK:
+                b_k = b_k * b_m[:, None]
+            b_B1 = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)   # g_i . k_j
+            b_B2 = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)   # q_i . k_j
+            b_dk = tl.dot(tl.trans(b_B1), b_qv, input_precision=PREC)
+            b_dk += tl.dot(tl.trans(b_B2), b_gv, input_precision=PREC)
+            b_dk += tl.dot(b_k, tl.trans(b_E), input_precision=PREC)
+            b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
+            if HAS_MASK:
+                b_dk = b_dk * b_m[:, None]
+            tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
         b_E += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
         b_E += tl.dot(tl.trans(b_gv), b_q, input_precision=PREC)
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
+    if SUMS_ONLY:
+        tl.store(e_out + e_blk, b_E, mask=m_v[:, None] & m_k[None, :])
 
 
 # ---- launch configuration --------------------------------------------------------------------------
@@ -295,10 +308,11 @@ def _interpreter_shim() -> None:
 
 def _configs():
     # ptxas (sm_90a, K = 128, bf16 -> tf32 tiles): BT=16 compiles without spills, BT=32 spills ~0.2-1 KB,
-    # BT=64 spills 1-4 KB per thread; autotuning picks the fastest of these on the device
+    # BT=64 spills 1-4 KB per thread at 4 warps; the 8-warp rows hold wider channel blocks (fewer programs
+    # recomputing q k^T). Autotuning picks the fastest of these on the device
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
             for bt, bv, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 4, 2),
-                                  (32, 32, 8, 2), (64, 32, 4, 2)]]
+                                  (32, 32, 8, 2), (64, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2)]]
 
 
 _TUNED: dict = {}
@@ -322,8 +336,9 @@ def _launch(kernel, rows, K, chunk_size, args, meta):
     _TUNED[kernel][lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
 
 
-def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K):
-    """In place: per-segment sums -> per-segment starting sums; writes the sequences' end sums."""
+def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False):
+    """In place: per-segment sums -> per-segment starting sums (exclusive prefix, or suffix with `reverse`,
+    plus S0 / M0 when given); writes the sequences' totals to S_end / M_end."""
     N = segs.shape[0]
     BK = max(16, triton.next_power_of_2(K))
     BV = min(BK, 16 if _interpreting() else 32)
@@ -332,16 +347,40 @@ def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K):
     dummy = msums
     _ccq_scan_kernel[(triton.cdiv(K, BV), N * H)](
         sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, sums, msums, S_end, M_end, segs,
-        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, num_warps=4)
+        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, REVERSE=reverse, num_warps=4)
 
 
-def _table(B, T, cu, mask, n0, seg_len):
-    """Segment table over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
+class Pieces(NamedTuple):
+    """Where every kernel program works: the flat token axis cut into pieces (see `_table`)."""
+    seg: torch.Tensor        # [G, 2] int64: first token, length (unused slots: length 0)
+    n_before: torch.Tensor   # [G] fp32: real tokens counted before the piece (initial count included)
+    n_after: torch.Tensor    # [G] fp32: ... and after it
+    seq: torch.Tensor        # [G] int64: the sequence a piece belongs to
+    segs: torch.Tensor       # [N, 2] int64: first piece, number of pieces, per sequence
+    n_end: torch.Tensor      # [N] int64: count at the end of each sequence
+
+
+_TABLES: dict = {}
+
+
+def _table(B, T, cu, mask, n0, seg_len, zero_start=False) -> Pieces:
+    """Pieces over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
     without a host sync. Every sequence is cut into pieces of `seg_len` tokens (None: one piece each).
+    Without a mask, cu_seqlens or initial counts (`zero_start`: n0 is all zeros) the table depends on the
+    shape alone and is cached on CUDA (a dozen small launches per call otherwise)."""
+    plain = cu is None and mask is None and zero_start and n0.device.type == "cuda"
+    key = (B, T, seg_len, str(n0.device)) if plain else None
+    if key is not None and key in _TABLES:
+        return _TABLES[key]
+    out = _build_table(B, T, cu, mask, n0, seg_len)
+    if key is not None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = out
+    return out
 
-    Returns seg `[G, 2]` int64 (first token, length; unused slots have length 0), n_before `[G]` fp32 (real
-    tokens counted before the piece, initial count included), segs `[N, 2]` int64 (first piece, pieces)
-    and n_end `[N]` int64 (count at the end of each sequence)."""
+
+def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
     dev = n0.device
     if cu is None:
         starts = torch.arange(B, device=dev) * T
@@ -356,8 +395,8 @@ def _table(B, T, cu, mask, n0, seg_len):
     n_end = n0 + cm[starts + lens] - cm[starts]
     if seg_len is None:
         ar = torch.arange(N, device=dev)
-        return (torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
-                torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end)
+        return Pieces(torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
+                      n_end.float().contiguous(), ar, torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end)
     nseg = (lens + seg_len - 1) // seg_len
     ends = nseg.cumsum(0)
     G = N * triton.cdiv(T, seg_len) if cu is None else N + total // seg_len
@@ -366,26 +405,34 @@ def _table(B, T, cu, mask, n0, seg_len):
     local = p - (ends - nseg)[seq]
     bos = (starts[seq] + local * seg_len).clamp(max=total)
     ln = (lens[seq] - local * seg_len).clamp(0, seg_len)
-    n_before = (n0[seq] + cm[bos] - cm[starts[seq]]).float()
-    return (torch.stack([bos, ln], 1).contiguous(), n_before.contiguous(),
-            torch.stack([ends - nseg, nseg], 1).contiguous(), n_end)
+    n_before = n0[seq] + cm[bos] - cm[starts[seq]]
+    n_after = n_before + cm[bos + ln] - cm[bos]
+    return Pieces(torch.stack([bos, ln], 1).contiguous(), n_before.float().contiguous(),
+                  n_after.float().contiguous(), seq.contiguous(),
+                  torch.stack([ends - nseg, nseg], 1).contiguous(), n_end)
 
 
 def _segment_len(B, T, H, longest):
-    """Split length for the forward: aim at ~256 (segment, head) rows so that B * H alone (often 16)
-    does not leave most SMs idle; `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece per sequence)."""
+    """Split length: aim at ~`HYBRIDIZE_CCQ_ROWS` (default 1024) (piece, head) rows so that B * H alone
+    (often 16) does not leave most SMs idle, pieces of at least 128 tokens; `HYBRIDIZE_CCQ_SEGMENT=<n>`
+    overrides (0: one piece per sequence)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        n = max(256, triton.next_power_of_2(triton.cdiv(B * T * H, 256)))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "1024"))
+        n = max(128, triton.next_power_of_2(triton.cdiv(B * T * H, rows)))
     return None if n <= 0 or n >= longest else n
 
 
 # ---- autograd --------------------------------------------------------------------------------------
 
 class _CCQReadFn(torch.autograd.Function):
-    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end) with un-normalised sums."""
+    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end) with un-normalised sums.
+
+    With `seg_len` both directions run per piece: the forward's piece starting sums (prefix over pieces)
+    are kept for the backward's dq pass; the dk pass first sums each piece's E and key-sum gradient, takes
+    suffix sums over pieces, then runs every piece from its own start."""
 
     @staticmethod
     def forward(ctx, q, k, mask, S0, M0, n0, cu, chunk_size, seg_len):
@@ -393,63 +440,83 @@ class _CCQReadFn(torch.autograd.Function):
         q, k = q.contiguous(), k.contiguous()
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
         o = torch.empty_like(q)
-        seg, n_before, segs, _ = _table(B, T, cu, mask, n0, seg_len)
-        N, G = segs.shape[0], seg.shape[0]
+        pc = _table(B, T, cu, mask, n0, seg_len, zero_start=S0 is None)
+        N, G = pc.segs.shape[0], pc.seg.shape[0]
         S_end = q.new_empty(N, H, K, K, dtype=torch.float32)
         M_end = q.new_empty(N, H, K, dtype=torch.float32)
         dummy = M_end
         m_arg = dummy if mask is None else mask
         common = dict(HAS_MASK=mask is not None, PREC=prec)
+        starts = mstarts = None
         if seg_len is None:  # one pass per sequence, straight from the initial state
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, n_before, o,
-                     S_end, M_end, seg, H),
+                    (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
+                     S_end, M_end, pc.seg, H),
                     dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common))
         else:  # key sums per piece, prefix over pieces, then all pieces in parallel
-            sums = q.new_empty(G, H, K, K, dtype=torch.float32)
-            msums = q.new_empty(G, H, K, dtype=torch.float32)
+            starts = q.new_empty(G, H, K, K, dtype=torch.float32)
+            mstarts = q.new_empty(G, H, K, dtype=torch.float32)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, dummy, dummy, n_before, o, sums, msums, seg, H),
+                    (q, k, m_arg, dummy, dummy, pc.n_before, o, starts, mstarts, pc.seg, H),
                     dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common))
-            _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K)
+            _scan(starts, mstarts, S0, M0, S_end, M_end, pc.segs, H, K)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, sums, msums, n_before, o, dummy, dummy, seg, H),
+                    (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, pc.seg, H),
                     dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
-        ctx.save_for_backward(q, k, mask, S0, M0, n0, cu)
-        ctx.chunk_size, ctx.prec = chunk_size, prec
+        ctx.save_for_backward(q, k, mask, S0, M0, n0, cu, starts, mstarts)
+        ctx.chunk_size, ctx.prec, ctx.seg_len = chunk_size, prec, seg_len
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
         return o, S_end, M_end
 
     @staticmethod
     def backward(ctx, do, dS_end, dM_end):
-        q, k, mask, S0, M0, n0, cu = ctx.saved_tensors
+        q, k, mask, S0, M0, n0, cu, starts, mstarts = ctx.saved_tensors
         B, T, H, K = q.shape
-        seg, n_start, _, n_end = _table(B, T, cu, mask, n0, None)
-        N = seg.shape[0]
+        split = ctx.seg_len is not None
+        pc = _table(B, T, cu, mask, n0, ctx.seg_len, zero_start=S0 is None)
+        N, G = pc.segs.shape[0], pc.seg.shape[0]
         do = do.contiguous()
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         a_buf, r_buf = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
-        ds0 = torch.empty(N, H, K, K, **f32) if S0 is not None else None
-        dm0 = torch.empty(N, H, K, **f32)
+        ds0 = torch.empty(G, H, K, K, **f32) if S0 is not None else None
+        dm0 = torch.empty(G, H, K, **f32)
         dummy = dm0
         m_arg = dummy if mask is None else mask
         common = dict(HAS_MASK=mask is not None, PREC=ctx.prec)
-        _launch(_ccq_bwd_dq_kernel, N * H, K, ctx.chunk_size,
-                (q, k, m_arg, do, dummy if S0 is None else S0, dummy if M0 is None else M0, n_start, dq,
-                 a_buf, r_buf, dummy if ds0 is None else ds0, seg, H),
-                dict(HAS_H0=S0 is not None, **common))
+        s_start = starts if split else S0
+        m_start = mstarts if split else M0
+        _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
+                (q, k, m_arg, do, dummy if s_start is None else s_start, dummy if m_start is None else m_start,
+                 pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, pc.seg, H),
+                dict(HAS_H0=s_start is not None, STORE_DS0=S0 is not None, **common))
         has_end = dS_end is not None or dM_end is not None
+        e_end = dm_end = None
         if has_end:
             dS_end = torch.zeros(N, H, K, K, **f32) if dS_end is None else dS_end.float()
-            dM_end = torch.zeros(N, H, K, **f32) if dM_end is None else dM_end.float().contiguous()
-            e0 = (dS_end + dS_end.transpose(-1, -2)).contiguous()
-        _launch(_ccq_bwd_dk_kernel, N * H, K, ctx.chunk_size,
-                (q, k, m_arg, do, a_buf, r_buf, n_end.float().contiguous(), e0 if has_end else dummy,
-                 dM_end if has_end else dummy, dk, dm0, seg, H),
-                dict(HAS_DEND=has_end, **common))
+            dm_end = torch.zeros(N, H, K, **f32) if dM_end is None else dM_end.float().contiguous()
+            e_end = (dS_end + dS_end.transpose(-1, -2)).contiguous()
+        if split:  # each piece's own E and key-sum gradient, then suffix sums over pieces (+ the end's)
+            e_start = torch.empty(G, H, K, K, **f32)
+            dm_start = torch.empty(G, H, K, **f32)
+            _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
+                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, pc.seg, H),
+                    dict(HAS_DEND=False, SUMS_ONLY=True, **common))
+            _scan(e_start, dm_start, e_end, dm_end, torch.empty(N, H, K, K, **f32), torch.empty(N, H, K, **f32),
+                  pc.segs, H, K, reverse=True)
+        else:
+            e_start, dm_start = e_end, dm_end
+        _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
+                (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
+                 dummy if dm_start is None else dm_start, dk, dm0, dummy, pc.seg, H),
+                dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **common))
         dS0 = dM0 = None
         if S0 is not None:
+            if split:  # per-piece partial sums -> per sequence; dM0 is the first piece's carried sum
+                ds0 = torch.zeros(N, H, K, K, **f32).index_add_(0, pc.seq, ds0)
+                first, count = pc.segs[:, 0].clamp(max=G - 1), pc.segs[:, 1]
+                empty = (count == 0).view(N, 1, 1)
+                dm0 = torch.where(empty, dm_end if has_end else torch.zeros_like(dm0[:N]), dm0[first])
             dS0 = ds0 + dS_end if has_end else ds0
             dM0 = dm0
         return dq, dk, None, dS0, dM0, None, None, None, None
@@ -498,7 +565,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     o, S_end, M_end = _CCQReadFn.apply(q, k, m, S0, M0, n0, cu, chunk_size, seg_len)
     if not output_final_state:
         return o, None
-    n_end = _table(B, T, cu, m, n0, None)[3]
+    n_end = _table(B, T, cu, m, n0, None).n_end
     inv = 1.0 / n_end.clamp(min=1).float()
     return o, (S_end * inv.view(N, 1, 1, 1), M_end * inv.view(N, 1, 1), n_end)
 
