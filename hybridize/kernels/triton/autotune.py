@@ -8,6 +8,7 @@ With top >= 2 a config that fails to compile is still survived (Triton times it 
 The price is a possibly slower config than full tuning; `benchmarks/RESULTS.md` says which was used.
 Winning configs are cached on disk by Triton (`cache_results`, fla's default), so later processes
 reuse them. `HYBRIDIZE_AUTOTUNE_TOP=<n>` applies this when the adapter activates; 0 disables.
+Our own kernels with a short, curated config list set `full_tune = True` on their autotuner and are left alone.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def limit_autotune(top: int) -> None:
 
     def prune_configs(self, kwargs):
         configs = original(self, kwargs)
-        if len(configs) <= top:
+        if len(configs) <= top or getattr(self, "full_tune", False):
             return configs
         return sorted(configs, key=_rank)[:top]
 
