@@ -85,25 +85,29 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
-        b_k = tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_kv = tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # key / query tiles stay in the input dtype for the products whose operands are both inputs
+        # (q k^T, k^T k): exact products, fp32 accumulation, native 16-bit tensor-core rate
+        b_k16 = tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_kv16 = tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         if HAS_MASK:
             b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
-            b_k = b_k * b_m[:, None]
-            b_kv = b_kv * b_m[:, None]
+            b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_kv16.dtype)
+            b_kv16 = tl.where(b_m[:, None] > 0, b_kv16, 0.0).to(b_kv16.dtype)
         else:
             b_m = m_t.to(tl.float32)
+        b_kv = b_kv16.to(tl.float32)
         if OUTPUT:
-            b_q = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_q16 = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_q = b_q16.to(tl.float32)
             inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
-            b_A = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)
+            b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
             b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # M_t . q_t
             b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # M_t[v-block]
             b_o = tl.dot(b_q, b_S, input_precision=PREC) + tl.dot(b_A, b_kv, input_precision=PREC)
             b_o = b_o * inv[:, None] - b_Mc * (b_r * inv * inv)[:, None]
             tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_S += tl.dot(tl.trans(b_k), b_kv, input_precision=PREC)
-        b_M += tl.sum(b_k, 0)
+        b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
+        b_M += tl.sum(b_k16.to(tl.float32), 0)
         b_Mv += tl.sum(b_kv, 0)
         b_n += tl.sum(b_m, 0)
     if STORE_END:
@@ -179,20 +183,22 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
         mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
-        b_kv = tl.load(k + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_do = tl.load(do + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_q16 = tl.load(q + p + o_k[None, :], mask=mf, other=0.0)
+        b_k16 = tl.load(k + p + o_k[None, :], mask=mf, other=0.0)
+        b_kv16 = tl.load(k + p + o_v[None, :], mask=mv, other=0.0)
+        b_do16 = tl.load(do + p + o_k[None, :], mask=mf, other=0.0)
         if HAS_MASK:
             b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
-            b_k = b_k * b_m[:, None]
-            b_kv = b_kv * b_m[:, None]
+            b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_kv16.dtype)
+            b_kv16 = tl.where(b_m[:, None] > 0, b_kv16, 0.0).to(b_kv16.dtype)
         else:
             b_m = m_t.to(tl.float32)
+        b_q, b_kv = b_q16.to(tl.float32), b_kv16.to(tl.float32)
         inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
-        b_g = b_do * inv[:, None]
-        b_Ag = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)
-        b_Aq = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)
+        b_g = b_do16.to(tl.float32) * inv[:, None]
+        # products of two inputs in the input dtype (exact); g = do / n scales rows afterwards
+        b_Ag = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
+        b_Aq = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
         b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . M_t
         b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . M_t
         b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)
@@ -205,8 +211,8 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
         if STORE_DS0:
             b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
             b_D += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
-        b_S += tl.dot(tl.trans(b_kv), b_k, input_precision=PREC)
-        b_M += tl.sum(b_k, 0)
+        b_S += tl.dot(tl.trans(b_kv16), b_k16, input_precision=PREC)
+        b_M += tl.sum(b_k16.to(tl.float32), 0)
         b_Mv += tl.sum(b_kv, 0)
         b_n += tl.sum(b_m, 0)
     if STORE_DS0:
@@ -243,8 +249,9 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
         mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
-        b_do = tl.load(do + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+        b_q16 = tl.load(q + p + o_k[None, :], mask=mf, other=0.0)
+        b_do16 = tl.load(do + p + o_k[None, :], mask=mf, other=0.0)
+        b_q, b_do = b_q16.to(tl.float32), b_do16.to(tl.float32)
         b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_dov = tl.load(do + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
@@ -261,11 +268,13 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
         if not SUMS_ONLY:
-            b_k = tl.load(k + p + o_k[None, :], mask=mf, other=0.0).to(tl.float32)
+            b_k16 = tl.load(k + p + o_k[None, :], mask=mf, other=0.0)
             if HAS_MASK:
-                b_k = b_k * b_m[:, None]
-            b_B1 = tl.where(tril, tl.dot(b_g, tl.trans(b_k), input_precision=PREC), 0.0)   # g_i . k_j
-            b_B2 = tl.where(tril, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)   # q_i . k_j
+                b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_q16.dtype)
+            b_k = b_k16.to(tl.float32)
+            # g_i . k_j and q_i . k_j: products of two inputs in the input dtype (exact), rows scaled after
+            b_B1 = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
+            b_B2 = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
             b_dk = tl.dot(tl.trans(b_B1), b_qv, input_precision=PREC)
             b_dk += tl.dot(tl.trans(b_B2), b_gv, input_precision=PREC)
             b_dk += tl.dot(b_k, tl.trans(b_E), input_precision=PREC)
@@ -418,15 +427,16 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
 
 
 def _segment_len(B, T, H, longest):
-    """Split length: aim at ~`HYBRIDIZE_CCQ_ROWS` (default 1024) (piece, head) rows so that B * H alone
-    (often 16) does not leave most SMs idle, pieces of at least 128 tokens; `HYBRIDIZE_CCQ_SEGMENT=<n>`
-    overrides (0: one piece per sequence)."""
+    """Piece length: aim at ~`HYBRIDIZE_CCQ_ROWS` (default 256) (piece, head) rows so that B * H alone
+    (often 16) does not leave most SMs idle, with pieces of at least 512 tokens (shorter ones cost more in
+    the prefix scan and the per-piece states than they gain; H100 sweep in benchmarks/RESULTS.md);
+    `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece per sequence)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "1024"))
-        n = max(128, triton.next_power_of_2(triton.cdiv(B * T * H, rows)))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "256"))
+        n = max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows)))
     return None if n <= 0 or n >= longest else n
 
 
