@@ -3,6 +3,8 @@
 For each T, side by side in one process at `[1, T, H, D]`, forward and forward+backward:
 - `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
   both directions (`auto`: the default choice; `0`: one pass per sequence);
+- `ccq seg=auto, tf32 operands`: the same with `HYBRIDIZE_CCQ_SPLIT=0` (fp32 tiles at tf32 instead of
+  bf16 hi/lo pairs for the products with a carried fp32 operand);
 - `gla`: the GLA backbone (`dispatch.run("gla", "chunk")`, fla's chunk_gla);
 - `gdn`: the Gated DeltaNet backbone (`dispatch.run("delta", "chunk")`: fla forward, our erase backward);
 each with wall ms (median of `triton.testing.do_bench`, host included) and device ms (torch.profiler: the
@@ -42,6 +44,13 @@ def run(T, segments):
     for s in segments:
         seg = None if s == "auto" else int(s)
         cases[f"ccq seg={s}"] = (lambda q, k, seg=seg: ccq_triton(q, k, segment_len=seg)[0], inp)
+    def tf32_only(q, k):  # the same op without the bf16 hi/lo split: fp32 operand tiles at tf32
+        os.environ["HYBRIDIZE_CCQ_SPLIT"] = "0"
+        try:
+            return ccq_triton(q, k)[0]
+        finally:
+            os.environ.pop("HYBRIDIZE_CCQ_SPLIT")
+    cases["ccq seg=auto, tf32 operands"] = (tf32_only, inp)
     cases["gla"] = (bk.run_gla, x)
     cases["gdn"] = (bk.run_delta, bk.delta_inputs(T))
     with torch.no_grad():

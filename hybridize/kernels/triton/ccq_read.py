@@ -58,10 +58,34 @@ def _bounds(seg, i_n):
 
 
 @triton.jit
+def _mdot(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """a (fp32 registers) @ b (the 16-bit input dtype, exact). SPLIT (bf16 inputs): a = a_hi + a_lo in bf16,
+    two bf16 products with fp32 accumulation (~16 mantissa bits of a, no fp32 operand tiles); otherwise
+    one product at PREC on fp32 tiles."""
+    if SPLIT:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a_hi, b) + tl.dot(a_lo, b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _mdot_r(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """a (16-bit input, exact) @ b (fp32 registers); see `_mdot`."""
+    if SPLIT:
+        b_hi = b.to(tl.bfloat16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a, b_hi) + tl.dot(a, b_lo)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
+
+
+@triton.jit
 def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    OUTPUT: tl.constexpr, PREC: tl.constexpr):
+                    OUTPUT: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
     # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -103,7 +127,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
             b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
             b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # M_t . q_t
             b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # M_t[v-block]
-            b_o = tl.dot(b_q, b_S, input_precision=PREC) + tl.dot(b_A, b_kv, input_precision=PREC)
+            b_o = _mdot_r(b_q16, b_S, SPLIT, PREC) + _mdot(b_A, b_kv16, SPLIT, PREC)
             b_o = b_o * inv[:, None] - b_Mc * (b_r * inv * inv)[:, None]
             tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
@@ -158,7 +182,7 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
-                       PREC: tl.constexpr):
+                       SPLIT: tl.constexpr, PREC: tl.constexpr):
     # this program owns channels l in the block: it carries rows S[l, :] and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -202,7 +226,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
         b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . M_t
         b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . M_t
         b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)
-        b_dq = tl.dot(b_g, tl.trans(b_S), input_precision=PREC) + tl.dot(b_Ag, b_kv, input_precision=PREC)
+        b_dq = _mdot_r(b_do16, tl.trans(b_S), SPLIT, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, SPLIT, PREC)
         b_dq = b_dq - b_Mc * (b_a * inv)[:, None]
         tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
         if i_v == 0:
@@ -223,7 +247,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
 def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, SUMS_ONLY: tl.constexpr,
-                       PREC: tl.constexpr):
+                       SPLIT: tl.constexpr, PREC: tl.constexpr):
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :].
     # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -252,8 +276,9 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_q16 = tl.load(q + p + o_k[None, :], mask=mf, other=0.0)
         b_do16 = tl.load(do + p + o_k[None, :], mask=mf, other=0.0)
         b_q, b_do = b_q16.to(tl.float32), b_do16.to(tl.float32)
-        b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_dov = tl.load(do + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_qv16 = tl.load(q + p + o_v[None, :], mask=mv, other=0.0)
+        b_dov16 = tl.load(do + p + o_v[None, :], mask=mv, other=0.0)
+        b_qv, b_dov = b_qv16.to(tl.float32), b_dov16.to(tl.float32)
         b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
         b_r = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
         if HAS_MASK:
@@ -271,19 +296,18 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
             b_k16 = tl.load(k + p + o_k[None, :], mask=mf, other=0.0)
             if HAS_MASK:
                 b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_q16.dtype)
-            b_k = b_k16.to(tl.float32)
             # g_i . k_j and q_i . k_j: products of two inputs in the input dtype (exact), rows scaled after
             b_B1 = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
             b_B2 = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-            b_dk = tl.dot(tl.trans(b_B1), b_qv, input_precision=PREC)
-            b_dk += tl.dot(tl.trans(b_B2), b_gv, input_precision=PREC)
-            b_dk += tl.dot(b_k, tl.trans(b_E), input_precision=PREC)
+            b_dk = _mdot(tl.trans(b_B1), b_qv16, SPLIT, PREC)
+            b_dk += _mdot(tl.trans(b_B2 * inv[:, None]), b_dov16, SPLIT, PREC)     # B2^T g
+            b_dk += _mdot_r(b_k16, tl.trans(b_E), SPLIT, PREC)
             b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
             if HAS_MASK:
                 b_dk = b_dk * b_m[:, None]
             tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
-        b_E += tl.dot(tl.trans(b_qv), b_g, input_precision=PREC)
-        b_E += tl.dot(tl.trans(b_gv), b_q, input_precision=PREC)
+        b_E += _mdot_r(tl.trans(b_qv16), b_g, SPLIT, PREC)
+        b_E += _mdot(tl.trans(b_gv), b_q16, SPLIT, PREC)
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
@@ -454,6 +478,7 @@ class _CCQReadFn(torch.autograd.Function):
         B, T, H, K = q.shape
         q, k = q.contiguous(), k.contiguous()
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        bf16_split = q.dtype == torch.bfloat16 and os.environ.get("HYBRIDIZE_CCQ_SPLIT", "1") != "0"
         o = torch.empty_like(q)
         pc = _table(B, T, cu, mask, n0, seg_len, zero_start=S0 is None)
         N, G = pc.segs.shape[0], pc.seg.shape[0]
@@ -461,7 +486,7 @@ class _CCQReadFn(torch.autograd.Function):
         M_end = q.new_empty(N, H, K, dtype=torch.float32)
         dummy = M_end
         m_arg = dummy if mask is None else mask
-        common = dict(HAS_MASK=mask is not None, PREC=prec)
+        common = dict(HAS_MASK=mask is not None, SPLIT=bf16_split, PREC=prec)
         starts = mstarts = None
         if seg_len is None:  # one pass per sequence, straight from the initial state
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
@@ -479,7 +504,7 @@ class _CCQReadFn(torch.autograd.Function):
                     (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, pc.seg, H),
                     dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
         ctx.save_for_backward(q, k, mask, S0, M0, n0, cu, starts, mstarts)
-        ctx.chunk_size, ctx.prec, ctx.seg_len = chunk_size, prec, seg_len
+        ctx.chunk_size, ctx.prec, ctx.seg_len, ctx.split = chunk_size, prec, seg_len, bf16_split
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
         return o, S_end, M_end
 
@@ -498,7 +523,7 @@ class _CCQReadFn(torch.autograd.Function):
         dm0 = torch.empty(G, H, K, **f32)
         dummy = dm0
         m_arg = dummy if mask is None else mask
-        common = dict(HAS_MASK=mask is not None, PREC=ctx.prec)
+        common = dict(HAS_MASK=mask is not None, SPLIT=ctx.split, PREC=ctx.prec)
         s_start = starts if split else S0
         m_start = mstarts if split else M0
         _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
@@ -553,6 +578,10 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     if q.dtype == torch.float64 or q.shape[1] == 0 or q.dtype != k.dtype:
         return ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
                              cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+    if _interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong
+        o, fs = ccq_triton(q.float(), k.float(), mask, initial_state, output_final_state, cu_seqlens, chunk_size,
+                           segment_len)
+        return o.to(q.dtype), fs
     B, T, H, K = q.shape
     cu = None
     if cu_seqlens is not None:
