@@ -14,30 +14,35 @@ carried M plus an in-chunk cumsum of the keys (M_t . q_t = q M_prev + rowsum(tri
 state update `S += k^T k_v`, `M += sum k`. The 1/n and 1/n^2 normalisations happen in registers.
 
 Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
-runs T / BT dependent steps. The forward therefore cuts every sequence into pieces of `segment_len`
-tokens (automatic on GPU, ~256 (piece, head) rows): (1) the same kernel with OUTPUT=False sums each
-piece's keys, (2) `_ccq_scan_kernel` turns the piece sums into each piece's starting sums (in place,
-plus the initial state; it also writes the end state), (3) every piece runs the fused pass above from
-its start. Steps (1) and (3) both read the keys, so the split costs ~1.4x the work of one pass for
-~NS-fold parallelism. Pieces are built on the device from `cu_seqlens` (no host sync): a table of
-(first token, length) with unused slots of length 0.
+runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
+tokens (automatic on GPU: 512-2048 tokens, see `_segment_len`). Forward: (1) the same kernel with
+OUTPUT=False sums each piece's keys, (2) `_ccq_scan_kernel` turns the piece sums into each piece's
+starting sums (in place, plus the initial state; it also writes the end state), (3) every piece runs the
+fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
+table of (first token, length) with unused slots of length 0; without mask / varlen / initial state the
+table depends on the shape only and is cached.
 
-Backward (two kernels, no chunk states stored): with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
+Backward (no chunk states stored): with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
 - `dq` pass, forward in time, carrying rows of S: `dq = g S_prev^T + tril(g k^T) k - (a' / n) M`; it
-  also writes a', r per token and, with an initial state, dS0 = sum_i q_i g_i^T;
+  also writes a', r per token and, with an initial state, dS0 = sum_i q_i g_i^T. Per piece, from the
+  forward's piece starting sums (kept for the backward: G x H x K x K fp32, 16 MB at 16k tokens);
 - `dk` pass, backward in time, carrying E = sum_{i later} (q_i g_i^T + g_i q_i^T) and the key-sum
   gradient: `dk = k E^T + tril(g k^T)^T q + tril(q k^T)^T g + revcumsum(dM)`, dM_i = -(r_i g_i + a'_i q_i) / n_i,
-  times the mask; dM0 is the carried sum at the start.
+  times the mask; dM0 is the carried sum at the start. Per piece: the same kernel with SUMS_ONLY sums
+  each piece's E and dM, the scan kernel (REVERSE) turns them into suffix starts (plus the final state's
+  gradient), then every piece runs from its own start.
 The torch wrapper turns (C0, mu0, t0) into (t0 C0, t0 mu0) and the end sums back into (C, mu, t) with
 differentiable torch ops, so gradients reach the initial state (and flow from the final state).
 
-Backward parallelism: one pass per (sequence, head) (no split yet; the same piece/scan scheme applies
-to the dq pass directly and to the dk pass with suffix sums of E and dM).
-
-Numerics: all products in fp32 registers; `tl.dot` runs in tf32 for 16-bit inputs (bf16 values are exact
-in tf32, so q k^T is exact; the carried fp32 sums and the fp32 score tile are rounded to tf32, not to
-bf16, when multiplied) and in IEEE fp32 for fp32 inputs. fp64 and empty inputs go to the PyTorch op. On CUDA the tile sizes (BT, BV) and warps
-are autotuned and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
+Numerics: sums and scores accumulate in fp32. Products of two inputs (q k^T, k^T k, do k^T) run on the
+16-bit input tiles (exact products). Products with a carried fp32 operand (the state S, the score tile,
+g = do / n, E) run, for bf16 inputs, as two bf16 products of a hi/lo split of the fp32 operand (~16
+mantissa bits; faster than fp32 tiles in the forward and dq passes; `HYBRIDIZE_CCQ_SPLIT=0` turns it
+off), otherwise on fp32 tiles in tf32 (fp16 inputs, and the dk pass, where the split measured slower),
+and in IEEE fp32 for fp32 inputs. fp64 and empty inputs go to the PyTorch op; under TRITON_INTERPRET=1
+16-bit inputs run in fp32 (the interpreter's 16-bit `tl.dot` is wrong). On CUDA the tile sizes (BT, BV)
+and warps are autotuned over a short list and `chunk_size` is ignored; under TRITON_INTERPRET=1
+`chunk_size` (default 16) is used.
 """
 from __future__ import annotations
 
@@ -451,16 +456,16 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
 
 
 def _segment_len(B, T, H, longest):
-    """Piece length: aim at ~`HYBRIDIZE_CCQ_ROWS` (default 256) (piece, head) rows so that B * H alone
-    (often 16) does not leave most SMs idle, with pieces of at least 512 tokens (shorter ones cost more in
-    the prefix scan and the per-piece states than they gain; H100 sweep in benchmarks/RESULTS.md);
+    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (default 128) (piece, head) rows so that B * H alone (often 16)
+    does not leave most SMs idle, clamped to 512..2048 tokens (shorter pieces cost more in the prefix scan
+    and the per-piece states than they gain, longer ones idle SMs; H100 sweep in benchmarks/RESULTS.md);
     `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece per sequence)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "256"))
-        n = max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows)))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128"))
+        n = min(2048, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
     return None if n <= 0 or n >= longest else n
 
 
@@ -536,12 +541,15 @@ class _CCQReadFn(torch.autograd.Function):
             dS_end = torch.zeros(N, H, K, K, **f32) if dS_end is None else dS_end.float()
             dm_end = torch.zeros(N, H, K, **f32) if dM_end is None else dM_end.float().contiguous()
             e_end = (dS_end + dS_end.transpose(-1, -2)).contiguous()
+        # the dk kernel's products with a carried fp32 operand (five) as bf16 hi/lo pairs measured slower than
+        # tf32 tiles on the H100 (1.09 vs 1.00 ms at 16k, both dk launches), so it keeps tf32
+        dk_flags = {**common, "SPLIT": False}
         if split:  # each piece's own E and key-sum gradient, then suffix sums over pieces (+ the end's)
             e_start = torch.empty(G, H, K, K, **f32)
             dm_start = torch.empty(G, H, K, **f32)
             _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                     (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, pc.seg, H),
-                    dict(HAS_DEND=False, SUMS_ONLY=True, **common))
+                    dict(HAS_DEND=False, SUMS_ONLY=True, **dk_flags))
             _scan(e_start, dm_start, e_end, dm_end, torch.empty(N, H, K, K, **f32), torch.empty(N, H, K, **f32),
                   pc.segs, H, K, reverse=True)
         else:
@@ -549,7 +557,7 @@ class _CCQReadFn(torch.autograd.Function):
         _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
                  dummy if dm_start is None else dm_start, dk, dm0, dummy, pc.seg, H),
-                dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **common))
+                dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **dk_flags))
         dS0 = dM0 = None
         if S0 is not None:
             if split:  # per-piece partial sums -> per sequence; dM0 is the first piece's carried sum
