@@ -280,7 +280,6 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         b_q16 = tl.load(q + p + o_k[None, :], mask=mf, other=0.0)
         b_do16 = tl.load(do + p + o_k[None, :], mask=mf, other=0.0)
-        b_q, b_do = b_q16.to(tl.float32), b_do16.to(tl.float32)
         b_qv16 = tl.load(q + p + o_v[None, :], mask=mv, other=0.0)
         b_dov16 = tl.load(do + p + o_v[None, :], mask=mv, other=0.0)
         b_qv, b_dov = b_qv16.to(tl.float32), b_dov16.to(tl.float32)
@@ -292,7 +291,7 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
             b_m = m_t.to(tl.float32)
         b_prev = b_n - tl.sum(b_m, 0)
         inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
-        b_g = b_do * inv[:, None]
+        b_g = b_do16.to(tl.float32) * inv[:, None]
         b_gv = b_dov * inv[:, None]
         # gradient of the key sum M_i (v-block), summed over i >= j
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
@@ -472,7 +471,8 @@ def _segment_len(B, T, H, longest):
 # ---- autograd --------------------------------------------------------------------------------------
 
 class _CCQReadFn(torch.autograd.Function):
-    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end) with un-normalised sums.
+    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end, n_end) with un-normalised sums
+    (n_end: the real-token count at each sequence's end, not differentiable).
 
     With `seg_len` both directions run per piece: the forward's piece starting sums (prefix over pieces)
     are kept for the backward's dq pass; the dk pass first sums each piece's E and key-sum gradient, takes
@@ -508,17 +508,20 @@ class _CCQReadFn(torch.autograd.Function):
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, pc.seg, H),
                     dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
-        ctx.save_for_backward(q, k, mask, S0, M0, n0, cu, starts, mstarts)
+        ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts)
+        ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
         ctx.chunk_size, ctx.prec, ctx.seg_len, ctx.split = chunk_size, prec, seg_len, bf16_split
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
-        return o, S_end, M_end
+        n_end = pc.n_end.clone()  # handed to the caller in the final state: not the cached table's tensor
+        ctx.mark_non_differentiable(n_end)
+        return o, S_end, M_end, n_end
 
     @staticmethod
-    def backward(ctx, do, dS_end, dM_end):
-        q, k, mask, S0, M0, n0, cu, starts, mstarts = ctx.saved_tensors
+    def backward(ctx, do, dS_end, dM_end, _dn_end):
+        q, k, mask, S0, M0, starts, mstarts = ctx.saved_tensors
         B, T, H, K = q.shape
         split = ctx.seg_len is not None
-        pc = _table(B, T, cu, mask, n0, ctx.seg_len, zero_start=S0 is None)
+        pc = ctx.pieces
         N, G = pc.segs.shape[0], pc.seg.shape[0]
         do = do.contiguous()
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -614,10 +617,9 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    o, S_end, M_end = _CCQReadFn.apply(q, k, m, S0, M0, n0, cu, chunk_size, seg_len)
+    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, n0, cu, chunk_size, seg_len)
     if not output_final_state:
         return o, None
-    n_end = _table(B, T, cu, m, n0, None).n_end
     inv = 1.0 / n_end.clamp(min=1).float()
     return o, (S_end * inv.view(N, 1, 1, 1), M_end * inv.view(N, 1, 1), n_end)
 
