@@ -4,13 +4,14 @@ For each T, side by side in one process at `[1, T, H, D]`, forward and forward+b
 - `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
   both directions (`auto`: the default choice; `0`: one pass per sequence);
 - `ccq seg=auto, tf32 operands`: the same with `HYBRIDIZE_CCQ_SPLIT=0` (fp32 tiles at tf32 instead of
-  bf16 hi/lo pairs for the products with a carried fp32 operand);
+  bf16 hi/lo pairs for the products with a carried fp32 operand); `bf16 operands`: `HYBRIDIZE_CCQ_SPLIT=bf16`
+  (that operand rounded to bf16, one product);
 - `gla`: the GLA backbone (`dispatch.run("gla", "chunk")`, fla's chunk_gla);
 - `gdn`: the Gated DeltaNet backbone (`dispatch.run("delta", "chunk")`: fla forward, our erase backward);
 each with wall ms (median of `triton.testing.do_bench`, host included) and device ms (torch.profiler: the
 sum of the call's kernel times, i.e. what the GPU spends once the host runs ahead, as it does in a
 training step). Overhead columns: the CCQ row over each backbone, by device time. Also the forward's
-max relative difference between the fused read and the fp64 PyTorch chunked op.
+max relative difference to the fp64 PyTorch chunked op, per product setting.
 
     python benchmarks/ccq_triton.py --T 4096,16384 --segments auto,0,128,256,512,1024 [--out ccq.json]
 
@@ -44,19 +45,24 @@ def run(T, segments):
     for s in segments:
         seg = None if s == "auto" else int(s)
         cases[f"ccq seg={s}"] = (lambda q, k, seg=seg: ccq_triton(q, k, segment_len=seg)[0], inp)
-    def tf32_only(q, k):  # the same op without the bf16 hi/lo split: fp32 operand tiles at tf32
-        os.environ["HYBRIDIZE_CCQ_SPLIT"] = "0"
-        try:
-            return ccq_triton(q, k)[0]
-        finally:
-            os.environ.pop("HYBRIDIZE_CCQ_SPLIT")
-    cases["ccq seg=auto, tf32 operands"] = (tf32_only, inp)
+    def with_products(mode):  # the same op with another HYBRIDIZE_CCQ_SPLIT setting
+        def call(q, k):
+            os.environ["HYBRIDIZE_CCQ_SPLIT"] = mode
+            try:
+                return ccq_triton(q, k)[0]
+            finally:
+                os.environ.pop("HYBRIDIZE_CCQ_SPLIT")
+        return call
+    cases["ccq seg=auto, tf32 operands"] = (with_products("0"), inp)
+    cases["ccq seg=auto, bf16 operands"] = (with_products("bf16"), inp)
     cases["gla"] = (bk.run_gla, x)
     cases["gdn"] = (bk.run_delta, bk.delta_inputs(T))
     with torch.no_grad():
-        a = ccq_triton(inp["q"], inp["k"])[0].double()
         b = ccq_chunk(inp["q"].double(), inp["k"].double())[0]
-        diff = ((a - b).abs().max() / b.abs().max()).item()
+        diff = {}
+        for mode in ("1", "0", "bf16"):
+            a = with_products(mode)(inp["q"], inp["k"]).double()
+            diff[mode] = ((a - b).abs().max() / b.abs().max()).item()
     rows = {}
     for name, (fn, args) in cases.items():
         f, fb, leaves = bk.fwd_bwd(fn, args)
@@ -97,7 +103,8 @@ def main():
                   f"{r['fb_dev']:.3f} | {r['fwd_dev'] / g['fwd_dev']:.2f} | {r['fb_dev'] / g['fb_dev']:.2f} | "
                   f"{r['fwd_dev'] / d['fwd_dev']:.2f} | {r['fb_dev'] / d['fb_dev']:.2f} |")
             out.append(dict(T=T, op=name, device=torch.cuda.get_device_name(), **r))
-        print(f"| {T} | fused (auto) vs fp64 PyTorch op, max rel. diff of the forward | {diff:.1e} | | | | | | | |")
+        print(f"| {T} | forward vs fp64 PyTorch op, max rel. diff: hi/lo {diff['1']:.1e}, tf32 {diff['0']:.1e}, "
+              f"bf16 {diff['bf16']:.1e} | | | | | | | | |")
         for name, r in rows.items():
             if name.startswith("ccq"):
                 tops = ", ".join(f"{t['kernel'][:28]} {t['ms']:.3f}" for t in r["fb_top"])

@@ -12,6 +12,8 @@
 #   sse       kernels.py: SSE varlen/masking vs chunk_gla, decode steps
 #   ccq       ccq_triton.py: fused CCQ read at several piece lengths vs the GLA and GDN backbones, wall and
 #             device time (CCQ_T, CCQ_SEGMENTS)
+#   layers    layers.py: whole mixer layers (projections, gates, norms, o_proj around the op), CCQ-GLA vs GLA,
+#             CCQ-GDN vs GDN, SSE n4k1 vs GLA, Q-Delta vs GDN, hidden 2048 (LAYER_T, LAYER_MIXERS)
 #   qdelta    kernels.py delta section: Gated DeltaNet vs Q-Delta (fused erase direction), 4k-64k
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
 #   profile_compile  the same with FastGenConfig.compile=on (both profiles: GEMM=auto|torch, FastGenConfig.gemm)
@@ -77,6 +79,9 @@ for s in "${STEPS_[@]}"; do
     qdelta)
       timeout 300 python3 benchmarks/kernels.py --T 4096,16384,32768,65536 --sections delta \
         --out "$OUT/bench_delta.json" 2>&1 | tail -20 ;;
+    layers)
+      timeout 400 python3 benchmarks/layers.py --T ${LAYER_T:-4096,16384} --mixers ${LAYER_MIXERS:-ccq_gla,ccq_gdn,sse,qdelta} \
+        --out "$OUT/layers.json" 2>&1 | tail -40 ;;
     ccq)
       timeout 300 python3 benchmarks/ccq_triton.py --T ${CCQ_T:-4096,16384} --segments ${CCQ_SEGMENTS:-auto,0,128,256,512,1024} \
         --out "$OUT/ccq_triton.json" 2>&1 | tail -40 ;;
