@@ -19,6 +19,8 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 | ccq / chunk        | our fused Triton read (`triton/ccq_read.py`: C_t q, mu_t mu_t^T q, one chunked |
 |                    | pass fwd + Triton bwd); `ccq_chunk` here (a `chunk_gla` call with values =     |
 |                    | keys, cumsum for mu, t) is kept as the comparison path                         |
+| ccq_clean / both   | `triton/ccq_clean.py`: CCQ's normalisation of k, gate and q - lambda Sigma q   |
+|                    | as two fused passes around the read (forward and backward)                    |
 
 Conventions mapped here:
 - fla's Comba reads its erase direction against the *undecayed* state: u = v - S_{t-1}^T p_fla, then
@@ -358,6 +360,11 @@ def ccq_fused(*args, **kwargs):
     return ccq_triton(*args, **kwargs)
 
 
+def ccq_clean_fused(*args, **kwargs):
+    from .triton.ccq_clean import ccq_clean_fused as fused  # imports triton on the first CUDA call only
+    return fused(*args, **kwargs)
+
+
 WRAPPERS = {
     ("gla", "chunk"): gla_chunk,
     ("gla", "recurrent"): gla_recurrent,
@@ -365,4 +372,6 @@ WRAPPERS = {
     ("delta", "recurrent"): delta_recurrent,
     ("log_linear", "chunk"): log_linear_chunk,
     ("ccq", "chunk"): ccq_fused,
+    ("ccq_clean", "chunk"): ccq_clean_fused,
+    ("ccq_clean", "recurrent"): ccq_clean_fused,
 }

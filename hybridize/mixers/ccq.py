@@ -38,9 +38,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from hybridize.kernels import dispatch
+from hybridize.kernels import ccq_clean, dispatch
 
 from .base import MixerConfig, MixerState
 from .deltanet import DeltaState, GatedDeltaNet, GatedDeltaNetConfig
@@ -122,12 +121,14 @@ class _CCQRead:
 
     def ccq_gate(self, q_unit: torch.Tensor) -> torch.Tensor:
         """lambda_t = sigmoid(w_h . qbar_t + b_h): qbar `[B, T, H, K]` -> `[B, T, H]` (fp32, fp64 for fp64)."""
-        c = self.config
-        acc = torch.float64 if q_unit.dtype == torch.float64 else torch.float32
-        if c.ccq_fixed_lambda is not None:
-            return q_unit.new_full(q_unit.shape[:-1], float(c.ccq_fixed_lambda), dtype=acc)
-        logits = torch.einsum("bthk,hk->bth", q_unit.to(acc), self.ccq_weight.to(acc)) + self.ccq_bias.to(acc)
-        return torch.sigmoid(logits)
+        w, b, fixed = self._gate_args()
+        return ccq_clean.gate(q_unit, w, b, fixed)
+
+    def _gate_args(self):
+        fixed = self.config.ccq_fixed_lambda
+        if fixed is not None:
+            return None, None, fixed
+        return self.ccq_weight, self.ccq_bias, None
 
     def transform_query(self, q, k, state, attention_mask, cu_seqlens, mode, output_state):
         """The backbone hook: q, k `[B, T, H, K]` as the op gets them -> (q_clean = q - lambda Sigma_t q,
@@ -136,12 +137,13 @@ class _CCQRead:
         if state is not None and getattr(state, "key_moment", None) is not None:
             stats = (state.key_moment, state.key_mean, state.key_count)
         kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
-        # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
-        sigma_q, new = dispatch.run("ccq", mode, q, F.normalize(k, dim=-1), mask=attention_mask,
-                                    initial_state=stats, output_final_state=output_state,
-                                    cu_seqlens=cu_seqlens, **kw)
-        lam = self.ccq_gate(F.normalize(q, dim=-1))
-        q_clean = q - lam.unsqueeze(-1).to(q.dtype) * sigma_q
+
+        def read(q, k_unit):  # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
+            return dispatch.run("ccq", mode, q, k_unit, mask=attention_mask, initial_state=stats,
+                                output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
+
+        # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
+        q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read)
         if not output_state:
             return q_clean, {}
         C, mu, t = new
