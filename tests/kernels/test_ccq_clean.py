@@ -134,3 +134,26 @@ def test_layer_uses_fused_path_and_agrees():
     assert rel(outs[0][0], outs[1][0]) < 2e-3
     assert rel(outs[0][1], outs[1][1]) < 2e-3
     torch.cuda.synchronize()
+
+
+@cuda_only
+def test_layer_prefill_then_decode_on_gpu():
+    """CCQ-GLA on CUDA, fp32: full chunked forward == chunked prefill + token-by-token recurrent decode, both
+    through the fused cleaning (and the Triton read for the prefill)."""
+    from hybridize.mixers import build_mixer
+
+    torch.manual_seed(1)
+    m = build_mixer("ccq_gla", {"ccq_gate_init": 0.3}, hidden_size=256, num_heads=2, num_kv_heads=2,
+                    head_dim=128).cuda()
+    with torch.no_grad():
+        m.ccq_weight.normal_(0, 0.5)
+        x = torch.randn(2, 203, 256, device="cuda")
+        full = m(x, mode="chunk").hidden
+        out = m(x[:, :197], output_state=True, mode="chunk")
+        steps, st = [out.hidden], out.state
+        for t in range(197, 203):
+            o = m(x[:, t:t + 1], state=st, output_state=True, mode="recurrent")
+            steps.append(o.hidden)
+            st = o.state
+    assert rel(torch.cat(steps, 1), full) < 2e-3
+    torch.cuda.synchronize()
