@@ -9,7 +9,9 @@ The backbone (GLA or Gated DeltaNet) is used unchanged; only the query it reads 
 with kbar, qbar the L2-normalised keys/queries, token t included in the statistics, no decay, t the
 number of real tokens of the sequence so far (restarting for every `cu_seqlens` document; padding not
 counted). Sigma_t q_t is `hybridize.kernels.ccq` (chunked: linear attention with values = keys;
-recurrent: the paper's Algorithm 2). The decode state is the backbone state plus (C_t, mu_t, t).
+recurrent: the paper's Algorithm 2); the normalisations, the gate and the update of q around it are
+`hybridize.kernels.ccq_clean` (fused Triton passes on CUDA). The decode state is the backbone state
+plus (C_t, mu_t, t).
 
 Reuse of the backbone: `CCQGLA` subclasses `GLA`, `CCQGDN` subclasses `GatedDeltaNet`; each
 overrides only the backbones' `transform_query` hook, which gets q, k as the op would (after the
@@ -138,8 +140,8 @@ class _CCQRead:
             stats = (state.key_moment, state.key_mean, state.key_count)
         kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
 
-        def read(q, k_unit):  # statistics over unit keys (padding: zero keys, and the mask keeps them out of t)
-            return dispatch.run("ccq", mode, q, k_unit, mask=attention_mask, initial_state=stats,
+        def read(query, k_unit):  # statistics over unit keys (padding: zero keys; the mask keeps them out of t)
+            return dispatch.run("ccq", mode, query, k_unit, mask=attention_mask, initial_state=stats,
                                 output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
 
         # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
