@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from hybridize.kernels import ccq_clean, dispatch
+from hybridize.kernels import dispatch
 
 from .base import MixerConfig, MixerState
 from .deltanet import DeltaState, GatedDeltaNet, GatedDeltaNetConfig
@@ -121,12 +121,8 @@ class _CCQRead:
             self.ccq_weight.zero_()
             self.ccq_bias.fill_(math.log(p / (1.0 - p)))
 
-    def ccq_gate(self, q_unit: torch.Tensor) -> torch.Tensor:
-        """lambda_t = sigmoid(w_h . qbar_t + b_h): qbar `[B, T, H, K]` -> `[B, T, H]` (fp32, fp64 for fp64)."""
-        w, b, fixed = self._gate_args()
-        return ccq_clean.gate(q_unit, w, b, fixed)
-
     def _gate_args(self):
+        """(weight, bias, fixed lambda) for `kernels.ccq_clean`: the gate parameters, or a fixed lambda."""
         fixed = self.config.ccq_fixed_lambda
         if fixed is not None:
             return None, None, fixed
