@@ -49,15 +49,23 @@ def _unit_rows_bwd(x, dy, dx, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.const
 
 
 @triton.jit
-def _gate(b_q, w, b, i_h, o_k, m_k, FIXED: tl.constexpr, LAM, EPS: tl.constexpr):
-    """(qbar, ||q|| clamped, lambda) for a tile of rows of head i_h (w: that head's weight row)."""
+def _gate_params(w, b, i_h, o_k, m_k, K: tl.constexpr, FIXED: tl.constexpr):
+    """Head i_h's weight row and bias in fp32 (zeros, unread, with a fixed lambda)."""
+    if FIXED:
+        return tl.zeros(o_k.shape, dtype=tl.float32), 0.0
+    else:
+        return tl.load(w + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32), tl.load(b + i_h).to(tl.float32)
+
+
+@triton.jit
+def _gate(b_q, b_w, bias_h, FIXED: tl.constexpr, LAM, EPS: tl.constexpr):
+    """(qbar, ||q|| clamped, lambda) for a tile of rows of one head (b_w: its weight row, bias_h: its bias)."""
     d = tl.maximum(tl.sqrt(tl.sum(b_q * b_q, 1)), EPS)
     b_qbar = b_q / d[:, None]
     if FIXED:
         lam = tl.zeros_like(d) + LAM
     else:
-        b_w = tl.load(w + o_k, mask=m_k, other=0.0)
-        lam = tl.sigmoid(tl.sum(b_qbar * b_w.to(tl.float32)[None, :], 1) + tl.load(b + i_h).to(tl.float32))
+        lam = tl.sigmoid(tl.sum(b_qbar * b_w[None, :], 1) + bias_h)
     return b_qbar, d, lam
 
 
@@ -73,7 +81,8 @@ def _clean_fwd(q, s, w, b, out, BT, LAM, H: tl.constexpr, K: tl.constexpr, BK: t
     p = (o_r[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
     b_s = tl.load(s + p, mask=m, other=0.0).to(tl.float32)
-    _, _, lam = _gate(b_q, w + i_h * K, b, i_h, o_k, m_k, FIXED, LAM, EPS)
+    b_w, bias_h = _gate_params(w, b, i_h, o_k, m_k, K, FIXED)
+    _, _, lam = _gate(b_q, b_w, bias_h, FIXED, LAM, EPS)
     tl.store(out + p, (b_q - lam[:, None] * b_s).to(out.dtype.element_ty), mask=m)
 
 
@@ -90,17 +99,17 @@ def _clean_bwd(q, s, w, b, dout, dq, ds, dw_part, db_part, BT, LAM, H: tl.conste
     b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
     b_s = tl.load(s + p, mask=m, other=0.0).to(tl.float32)
     b_do = tl.load(dout + p, mask=m, other=0.0).to(tl.float32)
-    b_qbar, d, lam = _gate(b_q, w + i_h * K, b, i_h, o_k, m_k, FIXED, LAM, EPS)
+    b_w, bias_h = _gate_params(w, b, i_h, o_k, m_k, K, FIXED)
+    b_qbar, d, lam = _gate(b_q, b_w, bias_h, FIXED, LAM, EPS)
     tl.store(ds + p, (-lam[:, None] * b_do).to(ds.dtype.element_ty), mask=m)
     b_dq = b_do
     if not FIXED:
-        # lambda's gradient through the sigmoid to w, b and (via qbar = q / ||q||) to q
+        # lambda's gradient through the sigmoid to w, b and (via qbar = q / max(||q||, EPS)) to q;
+        # d > EPS exactly where ||q|| > EPS (below the clamp no gradient goes through the norm)
         dlogit = -tl.sum(b_do * b_s, 1) * lam * (1.0 - lam)
         dlogit = tl.where(m_r, dlogit, 0.0)
-        b_w = tl.load(w + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_dqbar = dlogit[:, None] * b_w[None, :]
-        n = tl.sqrt(tl.sum(b_q * b_q, 1))
-        proj = tl.where(n > EPS, tl.sum(b_qbar * b_dqbar, 1), 0.0)
+        proj = tl.where(d > EPS, tl.sum(b_qbar * b_dqbar, 1), 0.0)
         b_dq += (b_dqbar - b_qbar * proj[:, None]) / d[:, None]
         pp = (i_r * H + i_h).to(tl.int64)
         tl.store(dw_part + pp * K + o_k, tl.sum(dlogit[:, None] * b_qbar, 0), mask=m_k)
@@ -137,6 +146,11 @@ class _UnitRows(torch.autograd.Function):
         return dx
 
 
+def _gate_pointers(q, weight, bias, fixed):
+    """Weight and bias as kernel arguments; with a fixed lambda the kernels read neither (q stands in)."""
+    return (q, q) if fixed else (weight.contiguous(), bias.contiguous())
+
+
 class _CleanQuery(torch.autograd.Function):
     """(q, Sigma q, weight, bias, fixed lambda) -> q - lambda(qbar) Sigma q, all `[B, T, H, K]`."""
 
@@ -146,8 +160,7 @@ class _CleanQuery(torch.autograd.Function):
         B, T, H, K = q.shape
         BK, BR = _tiles(K)
         fixed = fixed_lambda is not None
-        w = weight.contiguous() if not fixed else q   # unused pointer when fixed
-        b = bias.contiguous() if not fixed else q
+        w, b = _gate_pointers(q, weight, bias, fixed)
         out = torch.empty_like(q)
         grid = (triton.cdiv(B * T, BR), H)
         _clean_fwd[grid](q, s, w, b, out, B * T, float(fixed_lambda or 0.0), H=H, K=K, BK=BK, BR=BR, FIXED=fixed,
@@ -167,8 +180,7 @@ class _CleanQuery(torch.autograd.Function):
         f32 = dict(device=q.device, dtype=torch.float32)
         dw_part = torch.empty(nb, H, K, **f32) if not fixed else dq
         db_part = torch.empty(nb, H, **f32) if not fixed else dq
-        w = weight.contiguous() if not fixed else q
-        b = bias.contiguous() if not fixed else q
+        w, b = _gate_pointers(q, weight, bias, fixed)
         _clean_bwd[(nb, H)](q, s, w, b, dout.contiguous(), dq, ds, dw_part, db_part, B * T,
                             float(ctx.fixed_lambda or 0.0), H=H, K=K, BK=BK, BR=BR, FIXED=fixed, EPS=EPS, num_warps=4)
         if fixed:
