@@ -12,21 +12,13 @@ Gates:
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hybridize.kernels import ccq, ccq_clean
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
-CUDA = torch.cuda.is_available() and HAS_TRITON and not INTERPRET
-
-interp_only = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton importable")
-cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (and TRITON_INTERPRET unset)")
+from .triton_gates import cuda_only, interp_only, rel
 
 
 def torch_read(q, k_unit):
@@ -56,10 +48,6 @@ def grads(fn, q, k, w, b, fixed, seed=5):
     leaves = [q, k] + ([w, b] if fixed is None else [])
     gs = torch.autograd.grad(loss, leaves)
     return [out, *gs]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
 def test_reference_is_the_mixer_formula():

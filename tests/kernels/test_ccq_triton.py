@@ -12,24 +12,11 @@ Gates:
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
-CUDA = torch.cuda.is_available() and HAS_TRITON and not INTERPRET
-
-interp_only = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton importable")
-cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (and TRITON_INTERPRET unset)")
-
-
-def rel(a, b):
-    """max|a - b| / max|b| (b the fp64 reference)."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+from .triton_gates import HAS_TRITON, cuda_only, interp_only, rel
 
 
 def inputs(B, T, H, K, dtype=torch.float32, device="cpu", seed=0):
