@@ -3,14 +3,16 @@
 For each T, side by side in one process at `[1, T, H, D]`, forward and forward+backward:
 - `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
   both directions (`auto`: the default choice; `0`: one pass per sequence);
-- `ccq seg=auto, tf32 operands`: the same with `HYBRIDIZE_CCQ_SPLIT=0` (fp32 tiles at tf32 instead of
-  bf16 hi/lo pairs for the products with a carried fp32 operand);
+- `ccq seg=auto, products=<mode>`: the same with `HYBRIDIZE_CCQ_PRODUCTS=split` (bf16 hi/lo pairs for the
+  products with a carried fp32 operand, tf32 in the dk pass) and `=tf32` (fp32 tiles at tf32); the rows
+  without it use the default, one bf16 product;
 - `gla`: the GLA backbone (`dispatch.run("gla", "chunk")`, fla's chunk_gla);
 - `gdn`: the Gated DeltaNet backbone (`dispatch.run("delta", "chunk")`: fla forward, our erase backward);
 each with wall ms (median of `triton.testing.do_bench`, host included) and device ms (torch.profiler: the
 sum of the call's kernel times, i.e. what the GPU spends once the host runs ahead, as it does in a
-training step). Overhead columns: the CCQ row over each backbone, by device time. Also the forward's
-max relative difference to the fp64 PyTorch chunked op, per product setting.
+training step). Overhead columns: the CCQ row over each backbone, by device time. Also, per product
+setting, the max relative difference (max |a - b| / max |b|) to the fp64 PyTorch chunked op of the output
+and of dq, dk for a random cotangent.
 
     python benchmarks/ccq_triton.py --T 4096,16384 --segments auto,0,128,256,512,1024 [--out ccq.json]
 
@@ -31,6 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+MODES = ("single", "split", "tf32")   # HYBRIDIZE_CCQ_PRODUCTS settings, the default first
+
+
+def errors(fn, ref, q, k):
+    """Max relative difference of o, dq, dk (random cotangent) between fn (bf16) and ref in fp64."""
+    cot = torch.randn(q.shape, device=q.device, dtype=torch.float64)
+    out = {}
+    for name, f, dt in (("test", fn, q.dtype), ("ref", lambda a, b: ref(a, b)[0], torch.float64)):
+        qq, kk = q.detach().to(dt).requires_grad_(), k.detach().to(dt).requires_grad_()
+        o = f(qq, kk)
+        dq, dk = torch.autograd.grad((o.double() * cot).sum(), (qq, kk))
+        out[name] = (o.detach(), dq, dk)
+    return {n: ((a.double() - b).abs().max() / b.abs().max()).item()
+            for n, a, b in zip(("o", "dq", "dk"), out["test"], out["ref"])}
+
+
 def run(T, segments):
     import kernels as bk             # benchmarks/kernels.py: the same backbone inputs and calls
     from profile_sse import profile  # wall + device time of one call
@@ -44,23 +62,19 @@ def run(T, segments):
     for s in segments:
         seg = None if s == "auto" else int(s)
         cases[f"ccq seg={s}"] = (lambda q, k, seg=seg: ccq_triton(q, k, segment_len=seg)[0], inp)
-    def with_products(mode):  # the same op with another HYBRIDIZE_CCQ_SPLIT setting
+    def with_products(mode):  # the same op with another HYBRIDIZE_CCQ_PRODUCTS setting
         def call(q, k):
-            os.environ["HYBRIDIZE_CCQ_SPLIT"] = mode
+            os.environ["HYBRIDIZE_CCQ_PRODUCTS"] = mode
             try:
                 return ccq_triton(q, k)[0]
             finally:
-                os.environ.pop("HYBRIDIZE_CCQ_SPLIT")
+                os.environ.pop("HYBRIDIZE_CCQ_PRODUCTS")
         return call
-    cases["ccq seg=auto, tf32 operands"] = (with_products("0"), inp)
+    for mode in MODES[1:]:
+        cases[f"ccq seg=auto, products={mode}"] = (with_products(mode), inp)
     cases["gla"] = (bk.run_gla, x)
     cases["gdn"] = (bk.run_delta, bk.delta_inputs(T))
-    with torch.no_grad():
-        b = ccq_chunk(inp["q"].double(), inp["k"].double())[0]
-        diff = {}
-        for mode in ("1", "0"):
-            a = with_products(mode)(inp["q"], inp["k"]).double()
-            diff[mode] = ((a - b).abs().max() / b.abs().max()).item()
+    diff = {mode: errors(with_products(mode), ccq_chunk, inp["q"], inp["k"]) for mode in MODES}
     rows = {}
     for name, (fn, args) in cases.items():
         f, fb, leaves = bk.fwd_bwd(fn, args)
@@ -101,8 +115,9 @@ def main():
                   f"{r['fb_dev']:.3f} | {r['fwd_dev'] / g['fwd_dev']:.2f} | {r['fb_dev'] / g['fb_dev']:.2f} | "
                   f"{r['fwd_dev'] / d['fwd_dev']:.2f} | {r['fb_dev'] / d['fb_dev']:.2f} |")
             out.append(dict(T=T, op=name, device=torch.cuda.get_device_name(), **r))
-        print(f"| {T} | forward vs fp64 PyTorch op, max rel. diff: hi/lo {diff['1']:.1e}, tf32 {diff['0']:.1e} "
-              f"| | | | | | | | |")
+        out.append(dict(T=T, errors_vs_fp64=diff))
+        errs = "; ".join(f"{m}: " + ", ".join(f"{n} {v:.1e}" for n, v in diff[m].items()) for m in MODES)
+        print(f"| {T} | vs the fp64 PyTorch op, max rel. diff: {errs} | | | | | | | | |")
         for name, r in rows.items():
             if name.startswith("ccq"):
                 tops = ", ".join(f"{t['kernel'][:28]} {t['ms']:.3f}" for t in r["fb_top"])

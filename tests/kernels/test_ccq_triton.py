@@ -263,3 +263,58 @@ def test_cuda_mixer_through_dispatch():
         dispatch.register_gpu("ccq", "chunk", saved)
     (y1, g1), (y2, g2) = outs
     assert rel(y1, y2) < 2e-3 and rel(g1, g2) < 2e-3   # the current path reads in tf32 inside chunk_gla
+
+
+def _shared_direction_keys(B, T, H, K, seed):
+    """Unit keys within ~27 degrees of one direction per head (noise of norm 0.5 around it): C_t q and
+    mu_t mu_t^T q nearly cancel, which is where a 16-bit product of sums carried about zero goes wrong."""
+    g = torch.Generator().manual_seed(seed)
+    d = F.normalize(torch.randn(H, K, generator=g, dtype=torch.float64), dim=-1)
+    k = F.normalize(d + torch.randn(B, T, H, K, generator=g, dtype=torch.float64) * (0.5 / K ** 0.5), dim=-1)
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    return q.cuda().bfloat16(), k.cuda().bfloat16()
+
+
+#: bf16 with keys sharing a direction: output within 1e-2 of fp64 (bf16 rounding of o alone is ~2e-3)
+SHARED_TOL = {"*": 2e-2, "o": 1e-2}
+
+
+@cuda_only
+@pytest.mark.parametrize("products", ["single", "split", "tf32"])
+def test_cuda_bf16_keys_sharing_a_direction(products, monkeypatch):
+    monkeypatch.setenv("HYBRIDIZE_CCQ_PRODUCTS", products)
+    q, k = _shared_direction_keys(2, 4099, 4, 128, seed=13)
+    mask = torch.rand(2, 4099, device="cuda") > 0.1
+    check(run_both(*_cuda_ops(), q, k, mask=mask, dtype=torch.bfloat16), SHARED_TOL)
+
+
+@cuda_only
+def test_cuda_bf16_single_products_need_the_centre(monkeypatch):
+    """The same case with the sums carried about zero instead of the keys' mean: the single bf16 product's
+    output error leaves the tolerance, so the centre is what makes the default setting accurate."""
+    from hybridize.kernels.triton import ccq_read
+
+    monkeypatch.setenv("HYBRIDIZE_CCQ_PRODUCTS", "single")
+    monkeypatch.setattr(ccq_read, "_mean_key", lambda M, n: torch.zeros_like(M))
+    q, k = _shared_direction_keys(2, 4099, 4, 128, seed=13)
+    pairs = dict((n, rel(a, b)) for n, a, b in run_both(*_cuda_ops(), q, k, dtype=torch.bfloat16, final=False))
+    assert pairs["o"] > SHARED_TOL["o"], pairs
+
+
+@cuda_only
+def test_cuda_every_autotune_config(monkeypatch):
+    """Each tile configuration the autotuner may pick, alone (tests elsewhere run the first one only):
+    bf16 forward and gradients against fp64, default products, pieces on."""
+    from hybridize.kernels.triton import ccq_read
+
+    monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)
+    configs = ccq_read._configs()
+    assert len(configs) > 1
+    q, k = _shared_direction_keys(1, 2500, 4, 128, seed=14)
+    for i, cfg in enumerate(configs):
+        monkeypatch.setattr(ccq_read, "_configs", lambda cfg=cfg: [cfg])
+        ccq_read._TUNED.clear()
+        pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16)
+        bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
+        assert not bad, (i, cfg, bad)
+    ccq_read._TUNED.clear()

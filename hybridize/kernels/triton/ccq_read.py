@@ -34,15 +34,26 @@ Backward (no chunk states stored): with g_i = do_i / n_i, a'_i = g_i . M_i, r_i 
 The torch wrapper turns (C0, mu0, t0) into (t0 C0, t0 mu0) and the end sums back into (C, mu, t) with
 differentiable torch ops, so gradients reach the initial state (and flow from the final state).
 
-Numerics: sums and scores accumulate in fp32. Products of two inputs (q k^T, k^T k, do k^T) run on the
-16-bit input tiles (exact products). Products with a carried fp32 operand (the state S, the score tile,
-g = do / n, E) run, for bf16 inputs, as two bf16 products of a hi/lo split of the fp32 operand (~16
-mantissa bits; faster than fp32 tiles in the forward and dq passes; `HYBRIDIZE_CCQ_SPLIT=0` turns it
-off), otherwise on fp32 tiles in tf32 (fp16 inputs, and the dk pass, where the split measured slower),
-and in IEEE fp32 for fp32 inputs. fp64 and empty inputs go to the PyTorch op; under TRITON_INTERPRET=1
-16-bit inputs run in fp32 (the interpreter's 16-bit `tl.dot` is wrong). On CUDA the tile sizes (BT, BV)
-and warps are autotuned over a short list and `chunk_size` is ignored; under TRITON_INTERPRET=1
-`chunk_size` (default 16) is used.
+Centre: Sigma_t is the same for keys shifted by any vector c, so the output, dq and dk passes carry their
+sums about c = each sequence's mean key (`_mean_key`; with pieces from the scan's end sums, without from
+`_key_sums`, one small pass; initial statistics included; c gets no gradient and needs none) and use
+u = k - c, rounded once to the input dtype, in place of k: U = M - n c, S_c = S - c M^T - M c^T + n c c^T,
+converted in registers where a pass starts (and back where it stores the end); the piece sums and the
+scan stay about zero. The backward turns the gradients about c into gradients of the sums about zero
+(`dM = dU - (dS + dS^T) c`). About zero, C_t q and mu_t mu_t^T q nearly cancel when the keys share a
+direction (CCQ's unit keys usually do), so a 16-bit rounding of the carried sums is amplified in their
+difference (3.7e-2 max relative error measured at 16k with one bf16 product); about the mean the carried
+sums are of the size of the result, and one bf16 product is as accurate as the hi/lo pair was about zero.
+
+Numerics: sums and scores accumulate in fp32. Products of two inputs (q u^T, u^T u, do u^T) run on 16-bit
+tiles. Products with a carried fp32 operand (the state S, the score
+tile, g = do / n, E) run, for bf16 inputs, as one bf16 product (the default), or with
+`HYBRIDIZE_CCQ_PRODUCTS=split` as two bf16 products of a hi/lo split (forward and dq pass; tf32 in the dk
+pass), or `=tf32` on fp32 tiles in tf32; fp16 inputs use tf32 (a carried sum rounded
+to fp16 could overflow), fp32 inputs IEEE fp32. fp64 and empty inputs go to the PyTorch op; under
+TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit `tl.dot` is wrong). On CUDA the
+tile sizes (BT, BV) and warps are autotuned over a short list and `chunk_size` is ignored; under
+TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
 """
 from __future__ import annotations
 
@@ -63,11 +74,13 @@ def _bounds(seg, i_n):
 
 
 @triton.jit
-def _mdot(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
-    """a (fp32 registers) @ b (the 16-bit input dtype, exact). SPLIT (bf16 inputs): a = a_hi + a_lo in bf16,
-    two bf16 products with fp32 accumulation (~16 mantissa bits of a, no fp32 operand tiles); otherwise
-    one product at PREC on fp32 tiles."""
-    if SPLIT:
+def _mdot(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
+    """a (fp32 registers) @ b (the 16-bit input dtype, exact). PROD 2: one 16-bit product (a rounded to b's
+    dtype); PROD 1: a = a_hi + a_lo in bf16, two bf16 products (~16 mantissa bits of a); PROD 0: one product
+    at PREC on fp32 tiles. fp32 accumulation in all three."""
+    if PROD == 2:
+        return tl.dot(a.to(b.dtype), b)
+    elif PROD == 1:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         return tl.dot(a_hi, b) + tl.dot(a_lo, b)
@@ -76,9 +89,11 @@ def _mdot(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mdot_r(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
+def _mdot_r(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
     """a (16-bit input, exact) @ b (fp32 registers); see `_mdot`."""
-    if SPLIT:
+    if PROD == 2:
+        return tl.dot(a, b.to(a.dtype))
+    elif PROD == 1:
         b_hi = b.to(tl.bfloat16)
         b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
         return tl.dot(a, b_hi) + tl.dot(a, b_lo)
@@ -87,11 +102,52 @@ def _mdot_r(a, b, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
+def _keep(msk, rows, m_t, HAS_MASK: tl.constexpr):
+    """1.0 for the tile's real tokens, 0.0 for padding and rows past the piece `[BT]`."""
+    if HAS_MASK:
+        return tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
+    else:
+        return m_t.to(tl.float32)
+
+
+@triton.jit
+def _centred(b_k, b_c, b_m):
+    """Keys minus the sequence's centre `[BT, BK]`, zero on padding and past the piece, in the input dtype."""
+    return tl.where(b_m[:, None] > 0, b_k.to(tl.float32) - b_c[None, :], 0.0).to(b_k.dtype)
+
+
+@triton.jit
+def _centre(cen, sid, i_n, i_h, o, m, H: tl.constexpr, K: tl.constexpr):
+    """Channels `o` of the centre of the sequence piece i_n belongs to (fp32)."""
+    base = (tl.load(sid + i_n).to(tl.int64) * H + i_h) * K
+    return tl.load(cen + base + o, mask=m, other=0.0)
+
+
+@triton.jit
+def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                    HAS_MASK: tl.constexpr):
+    # one program per (piece, head): the sum of the piece's real keys, fp32 `[BK]`
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K),
+                      other=0.0).to(tl.float32)
+        acc += b_k * _keep(msk, rows, m_t, HAS_MASK)[:, None]
+    tl.store(out + i_nh.to(tl.int64) * K + o_k, tl.sum(acc, 0), mask=o_k < K)
+
+
+@triton.jit
+def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    OUTPUT: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
-    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys
+                    OUTPUT: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr):
+    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys (about zero)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -101,7 +157,8 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
     m_k, m_v = o_k < K, o_v < K
     tril = o_t[:, None] >= o_t[None, :]
     hbase = i_nh.to(tl.int64) * K
-    # carried state: S[:, v-block] (un-normalised second moment), M (full, for M . q), M[v-block], count
+    # carried state: S[:, v-block] (un-normalised second moment), M (full, for M . q), M[v-block], count;
+    # with OUTPUT about the sequence's centre c, see the module docstring
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     b_M = tl.zeros([BK], dtype=tl.float32)
     b_Mv = tl.zeros([BV], dtype=tl.float32)
@@ -110,29 +167,38 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
         b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
         b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n0 + i_n)
+    b_c = tl.zeros([BK], dtype=tl.float32)
+    b_cv = tl.zeros([BV], dtype=tl.float32)
+    if OUTPUT:
+        b_c += _centre(cen, sid, i_n, i_h, o_k, m_k, H, K)
+        b_cv += _centre(cen, sid, i_n, i_h, o_v, m_v, H, K)
+        b_S += b_n * b_c[:, None] * b_cv[None, :] - b_c[:, None] * b_Mv[None, :] - b_M[:, None] * b_cv[None, :]
+        b_M -= b_n * b_c
+        b_Mv -= b_n * b_cv
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
         # key / query tiles stay in the input dtype for the products whose operands are both inputs
-        # (q k^T, k^T k): exact products, fp32 accumulation, native 16-bit tensor-core rate
+        # (q u^T, u^T u): fp32 accumulation, native 16-bit tensor-core rate
+        b_m = _keep(msk, rows, m_t, HAS_MASK)
         b_k16 = tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_kv16 = tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if HAS_MASK:
-            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
+        if OUTPUT:
+            b_k16 = _centred(b_k16, b_c, b_m)
+            b_kv16 = _centred(b_kv16, b_cv, b_m)
+        elif HAS_MASK:
             b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_kv16.dtype)
             b_kv16 = tl.where(b_m[:, None] > 0, b_kv16, 0.0).to(b_kv16.dtype)
-        else:
-            b_m = m_t.to(tl.float32)
         b_kv = b_kv16.to(tl.float32)
         if OUTPUT:
             b_q16 = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_q = b_q16.to(tl.float32)
             inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
             b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-            b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # M_t . q_t
-            b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # M_t[v-block]
-            b_o = _mdot_r(b_q16, b_S, SPLIT, PREC) + _mdot(b_A, b_kv16, SPLIT, PREC)
+            b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # U_t . q_t
+            b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # U_t[v-block]
+            b_o = _mdot_r(b_q16, b_S, PROD, PREC) + _mdot(b_A, b_kv16, PROD, PREC)
             b_o = b_o * inv[:, None] - b_Mc * (b_r * inv * inv)[:, None]
             tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
@@ -140,6 +206,9 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg,
         b_Mv += tl.sum(b_kv, 0)
         b_n += tl.sum(b_m, 0)
     if STORE_END:
+        if OUTPUT:  # back about zero
+            b_S += b_c[:, None] * b_Mv[None, :] + b_M[:, None] * b_cv[None, :] + b_n * b_c[:, None] * b_cv[None, :]
+            b_M += b_n * b_c
         tl.store(s_end + hbase * K + o_k[:, None] * K + o_v[None, :], b_S, mask=m_k[:, None] & m_v[None, :])
         if i_v == 0:
             tl.store(m_end + hbase + o_k, b_M, mask=m_k)
@@ -184,11 +253,12 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 
 
 @triton.jit
-def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
+def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
-                       SPLIT: tl.constexpr, PREC: tl.constexpr):
-    # this program owns channels l in the block: it carries rows S[l, :] and writes dq[:, l]
+                       PROD: tl.constexpr, PREC: tl.constexpr):
+    # this program owns channels l in the block: it carries rows S[l, :] (about the centre, like the
+    # forward) and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -198,6 +268,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
     m_k, m_v = o_k < K, o_v < K
     tril = o_t[:, None] >= o_t[None, :]
     hbase = i_nh.to(tl.int64) * K
+    b_c, b_cv = _centre(cen, sid, i_n, i_h, o_k, m_k, H, K), _centre(cen, sid, i_n, i_h, o_v, m_v, H, K)
     b_S = tl.zeros([BV, BK], dtype=tl.float32)
     b_D = tl.zeros([BV, BK], dtype=tl.float32)     # rows of dS0 = sum_i q_i g_i^T
     b_M = tl.zeros([BK], dtype=tl.float32)
@@ -207,31 +278,31 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
         b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
         b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n0 + i_n)
+    b_S += b_n * b_cv[:, None] * b_c[None, :] - b_cv[:, None] * b_M[None, :] - b_Mv[:, None] * b_c[None, :]
+    b_M -= b_n * b_c
+    b_Mv -= b_n * b_cv
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
         mf, mv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        b_m = _keep(msk, rows, m_t, HAS_MASK)
         b_q16 = tl.load(q + p + o_k[None, :], mask=mf, other=0.0)
         b_k16 = tl.load(k + p + o_k[None, :], mask=mf, other=0.0)
         b_kv16 = tl.load(k + p + o_v[None, :], mask=mv, other=0.0)
         b_do16 = tl.load(do + p + o_k[None, :], mask=mf, other=0.0)
-        if HAS_MASK:
-            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
-            b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_kv16.dtype)
-            b_kv16 = tl.where(b_m[:, None] > 0, b_kv16, 0.0).to(b_kv16.dtype)
-        else:
-            b_m = m_t.to(tl.float32)
+        b_k16 = _centred(b_k16, b_c, b_m)
+        b_kv16 = _centred(b_kv16, b_cv, b_m)
         b_q, b_kv = b_q16.to(tl.float32), b_kv16.to(tl.float32)
         inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
         b_g = b_do16.to(tl.float32) * inv[:, None]
-        # products of two inputs in the input dtype (exact); g = do / n scales rows afterwards
+        # products of two 16-bit tiles (u rounded once); g = do / n scales rows afterwards
         b_Ag = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
         b_Aq = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-        b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . M_t
-        b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . M_t
+        b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . U_t
+        b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . U_t
         b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)
-        b_dq = _mdot_r(b_do16, tl.trans(b_S), SPLIT, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, SPLIT, PREC)
+        b_dq = _mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, PROD, PREC)
         b_dq = b_dq - b_Mc * (b_a * inv)[:, None]
         tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
         if i_v == 0:
@@ -249,10 +320,10 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg,
 
 
 @triton.jit
-def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg,
+def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, SUMS_ONLY: tl.constexpr,
-                       SPLIT: tl.constexpr, PREC: tl.constexpr):
+                       PROD: tl.constexpr, PREC: tl.constexpr):
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :].
     # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -265,6 +336,7 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
     tril = o_t[:, None] >= o_t[None, :]
     hbase = i_nh.to(tl.int64) * K
     e_blk = hbase * K + o_v[:, None] * K + o_k[None, :]
+    b_c = _centre(cen, sid, i_n, i_h, o_k, m_k, H, K)
     b_E = tl.zeros([BV, BK], dtype=tl.float32)
     b_dM = tl.zeros([BV], dtype=tl.float32)
     if HAS_DEND:
@@ -285,10 +357,7 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_qv, b_dov = b_qv16.to(tl.float32), b_dov16.to(tl.float32)
         b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
         b_r = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
-        if HAS_MASK:
-            b_m = tl.load(msk + rows, mask=m_t, other=0).to(tl.float32)
-        else:
-            b_m = m_t.to(tl.float32)
+        b_m = _keep(msk, rows, m_t, HAS_MASK)
         b_prev = b_n - tl.sum(b_m, 0)
         inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
         b_g = b_do16.to(tl.float32) * inv[:, None]
@@ -297,21 +366,19 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
         if not SUMS_ONLY:
-            b_k16 = tl.load(k + p + o_k[None, :], mask=mf, other=0.0)
-            if HAS_MASK:
-                b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_q16.dtype)
-            # g_i . k_j and q_i . k_j: products of two inputs in the input dtype (exact), rows scaled after
+            b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
+            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after
             b_B1 = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
             b_B2 = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-            b_dk = _mdot(tl.trans(b_B1), b_qv16, SPLIT, PREC)
-            b_dk += _mdot(tl.trans(b_B2 * inv[:, None]), b_dov16, SPLIT, PREC)     # B2^T g
-            b_dk += _mdot_r(b_k16, tl.trans(b_E), SPLIT, PREC)
+            b_dk = _mdot(tl.trans(b_B1), b_qv16, PROD, PREC)
+            b_dk += _mdot(tl.trans(b_B2 * inv[:, None]), b_dov16, PROD, PREC)     # B2^T g
+            b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
             b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
             if HAS_MASK:
                 b_dk = b_dk * b_m[:, None]
             tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
-        b_E += _mdot_r(tl.trans(b_qv16), b_g, SPLIT, PREC)
-        b_E += _mdot(tl.trans(b_gv), b_q16, SPLIT, PREC)
+        b_E += _mdot_r(tl.trans(b_qv16), b_g, PROD, PREC)
+        b_E += _mdot(tl.trans(b_gv), b_q16, PROD, PREC)
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
@@ -345,12 +412,13 @@ def _interpreter_shim() -> None:
 
 def _configs():
     # ptxas (sm_90a, K = 128, bf16 -> tf32 tiles): BT=16 compiles without spills, BT=32 spills ~0.2-1 KB,
-    # BT=64 spills 1-4 KB per thread at 4 warps; the 8-warp rows hold wider channel blocks (fewer programs
-    # recomputing q k^T). Autotuning picks the fastest of these on the device
+    # BT=64 spills 1-4 KB per thread at 4 warps (and (64, 32, 4 warps) made an illegal memory access in the
+    # forward on the H100 once the keys were centred, so it is out); the 8-warp rows hold wider channel
+    # blocks (fewer programs recomputing q k^T). Autotuning picks the fastest of these on the device
     # (the global cap HYBRIDIZE_AUTOTUNE_TOP, meant for fla's long lists, does not apply here;
     # HYBRIDIZE_CCQ_TUNE_TOP=<n> keeps the first n, e.g. 1 for tests that only check numbers)
-    table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (64, 32, 4, 2),
-             (32, 64, 8, 2), (64, 64, 8, 2)]
+    table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
+             (64, 64, 8, 2)]
     top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
             for bt, bv, w, st in (table[:top] if top > 0 else table)]
@@ -468,51 +536,93 @@ def _segment_len(B, T, H, longest):
     return None if n <= 0 or n >= longest else n
 
 
+#: bf16 product settings (`HYBRIDIZE_CCQ_PRODUCTS`): (PROD of the forward and dq passes, PROD of the dk pass)
+PRODUCT_MODES = {"single": (2, 2), "split": (1, 0), "tf32": (0, 0)}
+
+
+def _products(dtype) -> tuple[int, int, str]:
+    """(PROD forward / dq, PROD dk, PREC) for the input dtype. bf16: `HYBRIDIZE_CCQ_PRODUCTS` (default
+    `single`: one bf16 product, accurate because the sums are carried about the keys' mean; `split`: the
+    hi/lo pair in the forward and dq passes, tf32 in the dk pass; `tf32`). fp16 keeps tf32 tiles (a carried
+    sum rounded to fp16 could overflow), fp32 IEEE."""
+    if dtype == torch.float32:
+        return 0, 0, "ieee"
+    if dtype != torch.bfloat16:
+        return 0, 0, "tf32"
+    mode = os.environ.get("HYBRIDIZE_CCQ_PRODUCTS", "single")
+    if mode not in PRODUCT_MODES:
+        raise ValueError(f"HYBRIDIZE_CCQ_PRODUCTS must be one of {sorted(PRODUCT_MODES)}, got {mode!r}")
+    return (*PRODUCT_MODES[mode], "tf32")
+
+
+def _mean_key(M, n):
+    """The centre the passes carry their sums about: each sequence's mean key `[N, H, K]` from its key sum
+    M `[N, H, K]` (initial statistics included) and count n `[N]`."""
+    return (M / n.clamp(min=1).float().view(-1, 1, 1)).contiguous()
+
+
+def _key_sums(k, mask, pc, M0, H, K):
+    """Each sequence's key sum, initial statistics included, `[N, H, K]` fp32 (no gradient), for the pass
+    without pieces (with pieces the forward has it from the scan)."""
+    G, N = pc.seg.shape[0], pc.segs.shape[0]
+    sums = torch.empty(G, H, K, dtype=torch.float32, device=k.device)
+    if _interpreting():
+        _interpreter_shim()
+    _key_sum_kernel[(G * H,)](k, sums if mask is None else mask, sums, pc.seg, H=H, K=K,
+                              BK=max(16, triton.next_power_of_2(K)), BT=16 if _interpreting() else 64,
+                              HAS_MASK=mask is not None, num_warps=4)
+    total = torch.zeros(N, H, K, dtype=torch.float32, device=k.device).index_add_(0, pc.seq, sums)
+    if M0 is not None:
+        total += M0.detach()
+    return total
+
+
 # ---- autograd --------------------------------------------------------------------------------------
 
 class _CCQReadFn(torch.autograd.Function):
-    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, t0, cu) -> (o, S_end, M_end, n_end) with un-normalised sums
-    (n_end: the real-token count at each sequence's end, not differentiable).
+    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, pieces) -> (o, S_end, M_end, n_end) with un-normalised sums
+    about zero (n_end: the real-token count at each sequence's end, not differentiable). The centre is
+    internal: the kernels move the starting sums to it and the end sums back, and the backward turns the
+    gradients of the sums about the centre into gradients of these.
 
     With `seg_len` both directions run per piece: the forward's piece starting sums (prefix over pieces)
     are kept for the backward's dq pass; the dk pass first sums each piece's E and key-sum gradient, takes
     suffix sums over pieces, then runs every piece from its own start."""
 
     @staticmethod
-    def forward(ctx, q, k, mask, S0, M0, n0, cu, chunk_size, seg_len):
+    def forward(ctx, q, k, mask, S0, M0, pc, chunk_size, seg_len, prods):
         B, T, H, K = q.shape
-        q, k = q.contiguous(), k.contiguous()
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        # one bf16 product instead of the hi/lo pair was timed 18% faster at 16k but is off by 3.7e-2 (max rel.)
-        # against the fp64 op: C_t q and mu_t mu_t^T q nearly cancel when keys share a mean (RESULTS.md)
-        bf16_split = q.dtype == torch.bfloat16 and os.environ.get("HYBRIDIZE_CCQ_SPLIT", "1") != "0"
+        prod, prod_dk, prec = prods
         o = torch.empty_like(q)
-        pc = _table(B, T, cu, mask, n0, seg_len, zero_start=S0 is None)
         N, G = pc.segs.shape[0], pc.seg.shape[0]
         S_end = q.new_empty(N, H, K, K, dtype=torch.float32)
         M_end = q.new_empty(N, H, K, dtype=torch.float32)
         dummy = M_end
         m_arg = dummy if mask is None else mask
-        common = dict(HAS_MASK=mask is not None, SPLIT=bf16_split, PREC=prec)
+        common = dict(HAS_MASK=mask is not None, PROD=prod, PREC=prec)
         starts = mstarts = None
         if seg_len is None:  # one pass per sequence, straight from the initial state
+            cen = _mean_key(_key_sums(k, mask, pc, M0, H, K), pc.n_end)
+            where = (pc.seg, cen, pc.seq, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
-                     S_end, M_end, pc.seg, H),
+                     S_end, M_end, *where),
                     dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common))
         else:  # key sums per piece, prefix over pieces, then all pieces in parallel
             starts = q.new_empty(G, H, K, K, dtype=torch.float32)
             mstarts = q.new_empty(G, H, K, dtype=torch.float32)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, dummy, dummy, pc.n_before, o, starts, mstarts, pc.seg, H),
+                    (q, k, m_arg, dummy, dummy, pc.n_before, o, starts, mstarts, pc.seg, dummy, pc.seq, H),
                     dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common))
             _scan(starts, mstarts, S0, M0, S_end, M_end, pc.segs, H, K)
+            cen = _mean_key(M_end, pc.n_end)
+            where = (pc.seg, cen, pc.seq, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, pc.seg, H),
+                    (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where),
                     dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
-        ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts)
+        ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts, cen)
         ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
-        ctx.chunk_size, ctx.prec, ctx.seg_len, ctx.split = chunk_size, prec, seg_len, bf16_split
+        ctx.chunk_size, ctx.seg_len, ctx.prods = chunk_size, seg_len, prods
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
         n_end = pc.n_end.clone()  # handed to the caller in the final state: not the cached table's tensor
         ctx.mark_non_differentiable(n_end)
@@ -520,8 +630,9 @@ class _CCQReadFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS_end, dM_end, _dn_end):
-        q, k, mask, S0, M0, starts, mstarts = ctx.saved_tensors
+        q, k, mask, S0, M0, starts, mstarts, cen = ctx.saved_tensors
         B, T, H, K = q.shape
+        prod, prod_dk, prec = ctx.prods
         split = ctx.seg_len is not None
         pc = ctx.pieces
         N, G = pc.segs.shape[0], pc.seg.shape[0]
@@ -533,27 +644,30 @@ class _CCQReadFn(torch.autograd.Function):
         dm0 = torch.empty(G, H, K, **f32)
         dummy = dm0
         m_arg = dummy if mask is None else mask
-        common = dict(HAS_MASK=mask is not None, SPLIT=ctx.split, PREC=ctx.prec)
+        where = (pc.seg, cen, pc.seq, H)
         s_start = starts if split else S0
         m_start = mstarts if split else M0
         _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, dummy if s_start is None else s_start, dummy if m_start is None else m_start,
-                 pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, pc.seg, H),
-                dict(HAS_H0=s_start is not None, STORE_DS0=S0 is not None, **common))
+                 pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, *where),
+                dict(HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=S0 is not None, PROD=prod,
+                     PREC=prec))
         has_end = dS_end is not None or dM_end is not None
         e_end = dm_end = None
         if has_end:
             dS_end = torch.zeros(N, H, K, K, **f32) if dS_end is None else dS_end.float()
             dm_end = torch.zeros(N, H, K, **f32) if dM_end is None else dM_end.float().contiguous()
             e_end = (dS_end + dS_end.transpose(-1, -2)).contiguous()
-        # the dk kernel's products with a carried fp32 operand (five) as bf16 hi/lo pairs measured slower than
-        # tf32 tiles on the H100 (1.09 vs 1.00 ms at 16k, both dk launches), so it keeps tf32
-        dk_flags = {**common, "SPLIT": False}
+            # the passes carry U = M - n c and S_c = S - c M^T - M c^T + n c c^T: dU_end = dM_end + (dS + dS^T) c
+            dm_end = (dm_end + (e_end @ cen.unsqueeze(-1)).squeeze(-1)).contiguous()
+        # the hi/lo pair measured slower than tf32 tiles in this pass (five products with a carried operand:
+        # 1.09 vs 1.00 ms at 16k on the H100), so `split` runs it in tf32
+        dk_flags = dict(HAS_MASK=mask is not None, PROD=prod_dk, PREC=prec)
         if split:  # each piece's own E and key-sum gradient, then suffix sums over pieces (+ the end's)
             e_start = torch.empty(G, H, K, K, **f32)
             dm_start = torch.empty(G, H, K, **f32)
             _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
-                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, pc.seg, H),
+                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, *where),
                     dict(HAS_DEND=False, SUMS_ONLY=True, **dk_flags))
             _scan(e_start, dm_start, e_end, dm_end, torch.empty(N, H, K, K, **f32), torch.empty(N, H, K, **f32),
                   pc.segs, H, K, reverse=True)
@@ -561,7 +675,7 @@ class _CCQReadFn(torch.autograd.Function):
             e_start, dm_start = e_end, dm_end
         _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
-                 dummy if dm_start is None else dm_start, dk, dm0, dummy, pc.seg, H),
+                 dummy if dm_start is None else dm_start, dk, dm0, dummy, *where),
                 dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **dk_flags))
         dS0 = dM0 = None
         if S0 is not None:
@@ -571,7 +685,7 @@ class _CCQReadFn(torch.autograd.Function):
                 empty = (count == 0).view(N, 1, 1)
                 dm0 = torch.where(empty, dm_end if has_end else torch.zeros_like(dm0[:N]), dm0[first])
             dS0 = ds0 + dS_end if has_end else ds0
-            dM0 = dm0
+            dM0 = dm0 - ((dS0 + dS0.transpose(-1, -2)) @ cen.unsqueeze(-1)).squeeze(-1)   # back from U0, S0_c
         return dq, dk, None, dS0, dM0, None, None, None, None
 
 
@@ -583,8 +697,8 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
 
     `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
-    sequence into pieces of that many tokens for the forward (None: automatic on GPU, off in the
-    interpreter; 0: off); the backward always runs one pass per sequence."""
+    sequence into pieces of that many tokens in both directions (None: automatic on GPU, off in the
+    interpreter; 0: off)."""
     from hybridize.kernels import ccq as ref
 
     ref._check(q, k, mask)
@@ -595,7 +709,9 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         o, fs = ccq_triton(q.float(), k.float(), mask, initial_state, output_final_state, cu_seqlens, chunk_size,
                            segment_len)
         return o.to(q.dtype), fs
+    prods = _products(q.dtype)
     B, T, H, K = q.shape
+    q, k = q.contiguous(), k.contiguous()
     cu = None
     if cu_seqlens is not None:
         from hybridize.kernels.varlen import check_cu_seqlens
@@ -619,7 +735,8 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, n0, cu, chunk_size, seg_len)
+    pc = _table(B, T, cu, m, n0, seg_len, zero_start=initial_state is None)
+    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, pc, chunk_size, seg_len, prods)
     if not output_final_state:
         return o, None
     inv = 1.0 / n_end.clamp(min=1).float()
