@@ -22,7 +22,8 @@ fused pass above from its start. Pieces are built on the device from `cu_seqlens
 table of (first token, length) with unused slots of length 0; without mask / varlen / initial state the
 table depends on the shape only and is cached.
 
-Backward (no chunk states stored): with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
+Backward (no chunk states stored; written about zero here, the kernels use u, U and S_c, see "Centre"):
+with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
 - `dq` pass, forward in time, carrying rows of S: `dq = g S_prev^T + tril(g k^T) k - (a' / n) M`; it
   also writes a', r per token and, with an initial state, dS0 = sum_i q_i g_i^T. Per piece, from the
   forward's piece starting sums (kept for the backward: G x H x K x K fp32, 16 MB at 16k tokens);
@@ -593,7 +594,7 @@ class _CCQReadFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, mask, S0, M0, pc, chunk_size, seg_len, prods):
         B, T, H, K = q.shape
-        prod, prod_dk, prec = prods
+        prod, _, prec = prods   # the dk pass's setting is the backward's
         o = torch.empty_like(q)
         N, G = pc.segs.shape[0], pc.seg.shape[0]
         S_end = q.new_empty(N, H, K, K, dtype=torch.float32)
