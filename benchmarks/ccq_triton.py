@@ -91,17 +91,8 @@ def main():
                     help="piece lengths of the fused read to time (auto: the default choice, 0: no split)")
     ap.add_argument("--out", default=None, help="also write the rows (with the top kernels) as JSON here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/ccq_triton.py needs a CUDA device")
-    import triton
-
-    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
-    from hybridize.kernels import fla_adapter
-    if not fla_adapter.activate():
-        raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
     import kernels as bk
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
+    print(f"{bk.gpu_stack('ccq_triton.py')} | B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
     print("| T | op | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | fwd / GLA | fwd+bwd / GLA "
           "| fwd / GDN | fwd+bwd / GDN |")

@@ -37,6 +37,21 @@ H, D = 16, 128
 DT = torch.bfloat16
 
 
+def gpu_stack(script: str) -> str:
+    """For the side-by-side GPU scripts: exit with one line unless CUDA and fla-core are there; activate fla
+    (autotuning capped at one config unless `HYBRIDIZE_AUTOTUNE_TOP` says otherwise). Returns the device /
+    versions line their tables start with."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks/{script} needs a CUDA device")
+    import triton
+
+    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
+    from hybridize.kernels import fla_adapter
+    if not fla_adapter.activate():
+        raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
+    return f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
+
+
 def bench(fn, grad_to_none=None):
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -80,21 +79,14 @@ def main():
                     help="layers to time (a compared layer also times its backbone)")
     ap.add_argument("--out", default=None, help="also write the rows (with the top kernels) as JSON here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/layers.py needs a CUDA device")
-    import triton
-
-    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
-    from hybridize.kernels import fla_adapter
-    if not fla_adapter.activate():
-        raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
+    import kernels as bk
+    header = bk.gpu_stack("layers.py")
     names = []
     for n in args.mixers.split(","):
         for m in (PAIRS.get(n), n):
             if m is not None and m not in names:
                 names.append(m)
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"layer: hidden {HIDDEN} = {HEADS} heads x {HEAD_DIM}, B=1, bf16, chunked mode; ms; "
+    print(f"{header} | layer: hidden {HIDDEN} = {HEADS} heads x {HEAD_DIM}, B=1, bf16, chunked mode; ms; "
           f"wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
     print("| T | layer | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | vs | fwd dev ratio | fwd+bwd dev ratio |")

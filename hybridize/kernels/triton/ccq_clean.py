@@ -22,14 +22,28 @@ EPS = 1e-12  # F.normalize's clamp
 
 
 @triton.jit
+def _unit(b_x, EPS: tl.constexpr):
+    """(x / max(||x||, EPS), the clamped norm `[BR]`) per row of a `[BR, BK]` fp32 tile (F.normalize)."""
+    d = tl.maximum(tl.sqrt(tl.sum(b_x * b_x, 1)), EPS)
+    return b_x / d[:, None], d
+
+
+@triton.jit
+def _unit_grad(b_y, d, b_dy, EPS: tl.constexpr):
+    """dx from dy through y = `_unit`(x) (y, d its outputs); below the clamp (d == EPS) the denominator is
+    the constant EPS, so no gradient goes through the norm."""
+    proj = tl.where(d > EPS, tl.sum(b_y * b_dy, 1), 0.0)
+    return (b_dy - b_y * proj[:, None]) / d[:, None]
+
+
+@triton.jit
 def _unit_rows_fwd(x, y, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r[:, None] < R) & (o_k[None, :] < K)
     p = o_r[:, None].to(tl.int64) * K + o_k[None, :]
-    b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
-    d = tl.maximum(tl.sqrt(tl.sum(b_x * b_x, 1)), EPS)
-    tl.store(y + p, (b_x / d[:, None]).to(y.dtype.element_ty), mask=m)
+    b_y, _ = _unit(tl.load(x + p, mask=m, other=0.0).to(tl.float32), EPS)
+    tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -38,14 +52,9 @@ def _unit_rows_bwd(x, dy, dx, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.const
     o_k = tl.arange(0, BK)
     m = (o_r[:, None] < R) & (o_k[None, :] < K)
     p = o_r[:, None].to(tl.int64) * K + o_k[None, :]
-    b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
+    b_y, d = _unit(tl.load(x + p, mask=m, other=0.0).to(tl.float32), EPS)
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
-    n = tl.sqrt(tl.sum(b_x * b_x, 1))
-    d = tl.maximum(n, EPS)
-    b_y = b_x / d[:, None]
-    # below the clamp the denominator is the constant EPS: no gradient through the norm
-    proj = tl.where(n > EPS, tl.sum(b_y * b_dy, 1), 0.0)
-    tl.store(dx + p, ((b_dy - b_y * proj[:, None]) / d[:, None]).to(dx.dtype.element_ty), mask=m)
+    tl.store(dx + p, _unit_grad(b_y, d, b_dy, EPS).to(dx.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -60,8 +69,7 @@ def _gate_params(w, b, i_h, o_k, m_k, K: tl.constexpr, FIXED: tl.constexpr):
 @triton.jit
 def _gate(b_q, b_w, bias_h, FIXED: tl.constexpr, LAM, EPS: tl.constexpr):
     """(qbar, ||q|| clamped, lambda) for a tile of rows of one head (b_w: its weight row, bias_h: its bias)."""
-    d = tl.maximum(tl.sqrt(tl.sum(b_q * b_q, 1)), EPS)
-    b_qbar = b_q / d[:, None]
+    b_qbar, d = _unit(b_q, EPS)
     if FIXED:
         lam = tl.zeros_like(d) + LAM
     else:
@@ -104,13 +112,10 @@ def _clean_bwd(q, s, w, b, dout, dq, ds, dw_part, db_part, BT, LAM, H: tl.conste
     tl.store(ds + p, (-lam[:, None] * b_do).to(ds.dtype.element_ty), mask=m)
     b_dq = b_do
     if not FIXED:
-        # lambda's gradient through the sigmoid to w, b and (via qbar = q / max(||q||, EPS)) to q;
-        # d > EPS exactly where ||q|| > EPS (below the clamp no gradient goes through the norm)
+        # lambda's gradient through the sigmoid to w, b and (via qbar = q / max(||q||, EPS)) to q
         dlogit = -tl.sum(b_do * b_s, 1) * lam * (1.0 - lam)
         dlogit = tl.where(m_r, dlogit, 0.0)
-        b_dqbar = dlogit[:, None] * b_w[None, :]
-        proj = tl.where(d > EPS, tl.sum(b_qbar * b_dqbar, 1), 0.0)
-        b_dq += (b_dqbar - b_qbar * proj[:, None]) / d[:, None]
+        b_dq += _unit_grad(b_qbar, d, dlogit[:, None] * b_w[None, :], EPS)
         pp = (i_r * H + i_h).to(tl.int64)
         tl.store(dw_part + pp * K + o_k, tl.sum(dlogit[:, None] * b_qbar, 0), mask=m_k)
         tl.store(db_part + pp, tl.sum(dlogit, 0))

@@ -125,6 +125,13 @@ def _centre(cen, sid, i_n, i_h, o, m, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _shift(x, X, y, Y, n):
+    """x Y^T + X y^T - n x y^T: what moving the centre from 0 to c takes off S = sum k k^T, with (x, X) the
+    row block's (c, M) and (y, Y) the column block's (c, M) over n keys (U = M - n c, S_c = S - this)."""
+    return x[:, None] * Y[None, :] + X[:, None] * y[None, :] - n * x[:, None] * y[None, :]
+
+
+@triton.jit
 def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                     HAS_MASK: tl.constexpr):
     # one program per (piece, head): the sum of the piece's real keys, fp32 `[BK]`
@@ -173,7 +180,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
     if OUTPUT:
         b_c += _centre(cen, sid, i_n, i_h, o_k, m_k, H, K)
         b_cv += _centre(cen, sid, i_n, i_h, o_v, m_v, H, K)
-        b_S += b_n * b_c[:, None] * b_cv[None, :] - b_c[:, None] * b_Mv[None, :] - b_M[:, None] * b_cv[None, :]
+        b_S -= _shift(b_c, b_M, b_cv, b_Mv, b_n)
         b_M -= b_n * b_c
         b_Mv -= b_n * b_cv
     for i_t in range(0, tl.cdiv(L, BT)):
@@ -208,8 +215,9 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
         b_n += tl.sum(b_m, 0)
     if STORE_END:
         if OUTPUT:  # back about zero
-            b_S += b_c[:, None] * b_Mv[None, :] + b_M[:, None] * b_cv[None, :] + b_n * b_c[:, None] * b_cv[None, :]
             b_M += b_n * b_c
+            b_Mv += b_n * b_cv
+            b_S += _shift(b_c, b_M, b_cv, b_Mv, b_n)
         tl.store(s_end + hbase * K + o_k[:, None] * K + o_v[None, :], b_S, mask=m_k[:, None] & m_v[None, :])
         if i_v == 0:
             tl.store(m_end + hbase + o_k, b_M, mask=m_k)
@@ -279,7 +287,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
         b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
         b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n0 + i_n)
-    b_S += b_n * b_cv[:, None] * b_c[None, :] - b_cv[:, None] * b_M[None, :] - b_Mv[:, None] * b_c[None, :]
+    b_S -= _shift(b_cv, b_Mv, b_c, b_M, b_n)    # rows: the v-block
     b_M -= b_n * b_c
     b_Mv -= b_n * b_cv
     for i_t in range(0, tl.cdiv(L, BT)):
