@@ -10,8 +10,10 @@ epilogue it keeps the un-normalised sums in registers and walks the sequence onc
 
 Per chunk of BT tokens and per block of BV output channels (one program per (channel block, piece,
 head)): the inter-chunk part `q S_prev`, the intra-chunk part `tril(q k^T) k`, the mean part from the
-carried M plus an in-chunk cumsum of the keys (M_t . q_t = q M_prev + rowsum(tril(q k^T))), then the
-state update `S += k^T k_v`, `M += sum k`. The 1/n and 1/n^2 normalisations happen in registers.
+carried M plus the chunk's own keys (M_t . q_t = q M_prev + rowsum(tril(q k^T)); the in-chunk key sums
+ride on the intra-chunk product, `tril(A / n - w) k` with w = (M_t . q_t) / n^2, so no tile needs a cumsum
+over its rows), then the state update `S += k^T k_v`, `M += sum k`. The 1/n and 1/n^2 normalisations happen
+in registers.
 
 Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
 runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
@@ -205,9 +207,12 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
             inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
             b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
             b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # U_t . q_t
-            b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)                            # U_t[v-block]
-            b_o = _mdot_r(b_q16, b_S, PROD, PREC) + _mdot(b_A, b_kv16, PROD, PREC)
-            b_o = b_o * inv[:, None] - b_Mc * (b_r * inv * inv)[:, None]
+            # the mean part U_t (U_t . q) / n^2 with U_t = U_prev + sum_{j<=t} u_j: its in-chunk sum rides on
+            # the score tile's product (A / n - w on j <= t) instead of a cumsum over the tile's rows
+            b_w = b_r * inv * inv
+            b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
+            b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
+            b_o = b_o - b_w[:, None] * b_Mv[None, :]
             tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
         b_M += tl.sum(b_k16.to(tl.float32), 0)
@@ -310,9 +315,11 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
         b_Aq = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
         b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . U_t
         b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . U_t
-        b_Mc = b_Mv[None, :] + tl.cumsum(b_kv, 0)
+        # the mean part U_t (a' / n) folded into the score product, as in the forward
+        b_w = b_a * inv
+        b_Ag = tl.where(tril, b_Ag - b_w[:, None], 0.0)
         b_dq = _mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, PROD, PREC)
-        b_dq = b_dq - b_Mc * (b_a * inv)[:, None]
+        b_dq = b_dq - b_w[:, None] * b_Mv[None, :]
         tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
         if i_v == 0:
             tl.store(a_buf + rows * H + i_h, b_a, mask=m_t)
@@ -376,13 +383,14 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_tot = tl.sum(b_dMi, 0)
         if not SUMS_ONLY:
             b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
-            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after
-            b_B1 = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
-            b_B2 = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-            b_dk = _mdot(tl.trans(b_B1), b_qv16, PROD, PREC)
-            b_dk += _mdot(tl.trans(b_B2 * inv[:, None]), b_dov16, PROD, PREC)     # B2^T g
+            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum of dM_i (i >= j) rides on the two score products: dM_i's q part on
+            # B1^T q, its g part on B2^T do (no cumsum over the tile's rows)
+            b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
+            b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
+            b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
+            b_dk += _mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
             b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
-            b_dk += b_tot[None, :] - tl.cumsum(b_dMi, 0) + b_dMi + b_dM[None, :]
+            b_dk += b_dM[None, :]
             if HAS_MASK:
                 b_dk = b_dk * b_m[:, None]
             tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
