@@ -5,9 +5,8 @@ With unit-norm keys k_j, the running second moment and mean over the real tokens
     C_t = (1/t) sum_{j<=t} k_j k_j^T        mu_t = (1/t) sum_{j<=t} k_j        Sigma_t = C_t - mu_t mu_t^T
 
 (token t itself included, no decay, t = number of real tokens so far), and the op returns
-`Sigma_t q_t = C_t q_t - mu_t (mu_t^T q_t)`, shape `[B, T, H, K]` like q, or, given `gate=(weight, bias,
-fixed lambda)`, the mixer's `q_clean = q - lambda_t * Sigma_t q_t` (`ccq_clean`), which lets the GPU read
-fuse it; nothing here touches the backbone.
+`Sigma_t q_t = C_t q_t - mu_t (mu_t^T q_t)`, shape `[B, T, H, K]` like q. The mixer forms
+`q_clean = q - lambda_t * Sigma_t q_t`; nothing here touches the backbone.
 
 - `ccq_recurrent` is the ground truth, the paper's Algorithm 2: running-mean updates
   `C_t = C_{t-1} + (k k^T - C_{t-1}) / t`, `mu_t = mu_{t-1} + (k - mu_{t-1}) / t`.
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from .ccq_clean import apply_gate
 from .gla import acc_dtype, gla_chunk
 from .varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
@@ -57,12 +55,7 @@ def _start(q, initial_state):
     return C.to(acc), mu.to(acc), t.to(device=q.device, dtype=torch.long)
 
 
-def _run_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, gate=None, **kw):
-    out, state = _read_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, **kw)
-    return (out if gate is None else apply_gate(q, out, gate)), state
-
-
-def _read_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, **kw):
+def _run_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, **kw):
     if cu_seqlens is None:
         return fn(q, k, mask, initial_state, output_final_state, **kw)
     check_cu_seqlens(q, cu_seqlens)
@@ -73,12 +66,10 @@ def _read_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, 
     return padded_to_pack(out, cu_seqlens), state
 
 
-def ccq_recurrent(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, gate=None):
-    """Reference, one token at a time. q, k `[B, T, H, K]` -> (Sigma_t q_t `[B, T, H, K]`, stats or None);
-    with `gate=(weight, bias, fixed lambda)` the output is CCQ's cleaned query q - lambda Sigma_t q_t
-    (`ccq_clean.apply_gate`) instead."""
+def ccq_recurrent(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Reference, one token at a time. q, k `[B, T, H, K]` -> (Sigma_t q_t `[B, T, H, K]`, stats or None)."""
     _check(q, k, mask)
-    return _run_varlen(_ccq_recurrent, q, k, mask, initial_state, output_final_state, cu_seqlens, gate)
+    return _run_varlen(_ccq_recurrent, q, k, mask, initial_state, output_final_state, cu_seqlens)
 
 
 def _ccq_recurrent(q, k, mask, initial_state, output_final_state):
@@ -106,10 +97,10 @@ def _ccq_recurrent(q, k, mask, initial_state, output_final_state):
 
 
 def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size: int = 32, gate=None):
+              chunk_size: int = 32):
     """Chunkwise form (appendix B); equal to `ccq_recurrent` up to float rounding. Same arguments."""
     _check(q, k, mask)
-    return _run_varlen(_ccq_chunk, q, k, mask, initial_state, output_final_state, cu_seqlens, gate,
+    return _run_varlen(_ccq_chunk, q, k, mask, initial_state, output_final_state, cu_seqlens,
                        chunk_size=chunk_size)
 
 

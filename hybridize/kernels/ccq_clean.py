@@ -4,17 +4,13 @@
     q_clean = q - lambda_t * Sigma_t q_t,  with Sigma_t q_t = read(q, kbar)  (`hybridize.kernels.ccq`)
 
 q, k `[B, T, H, K]` as the backbone's op gets them; weight `[H, K]`, bias `[H]` (None with a fixed
-lambda); `read(q, kbar, gate=(weight, bias, fixed_lambda)) -> (q - lambda Sigma_t q_t, statistics)` is the
-covariance read (`hybridize.kernels.ccq`) with its mask / state / varlen arguments already bound: every
-form of the read takes the gate, so the fused GPU read can apply it in its own kernels (the PyTorch
-forms apply `apply_gate` to their output). Returns (q_clean `[B, T, H, K]` in q's dtype, the read's
-statistics).
+lambda); `read(q, kbar) -> (Sigma_t q_t, statistics)` is the covariance read with its mask / state /
+varlen arguments already bound. Returns (q_clean `[B, T, H, K]` in q's dtype, the read's statistics).
 
-This is the reference the mixer runs on CPU. On CUDA `dispatch` swaps in `triton/ccq_clean.py` (one
-fused pass for the normalisation of k) and the read becomes the Triton read, whose output and backward
-passes compute lambda and q - lambda Sigma q themselves: at 16k tokens on an H100 the dozen PyTorch
-elementwise kernels each way cost the CCQ layer as much as the read, and even two separate fused passes
-cost ~0.2 ms per layer step. Both modes (chunk and recurrent) use the same function.
+This is the reference the mixer runs on CPU. On CUDA `dispatch` swaps in `triton/ccq_clean.py`, which
+does the same in two fused passes around the read (the normalisation of k; the gate and the update of
+q) instead of a dozen PyTorch elementwise kernels each way, which at 16k tokens cost the CCQ layer as
+much as the read itself. Both modes (chunk and recurrent) use the same function.
 """
 from __future__ import annotations
 
@@ -45,16 +41,12 @@ def check_gate(q, weight, bias, fixed_lambda) -> None:
                          f"and {tuple(bias.shape)}")
 
 
-def apply_gate(q, sigma_q, gate_args) -> torch.Tensor:
-    """q - lambda * Sigma q, gate_args = (weight, bias, fixed lambda): what a read given `gate=` returns."""
-    lam = gate(unit_rows(q), *gate_args)
-    return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q
-
-
 def ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read):
     """(q_clean, statistics); see the module docstring."""
     check_gate(q, weight, bias, fixed_lambda)
-    return read(q, unit_rows(k), gate=(weight, bias, fixed_lambda))
+    sigma_q, stats = read(q, unit_rows(k))
+    lam = gate(unit_rows(q), weight, bias, fixed_lambda)
+    return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q, stats
 
 
 ccq_clean_recurrent = ccq_clean_chunk

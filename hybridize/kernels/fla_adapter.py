@@ -309,22 +309,12 @@ def cumsum_time(x, block: int = 128):
     return (inner + offsets.unsqueeze(2)).reshape(B, n * block, *x.shape[2:])[:, :T]
 
 
-def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
-              gate=None):
-    """Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t); C_t q_t is linear attention with values = keys. With
-    `gate` the cleaned query q - lambda Sigma_t q_t (`kernels.ccq`)."""
+def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None):
+    """Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t); C_t q_t is linear attention with values = keys."""
     if (_unsupported(q, k) or (mask is not None and cu_seqlens is not None)
             or (cu_seqlens is not None and bool((cu_seqlens[1:] == cu_seqlens[:-1]).any()))):
         return _fallback("ccq", "chunk", q, k, mask=mask, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, gate=gate)
-    o, final = _ccq_read_fla(q, k, mask, initial_state, output_final_state, cu_seqlens)
-    if gate is not None:
-        from .ccq_clean import apply_gate
-        o = apply_gate(q, o, gate)
-    return o, final
-
-
-def _ccq_read_fla(q, k, mask, initial_state, output_final_state, cu_seqlens):
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K = q.shape
     cu = _cu(cu_seqlens)
     nseq = B if cu is None else len(cu) - 1

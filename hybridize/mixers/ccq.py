@@ -10,8 +10,7 @@ with kbar, qbar the L2-normalised keys/queries, token t included in the statisti
 number of real tokens of the sequence so far (restarting for every `cu_seqlens` document; padding not
 counted). Sigma_t q_t is `hybridize.kernels.ccq` (chunked: linear attention with values = keys;
 recurrent: the paper's Algorithm 2); the normalisations, the gate and the update of q around it are
-`hybridize.kernels.ccq_clean` (on CUDA the Triton read computes the gate and the update in its own
-passes). The decode state is the backbone state
+`hybridize.kernels.ccq_clean` (fused Triton passes on CUDA). The decode state is the backbone state
 plus (C_t, mu_t, t).
 
 Reuse of the backbone: `CCQGLA` subclasses `GLA`, `CCQGDN` subclasses `GatedDeltaNet`; each
@@ -137,11 +136,11 @@ class _CCQRead:
             stats = (state.key_moment, state.key_mean, state.key_count)
         kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
 
-        def read(query, k_unit, gate=None):  # statistics over unit keys (padding: zero keys, out of t by the mask)
+        def read(query, k_unit):  # statistics over unit keys (padding: zero keys; the mask keeps them out of t)
             return dispatch.run("ccq", mode, query, k_unit, mask=attention_mask, initial_state=stats,
-                                output_final_state=output_state, cu_seqlens=cu_seqlens, gate=gate, **kw)
+                                output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
 
-        # normalising k, the gate and q - lambda Sigma q: on the GPU the read applies the gate in its own kernels
+        # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
         q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read)
         if not output_state:
             return q_clean, {}

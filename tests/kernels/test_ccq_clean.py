@@ -21,15 +21,8 @@ from hybridize.kernels import ccq, ccq_clean
 from .triton_gates import cuda_only, interp_only, rel
 
 
-def torch_read(q, k_unit, gate=None):
-    return ccq.ccq_chunk(q, k_unit, output_final_state=True, gate=gate)
-
-
-def triton_read(q, k_unit, gate=None):
-    """The Triton read (the GPU path's: it applies the gate in its own passes), chunk 16 in the interpreter."""
-    from hybridize.kernels.triton.ccq_read import ccq_triton
-    return ccq_triton(q, k_unit, output_final_state=True, gate=gate,
-                      chunk_size=16 if q.device.type == "cpu" else None)
+def torch_read(q, k_unit):
+    return ccq.ccq_chunk(q, k_unit, output_final_state=True)
 
 
 def make(B, T, H, K, dtype, device="cpu", seed=0, zero_row=True):
@@ -45,9 +38,9 @@ def make(B, T, H, K, dtype, device="cpu", seed=0, zero_row=True):
     return cast(q), cast(k), cast(w), cast(b)
 
 
-def grads(fn, q, k, w, b, fixed, seed=5, read=torch_read):
+def grads(fn, q, k, w, b, fixed, seed=5):
     """Output and gradients (q, k, w, b) of a random linear loss over q_clean and the final statistics."""
-    out, (C, mu, _) = fn(q, k, None if fixed is not None else w, None if fixed is not None else b, fixed, read)
+    out, (C, mu, _) = fn(q, k, None if fixed is not None else w, None if fixed is not None else b, fixed, torch_read)
     g = torch.Generator().manual_seed(seed)
     cot = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
     cC = torch.randn(C.shape, generator=g, dtype=torch.float64).to(C.device, C.dtype)
@@ -85,11 +78,10 @@ def test_fused_matches_reference(shape, fixed, zero_row):
     from hybridize.kernels.triton.ccq_clean import ccq_clean_fused
 
     B, T, H, K = shape
+    test = grads(ccq_clean_fused, *make(B, T, H, K, torch.float32, zero_row=zero_row), fixed)
     ref = grads(ccq_clean.ccq_clean_chunk, *make(B, T, H, K, torch.float64, zero_row=zero_row), fixed)
-    for read in (torch_read, triton_read):   # the gate applied after the PyTorch read, or in the Triton read
-        test = grads(ccq_clean_fused, *make(B, T, H, K, torch.float32, zero_row=zero_row), fixed, read=read)
-        for name, a, r in zip(["q_clean", "dq", "dk", "dw", "db"], test, ref):
-            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5, msg=f"{read.__name__}: {name}")
+    for name, a, r in zip(["q_clean", "dq", "dk", "dw", "db"], test, ref):
+        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @cuda_only
@@ -98,7 +90,7 @@ def test_fused_cuda(dtype, tol):
     from hybridize.kernels.triton.ccq_clean import ccq_clean_fused
 
     shape = (1, 4099, 4, 128)
-    test = grads(ccq_clean_fused, *make(*shape, dtype, device="cuda", zero_row=False), None, read=triton_read)
+    test = grads(ccq_clean_fused, *make(*shape, dtype, device="cuda", zero_row=False), None)
     ref = grads(ccq_clean.ccq_clean_chunk, *make(*shape, torch.float64, device="cuda", zero_row=False), None)
     for name, a, r in zip(["q_clean", "dq", "dk", "dw", "db"], test, ref):
         assert rel(a, r) < tol, (name, rel(a, r))

@@ -38,33 +38,23 @@ def state(N, H, K, counts, device="cpu", seed=1):
     return C.to(device), mu.to(device), torch.tensor(counts, device=device)
 
 
-def run_both(fn_test, fn_ref, q, k, mask=None, st=None, cu=None, final=True, dtype=torch.float32, seed=3,
-             gate=None):
+def run_both(fn_test, fn_ref, q, k, mask=None, st=None, cu=None, final=True, dtype=torch.float32, seed=3):
     """Outputs and gradients of a random linear loss over o (and the final state) for both ops.
 
-    The reference runs in fp64 on the same (dtype-rounded) inputs. `gate`: (weight, bias, None) or (None,
-    None, lambda), passed to both ops (o is then q - lambda Sigma q; weight and bias get gradients).
-    Returns [(name, test, ref), ...]."""
+    The reference runs in fp64 on the same (dtype-rounded) inputs. Returns [(name, test, ref), ...]."""
     g = torch.Generator().manual_seed(seed)
     results = []
     for fn, dt in ((fn_test, dtype), (fn_ref, torch.float64)):
         qq = q.detach().to(dt).requires_grad_()
         kk = k.detach().to(dt).requires_grad_()
-        leaves, names = [qq, kk], ["dq", "dk"]
-        init, kw = None, {}
+        leaves = [qq, kk]
+        init = None
         if st is not None:
             C0 = st[0].detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
             mu0 = st[1].detach().to(C0.dtype).requires_grad_()
             init = (C0, mu0, st[2])
-            leaves, names = leaves + [C0, mu0], names + ["dC0", "dmu0"]
-        if gate is not None:
-            w, b, fixed = gate
-            if fixed is None:
-                w = w.detach().to(q.device, torch.float32 if dt != torch.float64 else dt).requires_grad_()
-                b = b.detach().to(q.device, w.dtype).requires_grad_()
-                leaves, names = leaves + [w, b], names + ["dw", "db"]
-            kw["gate"] = (w, b, fixed)
-        o, fs = fn(qq, kk, mask=mask, initial_state=init, output_final_state=final, cu_seqlens=cu, **kw)
+            leaves += [C0, mu0]
+        o, fs = fn(qq, kk, mask=mask, initial_state=init, output_final_state=final, cu_seqlens=cu)
         results.append((o, fs, leaves))
     (o1, fs1, l1), (o2, fs2, l2) = results
     w = torch.randn(o2.shape, generator=g, dtype=torch.float64).to(o2.device)
@@ -79,16 +69,9 @@ def run_both(fn_test, fn_ref, q, k, mask=None, st=None, cu=None, final=True, dty
         assert torch.equal(fs1[2].cpu(), fs2[2].cpu()), "final counts differ"
     grads1 = torch.autograd.grad(loss1, l1)
     grads2 = torch.autograd.grad(loss2, l2)
+    names = ["dq", "dk", "dC0", "dmu0"]
     pairs += [(n, a, b) for n, a, b in zip(names, grads1, grads2)]
     return pairs
-
-
-def gate_params(H, K, learned=True, seed=11):
-    """A gate for `run_both`: random weight and bias (lambda spread over (0, 1)), or a fixed lambda."""
-    if not learned:
-        return None, None, 0.35
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(H, K, generator=g, dtype=torch.float64), torch.randn(H, generator=g, dtype=torch.float64), None
 
 
 def check(pairs, tol):
@@ -132,30 +115,6 @@ def test_interp_mask_and_state(split):
     mask[0, :20] = False                      # a leading run of padding (output from the initial state)
     mask[1, -18:] = False                     # trailing padding: more than one chunk of it
     check(run_both(*_ops(split), q, k, mask=mask, st=state(B, H, K, [5, 1])), FP32)
-
-
-@interp_only
-@pytest.mark.parametrize("learned", [True, False])
-@pytest.mark.parametrize("split", [None, 32])
-def test_interp_gate(split, learned):
-    """The read with CCQ's gate applied in its own passes: q - lambda Sigma q and the gradients of q, k,
-    weight and bias (learned) or of q, k (fixed lambda), plain and with mask + initial state."""
-    torch.set_num_threads(1)
-    B, T, H, K = 2, 45, 2, 16
-    q, k = inputs(B, T, H, K, seed=12)
-    gate = gate_params(H, K, learned)
-    check(run_both(*_ops(split), q, k, gate=gate), FP32)
-    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(13)) > 0.3
-    check(run_both(*_ops(split), q, k, mask=mask, st=state(B, H, K, [3, 1]), gate=gate), FP32)
-
-
-@interp_only
-def test_interp_gate_varlen():
-    torch.set_num_threads(1)
-    H, K = 2, 16
-    cu = torch.tensor([0, 17, 17, 50, 70])
-    q, k = inputs(1, 70, H, K, seed=14)
-    check(run_both(*_ops(20), q, k, cu=cu, st=state(4, H, K, [2, 3, 1, 9]), gate=gate_params(H, K)), FP32)
 
 
 @interp_only
@@ -344,37 +303,18 @@ def test_cuda_bf16_single_products_need_the_centre(monkeypatch):
 
 @cuda_only
 def test_cuda_every_autotune_config(monkeypatch):
-    """Each tile row the autotuner may pick, alone (tests elsewhere run the first one only):
-    bf16 forward and gradients against fp64, default products, pieces on; the plain read and the read with
-    CCQ's learned gate (other kernel code: lambda, q_clean, the gate's gradients)."""
+    """Each tile configuration the autotuner may pick, alone (tests elsewhere run the first one only):
+    bf16 forward and gradients against fp64, default products, pieces on."""
     from hybridize.kernels.triton import ccq_read
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)
-    tiles = list(ccq_read.TILES)
-    assert len(tiles) > 1
+    configs = ccq_read._configs()
+    assert len(configs) > 1
     q, k = _shared_direction_keys(1, 2500, 4, 128, seed=14)
-    for i, cfg in enumerate(tiles):
-        monkeypatch.setattr(ccq_read, "TILES", [cfg])   # the gate's dq pass: this row with BV = K
+    for i, cfg in enumerate(configs):
+        monkeypatch.setattr(ccq_read, "_configs", lambda cfg=cfg: [cfg])
         ccq_read._TUNED.clear()
-        for gate in (None, gate_params(4, 128)):
-            pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16, gate=gate)
-            bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
-            assert not bad, (i, cfg, gate is not None, bad)
-    ccq_read._TUNED.clear()
-
-
-@cuda_only
-def test_cuda_gate_under_autotuning(monkeypatch):
-    """The learned gate's dq term is added in place by the dk pass: with the whole autotune table (many
-    timed runs of each pass) the gradients must still be those of one run."""
-    from hybridize.kernels.triton import ccq_read
-
-    monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)
-    ccq_read._TUNED.clear()
-    try:
-        q, k = _shared_direction_keys(1, 1500, 2, 128, seed=15)
-        pairs = run_both(*_cuda_ops(500), q, k, dtype=torch.bfloat16, gate=gate_params(2, 128))
+        pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16)
         bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
-        assert not bad, bad
-    finally:
-        ccq_read._TUNED.clear()
+        assert not bad, (i, cfg, bad)
+    ccq_read._TUNED.clear()

@@ -1,14 +1,16 @@
-"""CCQ query cleaning on the GPU: the normalisation of k as one fused pass, and the gate's Triton pieces.
+"""CCQ query cleaning on the GPU: the PyTorch glue around the covariance read as two fused passes.
 
+Computes what `hybridize.kernels.ccq_clean.ccq_clean_chunk` computes (same arguments):
 - `unit_rows`: kbar = k / max(||k||, 1e-12), one pass forward and one backward
   (dk = (dkbar - kbar (kbar . dkbar)) / ||k||; dkbar / 1e-12 on rows below the clamp, as F.normalize);
-- the gate, lambda = sigmoid(w_h . qbar + b_h) and q - lambda * Sigma q, is applied by the read: the
-  Triton read (`ccq_read.py`) does it in its output pass and its backward's dq / dk passes with `_lam`
-  and `_gate_params` from here, so q, Sigma q and the gradients make no extra trip through memory.
-All arithmetic is fp32 in registers, one rounding to the output dtype. fp64 inputs go to the PyTorch form.
-History (16k tokens, H = 16, K = 128, H100): a dozen PyTorch elementwise kernels each way cost ~0.7 ms
-forward and ~3 ms backward per layer; two fused passes around the read ~0.13 / ~0.3 ms; inside the read
-the gate costs a few row sums per tile.
+- the read itself is the caller's (`read(q, kbar)`, the Triton covariance read on CUDA);
+- `clean_query`: per row (token, head) qbar, lambda = sigmoid(w_h . qbar + b_h) and q - lambda * Sigma q in
+  one pass; the backward recomputes qbar and lambda and gives dq, d(Sigma q) and per-block partial sums of
+  dw, db (summed afterwards: deterministic, no atomics).
+All arithmetic is fp32 in registers, one rounding to the output dtype (the PyTorch form rounds after
+every op in 16-bit). fp64 inputs go to the PyTorch form. Before: F.normalize twice, an fp32 copy of qbar,
+an einsum, sigmoid, a product and a difference, each a full pass over `[B, T, H, K]` forward and more
+backward (16k tokens, H = 16, K = 128 on an H100: ~0.7 ms forward and ~3 ms backward per layer).
 """
 from __future__ import annotations
 
@@ -65,17 +67,59 @@ def _gate_params(w, b, i_h, o_k, m_k, K: tl.constexpr, FIXED: tl.constexpr):
 
 
 @triton.jit
-def _lam(b_q, b_w, bias_h, FIXED: tl.constexpr, LAM, EPS: tl.constexpr):
-    """(lambda, ||q|| clamped, qbar . w) per row of a `[BT, BK]` fp32 tile of whole query rows of one head
-    (b_w: its weight row, bias_h: its bias); qbar itself is never formed."""
-    d = tl.maximum(tl.sqrt(tl.sum(b_q * b_q, 1)), EPS)
+def _gate(b_q, b_w, bias_h, FIXED: tl.constexpr, LAM, EPS: tl.constexpr):
+    """(qbar, ||q|| clamped, lambda) for a tile of rows of one head (b_w: its weight row, bias_h: its bias)."""
+    b_qbar, d = _unit(b_q, EPS)
     if FIXED:
-        qw = tl.zeros_like(d)
-        lam = qw + LAM
+        lam = tl.zeros_like(d) + LAM
     else:
-        qw = tl.sum(b_q * b_w[None, :], 1) / d
-        lam = tl.sigmoid(qw + bias_h)
-    return lam, d, qw
+        lam = tl.sigmoid(tl.sum(b_qbar * b_w[None, :], 1) + bias_h)
+    return b_qbar, d, lam
+
+
+@triton.jit
+def _clean_fwd(q, s, w, b, out, BT, LAM, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+               FIXED: tl.constexpr, EPS: tl.constexpr):
+    # one program per (block of BR tokens, head): rows (token, head) of [B*T, H, K]
+    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = (o_r[:, None] < BT) & m_k[None, :]
+    p = (o_r[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+    b_s = tl.load(s + p, mask=m, other=0.0).to(tl.float32)
+    b_w, bias_h = _gate_params(w, b, i_h, o_k, m_k, K, FIXED)
+    _, _, lam = _gate(b_q, b_w, bias_h, FIXED, LAM, EPS)
+    tl.store(out + p, (b_q - lam[:, None] * b_s).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _clean_bwd(q, s, w, b, dout, dq, ds, dw_part, db_part, BT, LAM, H: tl.constexpr, K: tl.constexpr,
+               BK: tl.constexpr, BR: tl.constexpr, FIXED: tl.constexpr, EPS: tl.constexpr):
+    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_r = o_r < BT
+    m = m_r[:, None] & m_k[None, :]
+    p = (o_r[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+    b_s = tl.load(s + p, mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(dout + p, mask=m, other=0.0).to(tl.float32)
+    b_w, bias_h = _gate_params(w, b, i_h, o_k, m_k, K, FIXED)
+    b_qbar, d, lam = _gate(b_q, b_w, bias_h, FIXED, LAM, EPS)
+    tl.store(ds + p, (-lam[:, None] * b_do).to(ds.dtype.element_ty), mask=m)
+    b_dq = b_do
+    if not FIXED:
+        # lambda's gradient through the sigmoid to w, b and (via qbar = q / max(||q||, EPS)) to q
+        dlogit = -tl.sum(b_do * b_s, 1) * lam * (1.0 - lam)
+        dlogit = tl.where(m_r, dlogit, 0.0)
+        b_dq += _unit_grad(b_qbar, d, dlogit[:, None] * b_w[None, :], EPS)
+        pp = (i_r * H + i_h).to(tl.int64)
+        tl.store(dw_part + pp * K + o_k, tl.sum(dlogit[:, None] * b_qbar, 0), mask=m_k)
+        tl.store(db_part + pp, tl.sum(dlogit, 0))
+    tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m)
 
 
 def _tiles(K):
@@ -107,15 +151,57 @@ class _UnitRows(torch.autograd.Function):
         return dx
 
 
+def _gate_pointers(q, weight, bias, fixed):
+    """Weight and bias as kernel arguments; with a fixed lambda the kernels read neither (q stands in)."""
+    return (q, q) if fixed else (weight.contiguous(), bias.contiguous())
+
+
+class _CleanQuery(torch.autograd.Function):
+    """(q, Sigma q, weight, bias, fixed lambda) -> q - lambda(qbar) Sigma q, all `[B, T, H, K]`."""
+
+    @staticmethod
+    def forward(ctx, q, s, weight, bias, fixed_lambda):
+        q, s = q.contiguous(), s.contiguous()
+        B, T, H, K = q.shape
+        BK, BR = _tiles(K)
+        fixed = fixed_lambda is not None
+        w, b = _gate_pointers(q, weight, bias, fixed)
+        out = torch.empty_like(q)
+        grid = (triton.cdiv(B * T, BR), H)
+        _clean_fwd[grid](q, s, w, b, out, B * T, float(fixed_lambda or 0.0), H=H, K=K, BK=BK, BR=BR, FIXED=fixed,
+                         EPS=EPS, num_warps=4)
+        ctx.save_for_backward(q, s, weight if not fixed else None, bias if not fixed else None)
+        ctx.fixed_lambda = fixed_lambda
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, s, weight, bias = ctx.saved_tensors
+        B, T, H, K = q.shape
+        BK, BR = _tiles(K)
+        fixed = ctx.fixed_lambda is not None
+        nb = triton.cdiv(B * T, BR)
+        dq, ds = torch.empty_like(q), torch.empty_like(s)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dw_part = torch.empty(nb, H, K, **f32) if not fixed else dq
+        db_part = torch.empty(nb, H, **f32) if not fixed else dq
+        w, b = _gate_pointers(q, weight, bias, fixed)
+        _clean_bwd[(nb, H)](q, s, w, b, dout.contiguous(), dq, ds, dw_part, db_part, B * T,
+                            float(ctx.fixed_lambda or 0.0), H=H, K=K, BK=BK, BR=BR, FIXED=fixed, EPS=EPS, num_warps=4)
+        if fixed:
+            return dq, ds, None, None, None
+        return dq, ds, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype), None
+
+
 def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read):
-    """`ccq_clean_chunk` with kbar from the fused pass; `read` applies the gate (in its own kernels when it
-    is the Triton read)."""
+    """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes."""
     from hybridize.kernels import ccq_clean as ref
 
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:
         return ref.ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read)
-    return read(q, _UnitRows.apply(k), gate=(weight, bias, fixed_lambda))
+    sigma_q, stats = read(q, _UnitRows.apply(k))
+    return _CleanQuery.apply(q, sigma_q, weight, bias, fixed_lambda), stats
 
 
 __all__ = ["ccq_clean_fused"]

@@ -67,8 +67,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .ccq_clean import EPS, _gate_params, _lam
-
 # ---- kernels ---------------------------------------------------------------------------------------
 
 
@@ -136,21 +134,6 @@ def _shift(x, X, y, Y, n):
 
 
 @triton.jit
-def _gate_grad(l_buf, pdot, R, NQ, row, m_t, lam, b_qv, b_wv, EPS: tl.constexpr):
-    """(dlogit `[BT]`, ||q|| clamped `[BT]`, the learned gate's term of dq for a channel block `[BT, BV]`): dlogit =
-    (q . dq_read) (1 - lambda) from the dq pass's NQ block shares in pdot, then through qbar = q / ||q||
-    (F.normalize's clamp: no gradient through the norm below EPS); l_buf holds (lambda, ||q||, qbar . w)."""
-    qd = tl.zeros_like(lam)
-    for j in range(0, NQ):
-        qd += tl.load(pdot + j * R + row, mask=m_t, other=0.0)
-    d = tl.load(l_buf + R + row, mask=m_t, other=1.0)
-    qw = tl.load(l_buf + 2 * R + row, mask=m_t, other=0.0)
-    dlogit = tl.where(m_t, qd * (1.0 - lam), 0.0)
-    proj = tl.where(d > EPS, dlogit * qw, 0.0)
-    return dlogit, d, (dlogit[:, None] * b_wv[None, :] - b_qv * (proj / d)[:, None]) / d[:, None]
-
-
-@triton.jit
 def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                     HAS_MASK: tl.constexpr):
     # one program per (piece, head): the sum of the piece's real keys, fp32 `[BK]`
@@ -170,14 +153,11 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, gw, gb, qc, LAM,
+def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    OUTPUT: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr,
-                    CLEAN: tl.constexpr, FIXED: tl.constexpr, EPS: tl.constexpr):
-    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys (about zero).
-    # CLEAN: writes q_clean = q - lambda(q) o to qc instead of o = Sigma q (gate weight gw [H, K], bias gb [H],
-    # or the fixed lambda LAM)
+                    OUTPUT: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr):
+    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys (about zero)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -205,8 +185,6 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, gw, g
         b_S -= _shift(b_c, b_M, b_cv, b_Mv, b_n)
         b_M -= b_n * b_c
         b_Mv -= b_n * b_cv
-    if CLEAN:
-        b_gw, bias_h = _gate_params(gw, gb, i_h, o_k, m_k, K, FIXED)
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -235,13 +213,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, gw, g
             b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
             b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
             b_o = b_o - b_w[:, None] * b_Mv[None, :]
-            mv = m_t[:, None] & m_v[None, :]
-            if CLEAN:
-                lam, _, _ = _lam(b_q, b_gw, bias_h, FIXED, LAM, EPS)
-                b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-                tl.store(qc + p + o_v[None, :], (b_qv - lam[:, None] * b_o).to(qc.dtype.element_ty), mask=mv)
-            else:
-                tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
+            tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
         b_M += tl.sum(b_k16.to(tl.float32), 0)
         b_Mv += tl.sum(b_kv, 0)
@@ -296,18 +268,11 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 
 @triton.jit
 def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, cen, sid,
-                       gw, gb, LAM, l_buf, pdot, R,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
-                       PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, FIXED: tl.constexpr,
-                       EPS: tl.constexpr):
+                       PROD: tl.constexpr, PREC: tl.constexpr):
     # this program owns channels l in the block: it carries rows S[l, :] (about the centre, like the
-    # forward) and writes dq[:, l]. CLEAN: do is the gradient of q_clean = q - lambda o, so the read's
-    # gradient is -lambda do (folded into the row scale g = do / n), and dq gets q_clean's identity term.
-    # The learned gate's own term needs dlogit = -(do . o) lambda (1 - lambda) = (q . dq_read) (1 - lambda)
-    # (o = Sigma q with Sigma symmetric, so Sigma q need not be kept): this pass writes its channel block's
-    # share of q . dq_read to pdot [blocks, R] (R = B T H rows) and (lambda, ||q||, qbar . w) to l_buf
-    # [3, R]; the dk pass, which runs next, adds the term (`_gate_grad`)
+    # forward) and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -330,8 +295,6 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
     b_S -= _shift(b_cv, b_Mv, b_c, b_M, b_n)    # rows: the v-block
     b_M -= b_n * b_c
     b_Mv -= b_n * b_cv
-    if CLEAN:
-        b_gw, bias_h = _gate_params(gw, gb, i_h, o_k, m_k, K, FIXED)
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -346,32 +309,17 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
         b_kv16 = _centred(b_kv16, b_cv, b_m)
         b_q, b_kv = b_q16.to(tl.float32), b_kv16.to(tl.float32)
         inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
-        gin = inv                                   # g = do * gin: the read's output gradient over n
-        if CLEAN:
-            lam, d, qw = _lam(b_q, b_gw, bias_h, FIXED, LAM, EPS)
-            gin = -lam * inv
-        b_g = b_do16.to(tl.float32) * gin[:, None]
-        # products of two 16-bit tiles (u rounded once); g = do * gin scales rows afterwards
-        b_Ag = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * gin[:, None], 0.0)
+        b_g = b_do16.to(tl.float32) * inv[:, None]
+        # products of two 16-bit tiles (u rounded once); g = do / n scales rows afterwards
+        b_Ag = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
         b_Aq = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
         b_a = tl.sum(b_g * b_M[None, :], 1) + tl.sum(b_Ag, 1)                # g_t . U_t
         b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_Aq, 1)                # q_t . U_t
         # the mean part U_t (a' / n) folded into the score product, as in the forward
         b_w = b_a * inv
         b_Ag = tl.where(tril, b_Ag - b_w[:, None], 0.0)
-        b_dq = _mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * gin[:, None] + _mdot(b_Ag, b_kv16, PROD, PREC)
+        b_dq = _mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, PROD, PREC)
         b_dq = b_dq - b_w[:, None] * b_Mv[None, :]
-        if CLEAN:
-            row = rows * H + i_h
-            if not FIXED:
-                b_qv = tl.load(q + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-                tl.store(pdot + i_v * R + row, tl.sum(b_qv * b_dq, 1), mask=m_t)
-            b_dq += tl.load(do + p + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-            if i_v == 0:
-                tl.store(l_buf + row, lam, mask=m_t)
-                if not FIXED:
-                    tl.store(l_buf + R + row, d, mask=m_t)
-                    tl.store(l_buf + 2 * R + row, qw, mask=m_t)
         tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
         if i_v == 0:
             tl.store(a_buf + rows * H + i_h, b_a, mask=m_t)
@@ -389,15 +337,11 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
 
 @triton.jit
 def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg, cen, sid,
-                       l_buf, pdot, R, NQ, gw, dq, dw_part, db_part,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, SUMS_ONLY: tl.constexpr,
-                       PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, FIXED: tl.constexpr,
-                       EPS: tl.constexpr):
+                       PROD: tl.constexpr, PREC: tl.constexpr):
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :].
-    # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward).
-    # CLEAN (see the dq pass): g = -lambda do / n; with the learned gate (and not SUMS_ONLY) this pass also
-    # adds the gate's term to dq's channel block and writes the piece's partial sums of dw (block) and db
+    # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -415,10 +359,6 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_E += tl.load(e0 + e_blk, mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_dM += tl.load(dm_end + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n_end + i_n)
-    if CLEAN and not FIXED and not SUMS_ONLY:
-        b_gwv, _ = _gate_params(gw, gw, i_h, o_v, m_v, K, FIXED)
-        b_dw = tl.zeros([BV], dtype=tl.float32)
-        b_db = tl.zeros([BT], dtype=tl.float32)
     NT = tl.cdiv(L, BT)
     for i_rev in range(0, NT):
         i_t = NT - 1 - i_rev
@@ -436,18 +376,8 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_m = _keep(msk, rows, m_t, HAS_MASK)
         b_prev = b_n - tl.sum(b_m, 0)
         inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
-        gin = inv                                   # g = do * gin (CLEAN: the read's gradient is -lambda do)
-        if CLEAN:
-            lam = tl.load(l_buf + rows * H + i_h, mask=m_t, other=0.0)
-            gin = -lam * inv
-        if CLEAN and not FIXED and not SUMS_ONLY:
-            dlogit, d, b_gq = _gate_grad(l_buf, pdot, R, NQ, rows * H + i_h, m_t, lam, b_qv, b_gwv, EPS)
-            pq = dq + p + o_v[None, :]
-            tl.store(pq, (tl.load(pq, mask=mv, other=0.0).to(tl.float32) + b_gq).to(dq.dtype.element_ty), mask=mv)
-            b_dw += tl.sum((dlogit / d)[:, None] * b_qv, 0)
-            b_db += dlogit
-        b_g = b_do16.to(tl.float32) * gin[:, None]
-        b_gv = b_dov * gin[:, None]
+        b_g = b_do16.to(tl.float32) * inv[:, None]
+        b_gv = b_dov * inv[:, None]
         # gradient of the key sum M_i (v-block), summed over i >= j
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
@@ -455,8 +385,8 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
             b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
             # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum of dM_i (i >= j) rides on the two score products: dM_i's q part on
             # B1^T q, its g part on B2^T do (no cumsum over the tile's rows)
-            b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * gin[:, None] - (b_a * inv)[:, None]
-            b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * gin[:, None]
+            b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
+            b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
             b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
             b_dk += _mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
             b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
@@ -469,10 +399,6 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
-    if CLEAN and not FIXED and not SUMS_ONLY:
-        tl.store(dw_part + hbase + o_v, b_dw, mask=m_v)
-        if i_v == 0:
-            tl.store(db_part + i_nh, tl.sum(b_db, 0))
     if SUMS_ONLY:
         tl.store(e_out + e_blk, b_E, mask=m_v[:, None] & m_k[None, :])
 
@@ -501,11 +427,6 @@ def _interpreter_shim() -> None:
     interpreter._ccq_index_shim = True
 
 
-#: (BT, BV, warps, stages) the autotuner chooses from; see `_configs`
-TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
-         (64, 64, 8, 2), (32, 64, 4, 2), (16, 32, 2, 2)]
-
-
 def _configs():
     # ptxas (sm_90a, K = 128, bf16 -> tf32 tiles): BT=16 compiles without spills, BT=32 spills ~0.2-1 KB,
     # BT=64 spills 1-4 KB per thread at 4 warps (and (64, 32, 4 warps) made an illegal memory access in the
@@ -514,7 +435,8 @@ def _configs():
     # (16k: 0.85 -> 0.75 ms). Autotuning picks the fastest of these on the device
     # (the global cap HYBRIDIZE_AUTOTUNE_TOP, meant for fla's long lists, does not apply here;
     # HYBRIDIZE_CCQ_TUNE_TOP=<n> keeps the first n, e.g. 1 for tests that only check numbers)
-    table = TILES
+    table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
+             (64, 64, 8, 2), (32, 64, 4, 2), (16, 32, 2, 2)]
     top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
             for bt, bv, w, st in (table[:top] if top > 0 else table)]
@@ -525,7 +447,7 @@ _TUNED: dict = {}
 
 def _launch(kernel, rows, K, chunk_size, args, meta):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
-    autotuned (BT, BV, warps, stages) on GPU. Returns the channel block size BV it ran with."""
+    autotuned (BT, BV, warps, stages) on GPU."""
     BK = max(16, triton.next_power_of_2(K))
     if _interpreting():
         _interpreter_shim()
@@ -534,16 +456,12 @@ def _launch(kernel, rows, K, chunk_size, args, meta):
             raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
         BV = min(BK, 16)
         kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=BT, BV=BV, **meta)
-        return BV
+        return
     if kernel not in _TUNED:
-        # every constexpr flag is part of the key: the sums-only and the full forward tune separately. The dk
-        # pass adds the gate's term into dq in place, so autotuning (many runs) restores dq after each
-        restore = ["dq"] if kernel is _ccq_bwd_dk_kernel else None
-        _TUNED[kernel] = triton.autotune(configs=_configs(), key=["K", "BK", *meta], restore_value=restore)(kernel)
+        # every constexpr flag is part of the key: the sums-only and the full forward tune separately
+        _TUNED[kernel] = triton.autotune(configs=_configs(), key=["K", "BK", *meta])(kernel)
         _TUNED[kernel].full_tune = True
-    tuned = _TUNED[kernel]
-    tuned[lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
-    return tuned.best_config.kwargs["BV"]
+    _TUNED[kernel][lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
 
 
 def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False):
@@ -679,27 +597,9 @@ def _key_sums(k, mask, pc, M0, H, K):
 
 # ---- autograd --------------------------------------------------------------------------------------
 
-class _Gate(NamedTuple):
-    """The gate the read applies to its output (CCQ's q - lambda Sigma q): learned (weight and bias go to
-    the autograd function as tensors) or a fixed lambda."""
-    fixed: float | None
-
-    @property
-    def lam(self) -> float:
-        return 0.0 if self.fixed is None else float(self.fixed)
-
-
-def _gate_tensors(weight, bias, dummy):
-    """The gate's weight `[H, K]` and bias `[H]` as fp32 kernel arguments (dummies with a fixed lambda)."""
-    if weight is None:
-        return dummy, dummy
-    return weight.float().contiguous(), bias.float().contiguous()
-
-
 class _CCQReadFn(torch.autograd.Function):
-    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, gate weight, gate bias, pieces, ..., gate) -> (o, S_end, M_end,
-    n_end) with un-normalised sums about zero (n_end: the real-token count at each sequence's end, not
-    differentiable); with a gate, o is q - lambda Sigma q and weight / bias get gradients. The centre is
+    """(q, k, mask, S0 = t0 C0, M0 = t0 mu0, pieces) -> (o, S_end, M_end, n_end) with un-normalised sums
+    about zero (n_end: the real-token count at each sequence's end, not differentiable). The centre is
     internal: the kernels move the starting sums to it and the end sums back, and the backward turns the
     gradients of the sums about the centre into gradients of these.
 
@@ -708,44 +608,39 @@ class _CCQReadFn(torch.autograd.Function):
     suffix sums over pieces, then runs every piece from its own start."""
 
     @staticmethod
-    def forward(ctx, q, k, mask, S0, M0, weight, bias, pc, chunk_size, seg_len, prods, gate):
+    def forward(ctx, q, k, mask, S0, M0, pc, chunk_size, seg_len, prods):
         B, T, H, K = q.shape
         prod, _, prec = prods   # the dk pass's setting is the backward's
+        o = torch.empty_like(q)
         N, G = pc.segs.shape[0], pc.seg.shape[0]
         S_end = q.new_empty(N, H, K, K, dtype=torch.float32)
         M_end = q.new_empty(N, H, K, dtype=torch.float32)
         dummy = M_end
         m_arg = dummy if mask is None else mask
-        common = dict(H=H, HAS_MASK=mask is not None, PROD=prod, PREC=prec)
-        # with the gate the output pass writes q_clean in place of Sigma q
-        clean, fixed = gate is not None, gate is not None and gate.fixed is not None
-        o = torch.empty_like(q)
-        gargs = (*_gate_tensors(weight, bias, dummy), o, gate.lam if clean else 0.0)
-        out_flags = dict(CLEAN=clean, FIXED=fixed, EPS=EPS)
+        common = dict(HAS_MASK=mask is not None, PROD=prod, PREC=prec)
         starts = mstarts = None
         if seg_len is None:  # one pass per sequence, straight from the initial state
             cen = _mean_key(_key_sums(k, mask, pc, M0, H, K), pc.n_end)
-            where = (pc.seg, cen, pc.seq)
+            where = (pc.seg, cen, pc.seq, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
-                     S_end, M_end, *where, *gargs),
-                    dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common, **out_flags))
+                     S_end, M_end, *where),
+                    dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common))
         else:  # key sums per piece, prefix over pieces, then all pieces in parallel
             starts = q.new_empty(G, H, K, K, dtype=torch.float32)
             mstarts = q.new_empty(G, H, K, dtype=torch.float32)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, dummy, dummy, pc.n_before, dummy, starts, mstarts, pc.seg, dummy, pc.seq,
-                     dummy, dummy, dummy, 0.0),
-                    dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common, CLEAN=False, FIXED=False, EPS=EPS))
+                    (q, k, m_arg, dummy, dummy, pc.n_before, o, starts, mstarts, pc.seg, dummy, pc.seq, H),
+                    dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common))
             _scan(starts, mstarts, S0, M0, S_end, M_end, pc.segs, H, K)
             cen = _mean_key(M_end, pc.n_end)
-            where = (pc.seg, cen, pc.seq)
+            where = (pc.seg, cen, pc.seq, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where, *gargs),
-                    dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common, **out_flags))
-        ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts, cen, weight, bias)
+                    (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where),
+                    dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
+        ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts, cen)
         ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
-        ctx.chunk_size, ctx.seg_len, ctx.prods, ctx.gate = chunk_size, seg_len, prods, gate
+        ctx.chunk_size, ctx.seg_len, ctx.prods = chunk_size, seg_len, prods
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
         n_end = pc.n_end.clone()  # handed to the caller in the final state: not the cached table's tensor
         ctx.mark_non_differentiable(n_end)
@@ -753,38 +648,28 @@ class _CCQReadFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS_end, dM_end, _dn_end):
-        q, k, mask, S0, M0, starts, mstarts, cen, weight, bias = ctx.saved_tensors
-        gate = ctx.gate
-        clean, fixed = gate is not None, gate is not None and gate.fixed is not None
+        q, k, mask, S0, M0, starts, mstarts, cen = ctx.saved_tensors
         B, T, H, K = q.shape
         prod, prod_dk, prec = ctx.prods
         split = ctx.seg_len is not None
         pc = ctx.pieces
         N, G = pc.segs.shape[0], pc.seg.shape[0]
-        do = torch.zeros_like(q) if do is None else do.contiguous()   # None: only the final state was used
+        do = do.contiguous()
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         a_buf, r_buf = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
         ds0 = torch.empty(G, H, K, K, **f32) if S0 is not None else None
         dm0 = torch.empty(G, H, K, **f32)
         dummy = dm0
-        # the gate (see the dq pass): (lambda, ||q||, qbar . w) per row, the dq pass's per-block shares of
-        # q . dq_read (at most K / 16 blocks), the pieces' partial sums of dw, db (summed below: no atomics)
-        R = B * T * H
-        learned = clean and not fixed
-        l_buf = torch.empty(3, R, **f32) if clean else dummy
-        pdot = torch.empty(triton.cdiv(K, 16), R, **f32) if learned else dummy
-        w32, b32 = _gate_tensors(weight, bias, dummy)
         m_arg = dummy if mask is None else mask
-        where = (pc.seg, cen, pc.seq)
+        where = (pc.seg, cen, pc.seq, H)
         s_start = starts if split else S0
         m_start = mstarts if split else M0
-        bv_dq = _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
+        _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, dummy if s_start is None else s_start, dummy if m_start is None else m_start,
-                 pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, *where, w32, b32,
-                 gate.lam if clean else 0.0, l_buf, pdot, R),
-                dict(H=H, HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=S0 is not None, PROD=prod,
-                     PREC=prec, CLEAN=clean, FIXED=fixed, EPS=EPS))
+                 pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, *where),
+                dict(HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=S0 is not None, PROD=prod,
+                     PREC=prec))
         has_end = dS_end is not None or dM_end is not None
         e_end = dm_end = None
         if has_end:
@@ -795,15 +680,12 @@ class _CCQReadFn(torch.autograd.Function):
             dm_end = (dm_end + (e_end @ cen.unsqueeze(-1)).squeeze(-1)).contiguous()
         # the hi/lo pair measured slower than tf32 tiles in this pass (five products with a carried operand:
         # 1.09 vs 1.00 ms at 16k on the H100), so `split` runs it in tf32
-        dk_flags = dict(H=H, HAS_MASK=mask is not None, PROD=prod_dk, PREC=prec, CLEAN=clean, FIXED=fixed, EPS=EPS)
-        dw_part = torch.empty(G, H, K, **f32) if learned else dummy
-        db_part = torch.empty(G, H, **f32) if learned else dummy
-        gate_args = (l_buf, pdot, R, triton.cdiv(K, bv_dq), w32, dq, dw_part, db_part)
+        dk_flags = dict(HAS_MASK=mask is not None, PROD=prod_dk, PREC=prec)
         if split:  # each piece's own E and key-sum gradient, then suffix sums over pieces (+ the end's)
             e_start = torch.empty(G, H, K, K, **f32)
             dm_start = torch.empty(G, H, K, **f32)
             _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
-                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, *where, *gate_args),
+                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, *where),
                     dict(HAS_DEND=False, SUMS_ONLY=True, **dk_flags))
             _scan(e_start, dm_start, e_end, dm_end, torch.empty(N, H, K, K, **f32), torch.empty(N, H, K, **f32),
                   pc.segs, H, K, reverse=True)
@@ -811,7 +693,7 @@ class _CCQReadFn(torch.autograd.Function):
             e_start, dm_start = e_end, dm_end
         _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
-                 dummy if dm_start is None else dm_start, dk, dm0, dummy, *where, *gate_args),
+                 dummy if dm_start is None else dm_start, dk, dm0, dummy, *where),
                 dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **dk_flags))
         dS0 = dM0 = None
         if S0 is not None:
@@ -822,20 +704,15 @@ class _CCQReadFn(torch.autograd.Function):
                 dm0 = torch.where(empty, dm_end if has_end else torch.zeros_like(dm0[:N]), dm0[first])
             dS0 = ds0 + dS_end if has_end else ds0
             dM0 = dm0 - ((dS0 + dS0.transpose(-1, -2)) @ cen.unsqueeze(-1)).squeeze(-1)   # back from U0, S0_c
-        dw = db = None
-        if learned:
-            dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype)
-        return dq, dk, None, dS0, dM0, dw, db, None, None, None, None, None
+        return dq, dk, None, dS0, dM0, None, None, None, None
 
 
 # ---- the op ----------------------------------------------------------------------------------------
 
 def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
-               segment_len: int | None = None, gate=None):
+               segment_len: int | None = None):
     """Sigma_t q_t with the signature of `kernels.ccq.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
-    in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None). `gate=(weight [H, K],
-    bias [H], fixed lambda)`: o is CCQ's q - lambda Sigma q, computed in the output pass (lambda from the
-    whole query row) and differentiated in the dq / dk passes.
+    in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
 
     `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
     sequence into pieces of that many tokens in both directions (None: automatic on GPU, off in the
@@ -845,11 +722,10 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     ref._check(q, k, mask)
     if q.dtype == torch.float64 or q.shape[1] == 0 or q.dtype != k.dtype:
         return ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
-                             cu_seqlens=cu_seqlens, gate=gate,
-                             **({} if chunk_size is None else {"chunk_size": chunk_size}))
+                             cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
     if _interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong
         o, fs = ccq_triton(q.float(), k.float(), mask, initial_state, output_final_state, cu_seqlens, chunk_size,
-                           segment_len, gate)
+                           segment_len)
         return o.to(q.dtype), fs
     prods = _products(q.dtype)
     B, T, H, K = q.shape
@@ -878,14 +754,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
     pc = _table(B, T, cu, m, n0, seg_len, zero_start=initial_state is None)
-    weight = bias = spec = None
-    if gate is not None:
-        from hybridize.kernels.ccq_clean import check_gate
-        check_gate(q, *gate)
-        spec = _Gate(gate[2])
-        if spec.fixed is None:
-            weight, bias = gate[0], gate[1]
-    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, weight, bias, pc, chunk_size, seg_len, prods, spec)
+    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, pc, chunk_size, seg_len, prods)
     if not output_final_state:
         return o, None
     inv = 1.0 / n_end.clamp(min=1).float()
