@@ -318,3 +318,23 @@ def test_cuda_every_autotune_config(monkeypatch):
         bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
         assert not bad, (i, cfg, bad)
     ccq_read._TUNED.clear()
+
+
+@interp_only
+def test_interp_only_the_final_state_used():
+    """A loss on the final statistics alone (the output unused: autograd hands the op no output gradient):
+    dk as the reference's, dq zero."""
+    from hybridize.kernels.ccq import ccq_recurrent
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    torch.set_num_threads(1)
+    q, k = inputs(1, 37, 2, 16, seed=9)
+    grads = []
+    for fn, dt, kw in ((ccq_triton, torch.float32, {"chunk_size": 16}), (ccq_recurrent, torch.float64, {})):
+        qq, kk = q.to(dt).requires_grad_(), k.to(dt).requires_grad_()
+        _, (C, mu, _) = fn(qq, kk, output_final_state=True, **kw)
+        dq, dk = torch.autograd.grad((C * C).sum() + mu.sum(), [qq, kk], allow_unused=True)
+        grads.append((dq, dk))
+    (dq, dk), (_, dk_ref) = grads
+    assert dq is None or not dq.any()
+    assert rel(dk, dk_ref) < 1e-5

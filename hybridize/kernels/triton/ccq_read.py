@@ -654,7 +654,7 @@ class _CCQReadFn(torch.autograd.Function):
         split = ctx.seg_len is not None
         pc = ctx.pieces
         N, G = pc.segs.shape[0], pc.seg.shape[0]
-        do = do.contiguous()
+        do = torch.zeros_like(q) if do is None else do.contiguous()   # None: only the final state was used
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         a_buf, r_buf = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
