@@ -378,13 +378,14 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
         b_g = b_do16.to(tl.float32) * inv[:, None]
         b_gv = b_dov * inv[:, None]
-        # gradient of the key sum M_i (v-block), summed over i >= j
+        # gradient of the key sum M_i (v-block); its sum over the chunk goes to the carry, its in-chunk suffix
+        # sums (i >= j) into dk through the score products below
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
         if not SUMS_ONLY:
             b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
-            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum of dM_i (i >= j) rides on the two score products: dM_i's q part on
-            # B1^T q, its g part on B2^T do (no cumsum over the tile's rows)
+            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum
+            # of dM_i (i >= j) rides on them: dM_i's q part on B1^T q, its g part on B2^T do (no cumsum over rows)
             b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
             b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
             b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
