@@ -41,10 +41,11 @@ def check_gate(q, weight, bias, fixed_lambda) -> None:
                          f"and {tuple(bias.shape)}")
 
 
-def ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read):
-    """(q_clean, statistics); see the module docstring."""
+def ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False):
+    """(q_clean, statistics); see the module docstring. `unit_keys`: the caller's k rows are already unit
+    (or zero), as in Gated DeltaNet, so kbar = k (normalising twice is normalising once, gradient included)."""
     check_gate(q, weight, bias, fixed_lambda)
-    sigma_q, stats = read(q, unit_rows(k))
+    sigma_q, stats = read(q, k if unit_keys else unit_rows(k))
     lam = gate(unit_rows(q), weight, bias, fixed_lambda)
     return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q, stats
 

@@ -104,6 +104,9 @@ class _CCQRead:
     """Mixin holding the gate parameters and the query cleaning; used before the backbone in the MRO."""
 
     config: Any
+    #: the keys the hook gets are already unit rows (GDN normalises q and k in its front end), so the
+    #: statistics use them as they are: one normalisation pass less each way on the GPU, same values
+    keys_are_unit: ClassVar[bool] = False
 
     def _build_ccq(self) -> None:
         c = self.config
@@ -141,7 +144,7 @@ class _CCQRead:
                                 output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
 
         # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
-        q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read)
+        q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read, unit_keys=self.keys_are_unit)
         if not output_state:
             return q_clean, {}
         C, mu, t = new
@@ -173,6 +176,7 @@ class CCQGDN(_CCQRead, GatedDeltaNet):
     name: ClassVar[str] = "ccq_gdn"
     config_class: ClassVar[type[MixerConfig]] = CCQGDNConfig
     state_class: ClassVar[type[MixerState]] = CCQGDNState
+    keys_are_unit: ClassVar[bool] = True
 
     def build_new_parameters(self) -> None:
         super().build_new_parameters()

@@ -134,6 +134,29 @@ def test_against_independent_computation(name):
     assert torch.equal(out.state.key_count, torch.tensor([23, 23]))
 
 
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gdn_keys_used_unnormalised_match_normalising_again(mode):
+    """CCQ-GDN skips the key normalisation (its front end already gives unit keys): output and every gradient
+    equal those with the normalisation (padding's zero keys included)."""
+    x = random_hidden(2, 19, 16)
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :5] = False
+    results = []
+    for unit in (True, False):
+        m = make_mixer("ccq_gdn")
+        m.keys_are_unit = unit
+        xi = x.clone().requires_grad_(True)
+        out = m(xi, attention_mask=mask, mode=mode, output_state=True)
+        (out.hidden.square().sum() + out.state.key_moment.sum()).backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        results.append((out.hidden.detach(), xi.grad, grads))
+    (h1, dx1, g1), (h2, dx2, g2) = results
+    assert rel_err(h1, h2) < 1e-5 and rel_err(dx1, dx2) < 1e-5
+    assert g1.keys() == g2.keys() and "k_proj.weight" in g1
+    for n in g1:
+        assert rel_err(g1[n], g2[n]) < 1e-5, n
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_state_counts_real_tokens(name):
     """Left padding and documents: t counts only real tokens, restarting per document."""

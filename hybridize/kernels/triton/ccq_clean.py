@@ -193,14 +193,15 @@ class _CleanQuery(torch.autograd.Function):
         return dq, ds, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype), None
 
 
-def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read):
-    """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes."""
+def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False):
+    """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes
+    (`unit_keys`: k is used as it is, no normalisation pass either way)."""
     from hybridize.kernels import ccq_clean as ref
 
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:
-        return ref.ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read)
-    sigma_q, stats = read(q, _UnitRows.apply(k))
+        return ref.ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys)
+    sigma_q, stats = read(q, k if unit_keys else _UnitRows.apply(k))
     return _CleanQuery.apply(q, sigma_q, weight, bias, fixed_lambda), stats
 
 
