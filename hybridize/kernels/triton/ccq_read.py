@@ -17,9 +17,9 @@ in registers.
 
 Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
 runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
-tokens (automatic on GPU: 512-2048 tokens, see `_segment_len`). Forward: (1) the same kernel with
-OUTPUT=False sums each piece's keys, (2) `_ccq_scan_kernel` turns the piece sums into each piece's
-starting sums (in place, plus the initial state; it also writes the end state), (3) every piece runs the
+tokens (automatic on GPU: 512-2048 tokens, see `_segment_len`). Forward: (1) `_piece_sums_kernel` sums
+each piece's keys (a plain GEMM walk over wide token tiles), (2) `_ccq_scan_kernel` turns the piece sums into
+each piece's starting sums (in place, plus the initial state; it also writes the end state), (3) every piece runs the
 fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
 table of (first token, length) with unused slots of length 0; without mask / varlen / initial state the
 table depends on the shape only and is cached.
@@ -27,13 +27,14 @@ table depends on the shape only and is cached.
 Backward (no chunk states stored; written about zero here, the kernels use u, U and S_c, see "Centre"):
 with g_i = do_i / n_i, a'_i = g_i . M_i, r_i = q_i . M_i
 - `dq` pass, forward in time, carrying rows of S: `dq = g S_prev^T + tril(g k^T) k - (a' / n) M`; it
-  also writes a', r per token and, with an initial state, dS0 = sum_i q_i g_i^T. Per piece, from the
+  also writes a', r per token and, with an initial state and no pieces, dS0 = sum_i q_i g_i^T. Per piece, from the
   forward's piece starting sums (kept for the backward: G x H x K x K fp32, 16 MB at 16k tokens);
 - `dk` pass, backward in time, carrying E = sum_{i later} (q_i g_i^T + g_i q_i^T) and the key-sum
   gradient: `dk = k E^T + tril(g k^T)^T q + tril(q k^T)^T g + revcumsum(dM)`, dM_i = -(r_i g_i + a'_i q_i) / n_i,
-  times the mask; dM0 is the carried sum at the start. Per piece: the same kernel with SUMS_ONLY sums
-  each piece's E and dM, the scan kernel (REVERSE) turns them into suffix starts (plus the final state's
-  gradient), then every piece runs from its own start.
+  times the mask; dM0 is the carried sum at the start. Per piece: `_piece_grad_sums_kernel` (a GEMM walk
+  like the forward's piece sums) gives each piece's D = sum q_i g_i^T and dM sum (with an initial state,
+  dS0 is the sum of the D), the scan kernel (REVERSE, SYM) turns D + D^T and dM into suffix starts (plus
+  the final state's gradient), then every piece runs from its own start.
 The torch wrapper turns (C0, mu0, t0) into (t0 C0, t0 mu0) and the end sums back into (C, mu, t) with
 differentiable torch ops, so gradients reach the initial state (and flow from the final state).
 
@@ -153,11 +154,85 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
+def _piece_sums_kernel(k, msk, s_out, m_out, seg, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    # one program per ((row block, column block), piece, head): S[rows, cols] = sum k[:, rows]^T k[:, cols]
+    # over the piece's real keys (about zero, fp32), and M[cols] from the first row block. A plain GEMM
+    # walk with wide token tiles: no scores, no output, so none of the output pass's register limits
+    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = (K + BC - 1) // BC
+    i_r, i_c = i_rc // NC, i_rc % NC
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r, m_c = o_r < K, o_c < K
+    b_S = tl.zeros([BR, BC], dtype=tl.float32)
+    b_M = tl.zeros([BC], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        p = (rows[:, None] * H + i_h) * K
+        b_kr = tl.load(k + p + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+        b_kc = tl.load(k + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+        if HAS_MASK:  # padding keys are not counted (one operand zeroed is enough for the product)
+            b_kc = tl.where(_keep(msk, rows, m_t, HAS_MASK)[:, None] > 0, b_kc, 0.0).to(b_kr.dtype)
+        b_S += tl.dot(tl.trans(b_kr), b_kc, input_precision=PREC)
+        b_M += tl.sum(b_kc.to(tl.float32), 0)
+    base = i_nh.to(tl.int64) * K
+    tl.store(s_out + base * K + o_r[:, None] * K + o_c[None, :], b_S, mask=m_r[:, None] & m_c[None, :])
+    if i_r == 0:
+        tl.store(m_out + base + o_c, b_M, mask=m_c)
+
+
+@triton.jit
+def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H: tl.constexpr, K: tl.constexpr,
+                            BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HAS_MASK: tl.constexpr,
+                            PROD: tl.constexpr, PREC: tl.constexpr):
+    # the backward's counterpart of `_piece_sums_kernel`: per piece D[rows, cols] = sum_i q_i[rows] g_i[cols]
+    # (g = do / n; the dk pass's E is D + D^T, the scan adds the transpose) and, from the first row block,
+    # the key-sum gradient's sum dM[cols] = -sum_i (r_i / n_i) g_i + (a'_i / n_i) q_i
+    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = (K + BC - 1) // BC
+    i_r, i_c = i_rc // NC, i_rc % NC
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r, m_c = o_r < K, o_c < K
+    b_D = tl.zeros([BR, BC], dtype=tl.float32)
+    b_dM = tl.zeros([BC], dtype=tl.float32)
+    b_n = tl.load(n0 + i_n)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        p = (rows[:, None] * H + i_h) * K
+        b_m = _keep(msk, rows, m_t, HAS_MASK)
+        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        b_qr16 = tl.load(q + p + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+        b_g = tl.load(do + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        b_g = b_g * inv[:, None]
+        b_D += _mdot_r(tl.trans(b_qr16), b_g, PROD, PREC)
+        if i_r == 0:
+            b_qc = tl.load(q + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+            b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
+            b_rr = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
+            b_dM -= tl.sum((b_rr * inv)[:, None] * b_g + (b_a * inv)[:, None] * b_qc, 0)
+        b_n += tl.sum(b_m, 0)
+    base = i_nh.to(tl.int64) * K
+    tl.store(d_out + base * K + o_r[:, None] * K + o_c[None, :], b_D, mask=m_r[:, None] & m_c[None, :])
+    if i_r == 0:
+        tl.store(dm_out + base + o_c, b_dM, mask=m_c)
+
+
+@triton.jit
 def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    OUTPUT: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr):
-    # one program per (channel block, segment, head); OUTPUT=False only sums the segment's keys (about zero)
+                    PROD: tl.constexpr, PREC: tl.constexpr):
+    # one program per (channel block, segment, head)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -168,7 +243,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
     tril = o_t[:, None] >= o_t[None, :]
     hbase = i_nh.to(tl.int64) * K
     # carried state: S[:, v-block] (un-normalised second moment), M (full, for M . q), M[v-block], count;
-    # with OUTPUT about the sequence's centre c, see the module docstring
+    # about the sequence's centre c, see the module docstring
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     b_M = tl.zeros([BK], dtype=tl.float32)
     b_Mv = tl.zeros([BV], dtype=tl.float32)
@@ -177,14 +252,11 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
         b_M += tl.load(m0 + hbase + o_k, mask=m_k, other=0.0)
         b_Mv += tl.load(m0 + hbase + o_v, mask=m_v, other=0.0)
     b_n = tl.load(n0 + i_n)
-    b_c = tl.zeros([BK], dtype=tl.float32)
-    b_cv = tl.zeros([BV], dtype=tl.float32)
-    if OUTPUT:
-        b_c += _centre(cen, sid, i_n, i_h, o_k, m_k, H, K)
-        b_cv += _centre(cen, sid, i_n, i_h, o_v, m_v, H, K)
-        b_S -= _shift(b_c, b_M, b_cv, b_Mv, b_n)
-        b_M -= b_n * b_c
-        b_Mv -= b_n * b_cv
+    b_c = _centre(cen, sid, i_n, i_h, o_k, m_k, H, K)
+    b_cv = _centre(cen, sid, i_n, i_h, o_v, m_v, H, K)
+    b_S -= _shift(b_c, b_M, b_cv, b_Mv, b_n)
+    b_M -= b_n * b_c
+    b_Mv -= b_n * b_cv
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -192,37 +264,29 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
         # key / query tiles stay in the input dtype for the products whose operands are both inputs
         # (q u^T, u^T u): fp32 accumulation, native 16-bit tensor-core rate
         b_m = _keep(msk, rows, m_t, HAS_MASK)
-        b_k16 = tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_kv16 = tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if OUTPUT:
-            b_k16 = _centred(b_k16, b_c, b_m)
-            b_kv16 = _centred(b_kv16, b_cv, b_m)
-        elif HAS_MASK:
-            b_k16 = tl.where(b_m[:, None] > 0, b_k16, 0.0).to(b_kv16.dtype)
-            b_kv16 = tl.where(b_m[:, None] > 0, b_kv16, 0.0).to(b_kv16.dtype)
+        b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0), b_c, b_m)
+        b_kv16 = _centred(tl.load(k + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0), b_cv, b_m)
         b_kv = b_kv16.to(tl.float32)
-        if OUTPUT:
-            b_q16 = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            b_q = b_q16.to(tl.float32)
-            inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
-            b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
-            b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # U_t . q_t
-            # the mean part U_t (U_t . q) / n^2 with U_t = U_prev + sum_{j<=t} u_j: its in-chunk sum rides on
-            # the score tile's product (A / n - w on j <= t) instead of a cumsum over the tile's rows
-            b_w = b_r * inv * inv
-            b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
-            b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
-            b_o = b_o - b_w[:, None] * b_Mv[None, :]
-            tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_q16 = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_q = b_q16.to(tl.float32)
+        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
+        b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # U_t . q_t
+        # the mean part U_t (U_t . q) / n^2 with U_t = U_prev + sum_{j<=t} u_j: its in-chunk sum rides on
+        # the score tile's product (A / n - w on j <= t) instead of a cumsum over the tile's rows
+        b_w = b_r * inv * inv
+        b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
+        b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
+        b_o = b_o - b_w[:, None] * b_Mv[None, :]
+        tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
         b_M += tl.sum(b_k16.to(tl.float32), 0)
         b_Mv += tl.sum(b_kv, 0)
         b_n += tl.sum(b_m, 0)
-    if STORE_END:
-        if OUTPUT:  # back about zero
-            b_M += b_n * b_c
-            b_Mv += b_n * b_cv
-            b_S += _shift(b_c, b_M, b_cv, b_Mv, b_n)
+    if STORE_END:  # back about zero
+        b_M += b_n * b_c
+        b_Mv += b_n * b_cv
+        b_S += _shift(b_c, b_M, b_cv, b_Mv, b_n)
         tl.store(s_end + hbase * K + o_k[:, None] * K + o_v[None, :], b_S, mask=m_k[:, None] & m_v[None, :])
         if i_v == 0:
             tl.store(m_end + hbase + o_k, b_M, mask=m_k)
@@ -231,10 +295,11 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
 @triton.jit
 def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
+                     HAS_H0: tl.constexpr, REVERSE: tl.constexpr, SYM: tl.constexpr):
     # per (channel block, sequence, head): starting sums of each of the sequence's segments (exclusive
     # prefix over its segments, plus the initial state) and the sequence's end sums, in fp32 sequence order;
-    # REVERSE walks the segments last to first (exclusive suffix sums, for the backward's reversed pass)
+    # REVERSE walks the segments last to first (exclusive suffix sums, for the backward's reversed pass);
+    # SYM sums each segment's block plus its transpose (the backward's D + D^T)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     first = tl.load(segs + 2 * i_n).to(tl.int64)
@@ -255,6 +320,8 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
         else:
             g = (first + i) * H + i_h
         b_x = tl.load(sums + g * K * K + blk, mask=m_blk, other=0.0)
+        if SYM:
+            b_x += tl.load(sums + g * K * K + o_v[None, :] * K + o_k[:, None], mask=m_blk, other=0.0)
         tl.store(starts + g * K * K + blk, b_S, mask=m_blk)
         b_S += b_x
         if i_v == 0:
@@ -336,12 +403,10 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
 
 
 @triton.jit
-def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, e_out, seg, cen, sid,
+def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, SUMS_ONLY: tl.constexpr,
-                       PROD: tl.constexpr, PREC: tl.constexpr):
-    # reversed pass; this program owns key channels l in the block and carries rows E[l, :].
-    # SUMS_ONLY: no dk, only the segment's own E and key-sum gradient, stored to e_out / dm0 (split backward)
+                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr):
+    # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -382,26 +447,23 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         # sums (i >= j) into dk through the score products below
         b_dMi = -(b_r * inv)[:, None] * b_gv - (b_a * inv)[:, None] * b_qv
         b_tot = tl.sum(b_dMi, 0)
-        if not SUMS_ONLY:
-            b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
-            # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum
-            # of dM_i (i >= j) rides on them: dM_i's q part on B1^T q, its g part on B2^T do (no cumsum over rows)
-            b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
-            b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
-            b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
-            b_dk += _mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
-            b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
-            b_dk += b_dM[None, :]
-            if HAS_MASK:
-                b_dk = b_dk * b_m[:, None]
-            tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
+        b_k16 = _centred(tl.load(k + p + o_k[None, :], mask=mf, other=0.0), b_c, b_m)
+        # g_i . u_j and q_i . u_j: products of two 16-bit tiles, rows scaled after; the in-chunk suffix sum
+        # of dM_i (i >= j) rides on them: dM_i's q part on B1^T q, its g part on B2^T do (no cumsum over rows)
+        b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
+        b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
+        b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
+        b_dk += _mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
+        b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
+        b_dk += b_dM[None, :]
+        if HAS_MASK:
+            b_dk = b_dk * b_m[:, None]
+        tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
         b_E += _mdot_r(tl.trans(b_qv16), b_g, PROD, PREC)
         b_E += _mdot(tl.trans(b_gv), b_q16, PROD, PREC)
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
-    if SUMS_ONLY:
-        tl.store(e_out + e_blk, b_E, mask=m_v[:, None] & m_k[None, :])
 
 
 # ---- launch configuration --------------------------------------------------------------------------
@@ -459,24 +521,66 @@ def _launch(kernel, rows, K, chunk_size, args, meta):
         kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=BT, BV=BV, **meta)
         return
     if kernel not in _TUNED:
-        # every constexpr flag is part of the key: the sums-only and the full forward tune separately
+        # every constexpr flag is part of the key: with and without mask / initial state tune separately
         _TUNED[kernel] = triton.autotune(configs=_configs(), key=["K", "BK", *meta])(kernel)
         _TUNED[kernel].full_tune = True
     _TUNED[kernel][lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
 
 
-def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False):
-    """In place: per-segment sums -> per-segment starting sums (exclusive prefix, or suffix with `reverse`,
-    plus S0 / M0 when given); writes the sequences' totals to S_end / M_end."""
+def _sums_configs():
+    # (BT, BR, BC, warps, stages): a GEMM's tiles, wide along the tokens; the whole K x K block per program
+    # where there are enough pieces to fill the device, halves / quarters otherwise
+    table = [(64, 128, 128, 8, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4), (32, 128, 128, 8, 4),
+             (128, 128, 64, 8, 3)]
+    top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
+    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st)
+            for bt, br, bc, w, st in (table[:top] if top > 0 else table)]
+
+
+def _launch_sums(kernel, rows, K, chunk_size, args, meta):
+    """Run a piece-sums kernel over ((row block, column block), rows = pieces * heads): 16 x 16 blocks in the
+    interpreter (several of each), autotuned tiles on GPU (`_sums_configs`)."""
+    if _interpreting():
+        _interpreter_shim()
+        BT = 16 if chunk_size is None else int(chunk_size)
+        kernel[(triton.cdiv(K, 16) ** 2, rows)](*args, K=K, BT=BT, BR=16, BC=16, **meta)
+        return
+    if kernel not in _TUNED:
+        _TUNED[kernel] = triton.autotune(configs=_sums_configs(), key=["K", *meta])(kernel)
+    _TUNED[kernel][lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(K, m["BC"]), rows)](*args, K=K, **meta)
+
+
+def _piece_sums(k, mask, pc, S_out, M_out, H, K, chunk_size, prec):
+    """Each piece's key sums about zero, S `[G, H, K, K]` and M `[G, H, K]` fp32, into S_out / M_out."""
+    _launch_sums(_piece_sums_kernel, pc.seg.shape[0] * H, K, chunk_size,
+                 (k, M_out if mask is None else mask, S_out, M_out, pc.seg),
+                 dict(H=H, HAS_MASK=mask is not None, PREC=prec))
+
+
+def _piece_grad_sums(q, do, mask, a_buf, r_buf, pc, D_out, dM_out, H, K, chunk_size, prod, prec):
+    """Each piece's D = sum_i q_i g_i^T `[G, H, K, K]` and key-sum gradient `[G, H, K]` (fp32), for the dk pass's
+    suffix starts (E = D + D^T)."""
+    _launch_sums(_piece_grad_sums_kernel, pc.seg.shape[0] * H, K, chunk_size,
+                 (q, do, dM_out if mask is None else mask, a_buf, r_buf, pc.n_before, D_out, dM_out, pc.seg),
+                 dict(H=H, HAS_MASK=mask is not None, PROD=prod, PREC=prec))
+
+
+def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False, sym=False):
+    """Per-segment sums -> per-segment starting sums (exclusive prefix, or suffix with `reverse`, plus S0 /
+    M0 when given), returned as (starts, mstarts); writes the sequences' totals to S_end / M_end. In place,
+    except with `sym` (each segment's K x K sum plus its transpose: a program reads rows that others write,
+    so the starts get their own buffer)."""
     N = segs.shape[0]
     BK = max(16, triton.next_power_of_2(K))
     BV = min(BK, 16 if _interpreting() else 32)
     if _interpreting():
         _interpreter_shim()
     dummy = msums
+    starts = torch.empty_like(sums) if sym else sums
     _ccq_scan_kernel[(triton.cdiv(K, BV), N * H)](
-        sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, sums, msums, S_end, M_end, segs,
-        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, REVERSE=reverse, num_warps=4)
+        sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, starts, msums, S_end, M_end, segs,
+        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, REVERSE=reverse, SYM=sym, num_warps=4)
+    return starts, msums
 
 
 class Pieces(NamedTuple):
@@ -626,19 +730,17 @@ class _CCQReadFn(torch.autograd.Function):
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
                      S_end, M_end, *where),
-                    dict(HAS_H0=S0 is not None, STORE_END=True, OUTPUT=True, **common))
+                    dict(HAS_H0=S0 is not None, STORE_END=True, **common))
         else:  # key sums per piece, prefix over pieces, then all pieces in parallel
             starts = q.new_empty(G, H, K, K, dtype=torch.float32)
             mstarts = q.new_empty(G, H, K, dtype=torch.float32)
-            _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
-                    (q, k, m_arg, dummy, dummy, pc.n_before, o, starts, mstarts, pc.seg, dummy, pc.seq, H),
-                    dict(HAS_H0=False, STORE_END=True, OUTPUT=False, **common))
+            _piece_sums(k, mask, pc, starts, mstarts, H, K, chunk_size, prec)
             _scan(starts, mstarts, S0, M0, S_end, M_end, pc.segs, H, K)
             cen = _mean_key(M_end, pc.n_end)
             where = (pc.seg, cen, pc.seq, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where),
-                    dict(HAS_H0=True, STORE_END=False, OUTPUT=True, **common))
+                    dict(HAS_H0=True, STORE_END=False, **common))
         ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts, cen)
         ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
         ctx.chunk_size, ctx.seg_len, ctx.prods = chunk_size, seg_len, prods
@@ -659,7 +761,8 @@ class _CCQReadFn(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         a_buf, r_buf = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
-        ds0 = torch.empty(G, H, K, K, **f32) if S0 is not None else None
+        store_ds0 = S0 is not None and not split   # with pieces dS0 is the sum of the pieces' D (below)
+        ds0 = torch.empty(G, H, K, K, **f32) if store_ds0 else None
         dm0 = torch.empty(G, H, K, **f32)
         dummy = dm0
         m_arg = dummy if mask is None else mask
@@ -669,7 +772,7 @@ class _CCQReadFn(torch.autograd.Function):
         _launch(_ccq_bwd_dq_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, dummy if s_start is None else s_start, dummy if m_start is None else m_start,
                  pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, *where),
-                dict(HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=S0 is not None, PROD=prod,
+                dict(HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=store_ds0, PROD=prod,
                      PREC=prec))
         has_end = dS_end is not None or dM_end is not None
         e_end = dm_end = None
@@ -682,20 +785,20 @@ class _CCQReadFn(torch.autograd.Function):
         # the hi/lo pair measured slower than tf32 tiles in this pass (five products with a carried operand:
         # 1.09 vs 1.00 ms at 16k on the H100), so `split` runs it in tf32
         dk_flags = dict(HAS_MASK=mask is not None, PROD=prod_dk, PREC=prec)
-        if split:  # each piece's own E and key-sum gradient, then suffix sums over pieces (+ the end's)
-            e_start = torch.empty(G, H, K, K, **f32)
-            dm_start = torch.empty(G, H, K, **f32)
-            _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
-                    (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy, dummy, dk, dm_start, e_start, *where),
-                    dict(HAS_DEND=False, SUMS_ONLY=True, **dk_flags))
-            _scan(e_start, dm_start, e_end, dm_end, torch.empty(N, H, K, K, **f32), torch.empty(N, H, K, **f32),
-                  pc.segs, H, K, reverse=True)
+        if split:  # each piece's D = sum q g^T and key-sum gradient, then suffix sums of D + D^T (+ the end's)
+            d_piece = torch.empty(G, H, K, K, **f32)
+            dm_piece = torch.empty(G, H, K, **f32)
+            _piece_grad_sums(q, do, mask, a_buf, r_buf, pc, d_piece, dm_piece, H, K, ctx.chunk_size, prod_dk, prec)
+            e_start, dm_start = _scan(d_piece, dm_piece, e_end, dm_end, torch.empty(N, H, K, K, **f32),
+                                      torch.empty(N, H, K, **f32), pc.segs, H, K, reverse=True, sym=True)
+            if S0 is not None:
+                ds0 = d_piece
         else:
             e_start, dm_start = e_end, dm_end
         _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
-                 dummy if dm_start is None else dm_start, dk, dm0, dummy, *where),
-                dict(HAS_DEND=e_start is not None, SUMS_ONLY=False, **dk_flags))
+                 dummy if dm_start is None else dm_start, dk, dm0, *where),
+                dict(HAS_DEND=e_start is not None, **dk_flags))
         dS0 = dM0 = None
         if S0 is not None:
             if split:  # per-piece partial sums -> per sequence; dM0 is the first piece's carried sum
