@@ -115,6 +115,16 @@ def _keep(msk, rows, m_t, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _counted(b_m, o_t, HAS_MASK: tl.constexpr):
+    """Real tokens of the tile up to and including each row `[BT]` (rows past the piece: don't care; their
+    tiles are zero). Without a mask that is the row number + 1, no scan over the tile."""
+    if HAS_MASK:
+        return tl.cumsum(b_m, 0)
+    else:
+        return (o_t + 1).to(tl.float32)
+
+
+@triton.jit
 def _centred(b_k, b_c, b_m):
     """Keys minus the sequence's centre `[BT, BK]`, zero on padding and past the piece, in the input dtype."""
     return tl.where(b_m[:, None] > 0, b_k.to(tl.float32) - b_c[None, :], 0.0).to(b_k.dtype)
@@ -210,7 +220,7 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
         rows = bos + i_t * BT + o_t
         p = (rows[:, None] * H + i_h) * K
         b_m = _keep(msk, rows, m_t, HAS_MASK)
-        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        inv = 1.0 / tl.maximum(b_n + _counted(b_m, o_t, HAS_MASK), 1.0)
         b_qr16 = tl.load(q + p + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
         b_g = tl.load(do + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
         b_g = b_g * inv[:, None]
@@ -269,7 +279,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
         b_kv = b_kv16.to(tl.float32)
         b_q16 = tl.load(q + p + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_q = b_q16.to(tl.float32)
-        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        inv = 1.0 / tl.maximum(b_n + _counted(b_m, o_t, HAS_MASK), 1.0)
         b_A = tl.where(tril, tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC), 0.0)
         b_r = tl.sum(b_q * b_M[None, :], 1) + tl.sum(b_A, 1)                 # U_t . q_t
         # the mean part U_t (U_t . q) / n^2 with U_t = U_prev + sum_{j<=t} u_j: its in-chunk sum rides on
@@ -375,7 +385,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
         b_k16 = _centred(b_k16, b_c, b_m)
         b_kv16 = _centred(b_kv16, b_cv, b_m)
         b_q, b_kv = b_q16.to(tl.float32), b_kv16.to(tl.float32)
-        inv = 1.0 / tl.maximum(b_n + tl.cumsum(b_m, 0), 1.0)
+        inv = 1.0 / tl.maximum(b_n + _counted(b_m, o_t, HAS_MASK), 1.0)
         b_g = b_do16.to(tl.float32) * inv[:, None]
         # products of two 16-bit tiles (u rounded once); g = do / n scales rows afterwards
         b_Ag = tl.where(tril, tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None], 0.0)
@@ -440,7 +450,7 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         b_r = tl.load(r_buf + rows * H + i_h, mask=m_t, other=0.0)
         b_m = _keep(msk, rows, m_t, HAS_MASK)
         b_prev = b_n - tl.sum(b_m, 0)
-        inv = 1.0 / tl.maximum(b_prev + tl.cumsum(b_m, 0), 1.0)
+        inv = 1.0 / tl.maximum(b_prev + _counted(b_m, o_t, HAS_MASK), 1.0)
         b_g = b_do16.to(tl.float32) * inv[:, None]
         b_gv = b_dov * inv[:, None]
         # gradient of the key sum M_i (v-block); its sum over the chunk goes to the carry, its in-chunk suffix
