@@ -304,26 +304,30 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
 
 @triton.jit
 def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
-                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                      HAS_H0: tl.constexpr, REVERSE: tl.constexpr, SYM: tl.constexpr):
-    # per (channel block, sequence, head): starting sums of each of the sequence's segments (exclusive
-    # prefix over its segments, plus the initial state) and the sequence's end sums, in fp32 sequence order;
-    # REVERSE walks the segments last to first (exclusive suffix sums, for the backward's reversed pass);
-    # SYM sums each segment's block plus its transpose (the backward's D + D^T)
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # per ((row block, column block), sequence, head): starting sums of each of the sequence's segments
+    # (exclusive prefix over its segments, plus the initial state) and the sequence's end sums, in fp32
+    # sequence order; the key sum M rides with the first row block. REVERSE walks the segments last to first
+    # (exclusive suffix sums, for the backward's reversed pass); SYM sums each segment's block plus its
+    # transpose (the backward's D + D^T). Small blocks: the walk over segments is a chain of dependent
+    # loads, so the more programs the better
+    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = (K + BC - 1) // BC
+    i_r, i_c = i_rc // NC, i_rc % NC
     i_n, i_h = i_nh // H, i_nh % H
     first = tl.load(segs + 2 * i_n).to(tl.int64)
     count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < K
-    blk = o_k[:, None] * K + o_v[None, :]
-    m_blk = m_k[:, None] & m_v[None, :]
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    b_M = tl.zeros([BK], dtype=tl.float32)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r, m_c = o_r < K, o_c < K
+    blk = o_r[:, None] * K + o_c[None, :]
+    m_blk = m_r[:, None] & m_c[None, :]
+    b_S = tl.zeros([BR, BC], dtype=tl.float32)
+    b_M = tl.zeros([BC], dtype=tl.float32)
     if HAS_H0:
         b_S += tl.load(s0 + i_nh.to(tl.int64) * K * K + blk, mask=m_blk, other=0.0)
-        b_M += tl.load(m0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+        b_M += tl.load(m0 + i_nh.to(tl.int64) * K + o_c, mask=m_c, other=0.0)
     for i in range(0, count):
         if REVERSE:
             g = (first + count - 1 - i) * H + i_h
@@ -331,16 +335,16 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
             g = (first + i) * H + i_h
         b_x = tl.load(sums + g * K * K + blk, mask=m_blk, other=0.0)
         if SYM:
-            b_x += tl.load(sums + g * K * K + o_v[None, :] * K + o_k[:, None], mask=m_blk, other=0.0)
+            b_x += tl.load(sums + g * K * K + o_c[None, :] * K + o_r[:, None], mask=m_blk, other=0.0)
         tl.store(starts + g * K * K + blk, b_S, mask=m_blk)
         b_S += b_x
-        if i_v == 0:
-            b_y = tl.load(msums + g * K + o_k, mask=m_k, other=0.0)
-            tl.store(mstarts + g * K + o_k, b_M, mask=m_k)
+        if i_r == 0:
+            b_y = tl.load(msums + g * K + o_c, mask=m_c, other=0.0)
+            tl.store(mstarts + g * K + o_c, b_M, mask=m_c)
             b_M += b_y
     tl.store(s_end + i_nh.to(tl.int64) * K * K + blk, b_S, mask=m_blk)
-    if i_v == 0:
-        tl.store(m_end + i_nh.to(tl.int64) * K + o_k, b_M, mask=m_k)
+    if i_r == 0:
+        tl.store(m_end + i_nh.to(tl.int64) * K + o_c, b_M, mask=m_c)
 
 
 @triton.jit
@@ -581,15 +585,14 @@ def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False, sym=Fals
     except with `sym` (each segment's K x K sum plus its transpose: a program reads rows that others write,
     so the starts get their own buffer)."""
     N = segs.shape[0]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(BK, 16 if _interpreting() else 32)
+    B = 16 if _interpreting() else 32
     if _interpreting():
         _interpreter_shim()
     dummy = msums
     starts = torch.empty_like(sums) if sym else sums
-    _ccq_scan_kernel[(triton.cdiv(K, BV), N * H)](
+    _ccq_scan_kernel[(triton.cdiv(K, B) ** 2, N * H)](
         sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, starts, msums, S_end, M_end, segs,
-        H=H, K=K, BK=BK, BV=BV, HAS_H0=S0 is not None, REVERSE=reverse, SYM=sym, num_warps=4)
+        H=H, K=K, BR=B, BC=B, HAS_H0=S0 is not None, REVERSE=reverse, SYM=sym, num_warps=4)
     return starts, msums
 
 
