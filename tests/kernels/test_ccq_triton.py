@@ -195,6 +195,22 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
         assert int(n_end[i]) == int(n0[i]) + int(flat[s0:s0 + int(lens[i])].sum()), i
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
+def test_segment_len_rule(monkeypatch):
+    """Piece length: ~128 (piece, head) rows with a backward, ~64 for a forward alone, 512..4096 tokens, none
+    when one piece would hold the whole sequence; the environment overrides."""
+    from hybridize.kernels.triton.ccq_read import _segment_len
+    monkeypatch.delenv("HYBRIDIZE_CCQ_SEGMENT", raising=False)
+    monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS", raising=False)
+    assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
+    assert [_segment_len(1, T, 16, T, backward=False) for T in (4096, 16384, 32768)] == [1024, 4096, 4096]
+    assert _segment_len(1, 512, 16, 512) is None and _segment_len(8, 8192, 32, 8192) == 4096
+    monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "0")
+    assert _segment_len(1, 16384, 16, 16384) is None
+    monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "300")
+    assert _segment_len(1, 16384, 16, 16384, backward=False) == 300
+
+
 # ---- CUDA (compiled kernels) -----------------------------------------------------------------------
 
 def _cuda_ops(segment_len=None):

@@ -17,7 +17,7 @@ in registers.
 
 Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
 runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
-tokens (automatic on GPU: 512-2048 tokens, see `_segment_len`). Forward: (1) `_piece_sums_kernel` sums
+tokens (automatic on GPU: 512-4096 tokens, see `_segment_len`). Forward: (1) `_piece_sums_kernel` sums
 each piece's keys (a plain GEMM walk over wide token tiles), (2) `_ccq_scan_kernel` turns the piece sums into
 each piece's starting sums (in place, plus the initial state; it also writes the end state), (3) every piece runs the
 fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
@@ -542,10 +542,11 @@ def _launch(kernel, rows, K, chunk_size, args, meta):
 
 
 def _sums_configs():
-    # (BT, BR, BC, warps, stages): a GEMM's tiles, wide along the tokens; the whole K x K block per program
-    # where there are enough pieces to fill the device, halves / quarters otherwise
-    table = [(64, 128, 128, 8, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4), (32, 128, 128, 8, 4),
-             (128, 128, 64, 8, 3)]
+    # (BT, BR, BC, warps, stages): a GEMM's tiles, wide along the tokens. H100 sweep of six configs at 4k, 16k
+    # and 32k (session 9): the key sums were fastest with the first at every length, the gradient sums with the
+    # first or the second; the third is within 6-12% of the best for both. The autotune key has no length in it,
+    # so the list keeps only configs that are good at every length
+    table = [(128, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3)]
     top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st)
             for bt, br, bc, w, st in (table[:top] if top > 0 else table)]
@@ -658,17 +659,19 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
                   torch.stack([ends - nseg, nseg], 1).contiguous(), n_end)
 
 
-def _segment_len(B, T, H, longest):
-    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (default 128) (piece, head) rows so that B * H alone (often 16)
-    does not leave most SMs idle, clamped to 512..2048 tokens (shorter pieces cost more in the prefix scan
-    and the per-piece states than they gain, longer ones idle SMs; H100 sweep in benchmarks/RESULTS.md);
-    `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece per sequence)."""
+def _segment_len(B, T, H, longest, backward=True):
+    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (piece, head) rows so that B * H alone (often 16) does not leave
+    most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more in the prefix scan and the per-piece
+    sums than they gain, longer ones idle SMs; H100 sweeps in benchmarks/RESULTS.md, sessions 5 and 9).
+    Rows: 128 when a backward will run, 64 for a forward alone (its pieces carry no backward, and half the
+    rows measured faster: 16k 0.48 against 0.51 ms, 4k 0.138 against 0.146). `HYBRIDIZE_CCQ_SEGMENT=<n>`
+    overrides (0: one piece per sequence)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128"))
-        n = min(2048, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128" if backward else "64"))
+        n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
     return None if n <= 0 or n >= longest else n
 
 
@@ -867,7 +870,8 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         S0 = (C0.float() * tf.view(N, 1, 1, 1)).contiguous()
         M0 = (mu0.float() * tf.view(N, 1, 1)).contiguous()
     if segment_len is None:
-        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
+        backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T, backward)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
     pc = _table(B, T, cu, m, n0, seg_len, zero_start=initial_state is None)
