@@ -211,6 +211,26 @@ def test_segment_len_rule(monkeypatch):
     assert _segment_len(1, 16384, 16, 16384, backward=False) == 300
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
+def test_autotuners_keep_their_whole_lists_under_the_global_cap():
+    """The read's autotuners (passes and piece sums) are exempt from HYBRIDIZE_AUTOTUNE_TOP (meant for fla's
+    long lists): capped to one config, each still tunes over its whole short list."""
+    from hybridize.kernels.triton import ccq_read as cr
+    from hybridize.kernels.triton.autotune import limit_autotune
+
+    saved = dict(cr._TUNED)
+    cr._TUNED.clear()
+    try:
+        limit_autotune(1)
+        for kernel, configs in ((cr._ccq_fwd_kernel, cr._configs), (cr._piece_sums_kernel, cr._sums_configs),
+                                (cr._piece_grad_sums_kernel, cr._sums_configs)):
+            assert len(cr._autotuned(kernel, configs, ["K"]).prune_configs({})) == len(configs()) > 1
+    finally:
+        limit_autotune(0)
+        cr._TUNED.clear()
+        cr._TUNED.update(saved)
+
+
 # ---- CUDA (compiled kernels) -----------------------------------------------------------------------
 
 def _cuda_ops(segment_len=None):

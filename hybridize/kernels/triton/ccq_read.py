@@ -19,8 +19,8 @@ Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most o
 runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
 tokens (automatic on GPU: 512-4096 tokens, see `_segment_len`). Forward: (1) `_piece_sums_kernel` sums
 each piece's keys (a plain GEMM walk over wide token tiles), (2) `_ccq_scan_kernel` turns the piece sums into
-each piece's starting sums (in place, plus the initial state; it also writes the end state), (3) every piece runs the
-fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
+each piece's starting sums (plus the initial state; it also writes the end state), (3) every piece runs
+the fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
 table of (first token, length) with unused slots of length 0; without mask / varlen / initial state the
 table depends on the shape only and is cached.
 
@@ -164,20 +164,27 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
+def _block(i_rc, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(row block index, rows `[BR]`, columns `[BC]`, their masks) of block i_rc of a K x K matrix cut into
+    BR x BC blocks, row-major."""
+    NC: tl.constexpr = (K + BC - 1) // BC
+    i_r = i_rc // NC
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = (i_rc % NC) * BC + tl.arange(0, BC)
+    return i_r, o_r, o_c, o_r < K, o_c < K
+
+
+@triton.jit
 def _piece_sums_kernel(k, msk, s_out, m_out, seg, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
     # one program per ((row block, column block), piece, head): S[rows, cols] = sum k[:, rows]^T k[:, cols]
     # over the piece's real keys (about zero, fp32), and M[cols] from the first row block. A plain GEMM
     # walk with wide token tiles: no scores, no output, so none of the output pass's register limits
-    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
-    NC: tl.constexpr = (K + BC - 1) // BC
-    i_r, i_c = i_rc // NC, i_rc % NC
+    i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
     bos, L = _bounds(seg, i_n)
     o_t = tl.arange(0, BT)
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_r, m_c = o_r < K, o_c < K
     b_S = tl.zeros([BR, BC], dtype=tl.float32)
     b_M = tl.zeros([BC], dtype=tl.float32)
     for i_t in range(0, tl.cdiv(L, BT)):
@@ -203,15 +210,11 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
     # the backward's counterpart of `_piece_sums_kernel`: per piece D[rows, cols] = sum_i q_i[rows] g_i[cols]
     # (g = do / n; the dk pass's E is D + D^T, the scan adds the transpose) and, from the first row block,
     # the key-sum gradient's sum dM[cols] = -sum_i (r_i / n_i) g_i + (a'_i / n_i) q_i
-    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
-    NC: tl.constexpr = (K + BC - 1) // BC
-    i_r, i_c = i_rc // NC, i_rc % NC
+    i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
     bos, L = _bounds(seg, i_n)
     o_t = tl.arange(0, BT)
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_r, m_c = o_r < K, o_c < K
     b_D = tl.zeros([BR, BC], dtype=tl.float32)
     b_dM = tl.zeros([BC], dtype=tl.float32)
     b_n = tl.load(n0 + i_n)
@@ -312,15 +315,11 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
     # (exclusive suffix sums, for the backward's reversed pass); SYM sums each segment's block plus its
     # transpose (the backward's D + D^T). Small blocks: the walk over segments is a chain of dependent
     # loads, so the more programs the better
-    i_rc, i_nh = tl.program_id(0), tl.program_id(1)
-    NC: tl.constexpr = (K + BC - 1) // BC
-    i_r, i_c = i_rc // NC, i_rc % NC
+    i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
     first = tl.load(segs + 2 * i_n).to(tl.int64)
     count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_r, m_c = o_r < K, o_c < K
     blk = o_r[:, None] * K + o_c[None, :]
     m_blk = m_r[:, None] & m_c[None, :]
     b_S = tl.zeros([BR, BC], dtype=tl.float32)
@@ -522,23 +521,35 @@ def _configs():
 _TUNED: dict = {}
 
 
+def _interp_tile(chunk_size) -> int:
+    """The token tile of an interpreter run: `chunk_size` (default 16), a power of two >= 16."""
+    _interpreter_shim()
+    BT = 16 if chunk_size is None else int(chunk_size)
+    if BT < 16 or BT & (BT - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
+    return BT
+
+
+def _autotuned(kernel, configs, key):
+    """`kernel` autotuned over `configs()`, built once per kernel. Every constexpr flag is part of `key`, so with
+    and without mask / initial state tune separately. Marked `full_tune`: the global cap meant for fla's long
+    lists (`autotune.py`, HYBRIDIZE_AUTOTUNE_TOP) leaves these short, curated lists whole."""
+    if kernel not in _TUNED:
+        _TUNED[kernel] = triton.autotune(configs=configs(), key=key)(kernel)
+        _TUNED[kernel].full_tune = True
+    return _TUNED[kernel]
+
+
 def _launch(kernel, rows, K, chunk_size, args, meta):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
     autotuned (BT, BV, warps, stages) on GPU."""
     BK = max(16, triton.next_power_of_2(K))
     if _interpreting():
-        _interpreter_shim()
-        BT = 16 if chunk_size is None else int(chunk_size)
-        if BT < 16 or BT & (BT - 1):
-            raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
         BV = min(BK, 16)
-        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=BT, BV=BV, **meta)
+        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, **meta)
         return
-    if kernel not in _TUNED:
-        # every constexpr flag is part of the key: with and without mask / initial state tune separately
-        _TUNED[kernel] = triton.autotune(configs=_configs(), key=["K", "BK", *meta])(kernel)
-        _TUNED[kernel].full_tune = True
-    _TUNED[kernel][lambda m: (triton.cdiv(K, m["BV"]), rows)](*args, K=K, BK=BK, **meta)
+    _autotuned(kernel, _configs, ["K", "BK", *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
+        *args, K=K, BK=BK, **meta)
 
 
 def _sums_configs():
@@ -556,13 +567,10 @@ def _launch_sums(kernel, rows, K, chunk_size, args, meta):
     """Run a piece-sums kernel over ((row block, column block), rows = pieces * heads): 16 x 16 blocks in the
     interpreter (several of each), autotuned tiles on GPU (`_sums_configs`)."""
     if _interpreting():
-        _interpreter_shim()
-        BT = 16 if chunk_size is None else int(chunk_size)
-        kernel[(triton.cdiv(K, 16) ** 2, rows)](*args, K=K, BT=BT, BR=16, BC=16, **meta)
+        kernel[(triton.cdiv(K, 16) ** 2, rows)](*args, K=K, BT=_interp_tile(chunk_size), BR=16, BC=16, **meta)
         return
-    if kernel not in _TUNED:
-        _TUNED[kernel] = triton.autotune(configs=_sums_configs(), key=["K", *meta])(kernel)
-    _TUNED[kernel][lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(K, m["BC"]), rows)](*args, K=K, **meta)
+    _autotuned(kernel, _sums_configs, ["K", *meta])[
+        lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(K, m["BC"]), rows)](*args, K=K, **meta)
 
 
 def _piece_sums(k, mask, pc, S_out, M_out, H, K, chunk_size, prec):
