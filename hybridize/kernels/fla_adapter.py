@@ -365,6 +365,11 @@ def ccq_clean_fused(*args, **kwargs):
     return fused(*args, **kwargs)
 
 
+def ccq_clean_fused_chunk(*args, **kwargs):
+    from .triton.ccq_clean import ccq_clean_fused_chunk as fused  # the chunk read cleans in its epilogue
+    return fused(*args, **kwargs)
+
+
 WRAPPERS = {
     ("gla", "chunk"): gla_chunk,
     ("gla", "recurrent"): gla_recurrent,
@@ -372,6 +377,6 @@ WRAPPERS = {
     ("delta", "recurrent"): delta_recurrent,
     ("log_linear", "chunk"): log_linear_chunk,
     ("ccq", "chunk"): ccq_fused,
-    ("ccq_clean", "chunk"): ccq_clean_fused,
+    ("ccq_clean", "chunk"): ccq_clean_fused_chunk,
     ("ccq_clean", "recurrent"): ccq_clean_fused,
 }

@@ -139,9 +139,10 @@ class _CCQRead:
             stats = (state.key_moment, state.key_mean, state.key_count)
         kw = {"chunk_size": self.config.chunk_size} if mode == "chunk" else {}
 
-        def read(query, k_unit):  # statistics over unit keys (padding: zero keys; the mask keeps them out of t)
+        def read(query, k_unit, **extra):  # statistics over unit keys (padding: zero keys; the mask keeps them
+            # out of t); `extra`: the GPU cleaning may ask the read to clean in its epilogue (`clean=`)
             return dispatch.run("ccq", mode, query, k_unit, mask=attention_mask, initial_state=stats,
-                                output_final_state=output_state, cu_seqlens=cu_seqlens, **kw)
+                                output_final_state=output_state, cu_seqlens=cu_seqlens, **kw, **extra)
 
         # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
         q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read, unit_keys=self.keys_are_unit)

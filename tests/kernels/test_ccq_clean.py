@@ -125,6 +125,39 @@ def test_layer_uses_fused_path_and_agrees():
 
 
 @cuda_only
+@pytest.mark.parametrize("name", ["ccq_gla", "ccq_gdn"])
+def test_layer_inference_cleans_in_the_read(name, monkeypatch):
+    """Without gradient the CUDA layer cleans q in the read's epilogue (the separate gate pass is not run)
+    and agrees with the all-PyTorch layer, fp32, learned gate and padding."""
+    from hybridize.kernels import dispatch
+    from hybridize.kernels.triton import ccq_clean as fused
+    from hybridize.mixers import build_mixer
+
+    torch.manual_seed(1)
+    m = build_mixer(name, {"ccq_gate_init": 0.3}, hidden_size=256, num_heads=2, num_kv_heads=2,
+                    head_dim=128).cuda()
+    with torch.no_grad():
+        m.ccq_weight.normal_(0, 0.5)
+    x = torch.randn(2, 1500, 256, device="cuda")
+    mask = torch.ones(2, 1500, dtype=torch.bool, device="cuda")
+    mask[1, :300] = False   # left padding
+    gate_pass = fused._CleanQuery.apply
+    calls = []
+    monkeypatch.setattr(fused._CleanQuery, "apply", lambda *a: calls.append(1) or gate_pass(*a))
+    outs = []
+    for backend in ("auto", "torch"):
+        dispatch.set_backend(backend)
+        try:
+            with torch.no_grad():
+                outs.append(m(x, attention_mask=mask, mode="chunk").hidden)
+        finally:
+            dispatch.set_backend("auto")
+    assert not calls, "the separate gate pass ran under no_grad"
+    assert rel(outs[0], outs[1]) < 2e-3, rel(outs[0], outs[1])
+    torch.cuda.synchronize()
+
+
+@cuda_only
 def test_layer_prefill_then_decode_on_gpu():
     """CCQ-GLA on CUDA, fp32: full chunked forward == chunked prefill + token-by-token recurrent decode, both
     through the fused cleaning (and the Triton read for the prefill)."""

@@ -155,6 +155,85 @@ def test_interp_no_grad_and_errors():
         ccq_triton(q, k, chunk_size=24)
 
 
+def _cleaned_ref(q, k, w, b, fixed, **kw):
+    """q - lambda Sigma q and the final statistics from the fp64 PyTorch read and gate."""
+    from hybridize.kernels import ccq_clean
+    from hybridize.kernels.ccq import ccq_recurrent
+
+    q64, k64 = q.double(), k.double()
+    sig, fs = ccq_recurrent(q64, k64, output_final_state=True, **kw)
+    lam = ccq_clean.gate(F.normalize(q64, dim=-1), None if w is None else w.double(),
+                         None if b is None else b.double(), fixed)
+    return q64 - lam.unsqueeze(-1) * sig, fs
+
+
+@interp_only
+@pytest.mark.parametrize("fixed", [None, 0.3])
+@pytest.mark.parametrize("split", SPLITS)
+def test_interp_read_cleans_in_its_epilogue(fixed, split):
+    """`clean=`: the output pass writes q - lambda Sigma q itself (inference), with padding, an initial state
+    and varlen documents; the statistics are the plain read's. With a gradient wanted it refuses."""
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    torch.set_num_threads(1)
+    H, K = 2, 16
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(H, K, generator=g) * 0.7, torch.randn(H, generator=g)
+    gate = (None, None, fixed) if fixed is not None else (w, b, None)
+    q, k = inputs(2, 45, H, K, seed=12)
+    mask = torch.rand(2, 45, generator=g) > 0.3
+    mask[1, :9] = False
+    st = state(2, H, K, [3, 1])
+    cases = [dict(mask=mask, initial_state=(st[0].float(), st[1].float(), st[2])),
+             dict(cu_seqlens=torch.tensor([0, 17, 17, 45]))]
+    for kw in cases:
+        qq, kk = (q[:1], k[:1]) if "cu_seqlens" in kw else (q, k)
+        with torch.no_grad():
+            got, fs = ccq_triton(qq, kk, output_final_state=True, chunk_size=16, segment_len=split, clean=gate, **kw)
+        ref_kw = dict(kw, initial_state=None if "initial_state" not in kw else tuple(t.double() if t.is_floating_point()
+                                                                                      else t for t in st))
+        want, fs_ref = _cleaned_ref(qq, kk, *gate, **ref_kw)
+        assert rel(got, want) < 1e-5, rel(got, want)
+        assert rel(fs[0], fs_ref[0]) < 1e-5 and rel(fs[1], fs_ref[1]) < 1e-5
+        assert torch.equal(fs[2].cpu(), fs_ref[2].cpu())
+    with pytest.raises(ValueError, match="no backward"):
+        ccq_triton(q.requires_grad_(), k, chunk_size=16, clean=gate)
+
+
+@interp_only
+def test_interp_gpu_cleaning_uses_the_read_epilogue_without_grad(monkeypatch):
+    """The chunk-mode GPU cleaning hands the gate to the read when nothing needs a gradient (no separate
+    gate pass), and runs the separate pass when something does; both equal the PyTorch cleaning."""
+    from hybridize.kernels import ccq_clean
+    from hybridize.kernels.triton import ccq_clean as fused
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    torch.set_num_threads(1)
+    H, K = 2, 16
+    q, k = inputs(1, 40, H, K, seed=13)
+    g = torch.Generator().manual_seed(14)
+    w, b = torch.randn(H, K, generator=g), torch.randn(H, generator=g)
+    seen = []
+
+    def read(qq, kk, **extra):
+        seen.append("clean" in extra)
+        return ccq_triton(qq, kk, output_final_state=True, chunk_size=16, **extra)
+
+    def torch_read(qq, kk):
+        from hybridize.kernels.ccq import ccq_chunk
+        return ccq_chunk(qq, kk, output_final_state=True)
+    want, _ = ccq_clean.ccq_clean_chunk(q.double(), k.double(), w.double(), b.double(), None, torch_read,
+                                        unit_keys=True)
+    with torch.no_grad():
+        got, _ = fused.ccq_clean_fused_chunk(q, k, w, b, None, read, unit_keys=True)
+    assert seen == [True] and rel(got, want) < 1e-5
+    wg = w.clone().requires_grad_()
+    got, _ = fused.ccq_clean_fused_chunk(q, k, wg, b, None, read, unit_keys=True)
+    assert seen == [True, False] and rel(got, want) < 1e-5
+    got.sum().backward()
+    assert wg.grad is not None
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
 @pytest.mark.parametrize("B,T,H,cu,split", [(2, 4099, 4, None, None), (2, 4099, 4, None, 0),
                                             (1, 4100, 4, [0, 1000, 1000, 3001, 4100], None),
@@ -171,7 +250,7 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
     n0 = torch.arange(N) * 3
     seg_len = (_segment_len(B, T, H, T if cu is None else B * T) if split is None
                else (None if split <= 0 else split))
-    pc = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len)
+    pc = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len, n0.device)
     seg, segs, n_end = pc.seg, pc.segs, pc.n_end
     G = seg.shape[0]
     assert bool((seg[:, 0] >= 0).all()) and bool((seg.sum(1) <= B * T).all()) and bool((seg[:, 1] >= 0).all())
@@ -193,6 +272,7 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
             assert int(pc.n_after[j]) == before + int(flat[b:b + n].sum()), (i, j)
         s0 = int(starts[i])
         assert int(n_end[i]) == int(n0[i]) + int(flat[s0:s0 + int(lens[i])].sum()), i
+    assert torch.equal(pc.n_div, n_end.clamp(min=1).float())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
@@ -337,6 +417,32 @@ def test_cuda_bf16_single_products_need_the_centre(monkeypatch):
     assert pairs["o"] > SHARED_TOL["o"], pairs
 
 
+def _cuda_cleaned(q, k, segment_len, dtype=torch.bfloat16, **kw):
+    """(the read's cleaning epilogue on CUDA in `dtype`, the fp64 PyTorch read + gate) for a random gate."""
+    from hybridize.kernels.triton.ccq_read import ccq_triton
+
+    H, K = q.shape[-2:]
+    g = torch.Generator().manual_seed(21)
+    w, b = (torch.randn(H, K, generator=g) * 0.7).cuda(), torch.randn(H, generator=g).cuda()
+    with torch.no_grad():
+        got, _ = ccq_triton(q.to(dtype), k.to(dtype), segment_len=segment_len, clean=(w, b, None), **kw)
+    want, _ = _cleaned_ref(q.to(dtype), k.to(dtype), w, b, None, **kw)
+    return got, want
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_cuda_read_cleans_in_its_epilogue(dtype, tol):
+    """`clean=` on the compiled kernels: pieces and one pass per sequence, padding, varlen documents."""
+    q, k = inputs(1, 4100, 4, 128, device="cuda", seed=22)
+    mask = (torch.rand(1, 4100, generator=torch.Generator().manual_seed(23)) > 0.2).cuda()
+    cu = torch.tensor([0, 1000, 1000, 3001, 4100], device="cuda")
+    for split in (None, 0):
+        for kw in (dict(mask=mask), dict(cu_seqlens=cu)):
+            got, want = _cuda_cleaned(q, k, split, dtype, **kw)
+            assert rel(got, want) < tol, (split, list(kw), rel(got, want))
+
+
 @cuda_only
 def test_cuda_every_autotune_config(monkeypatch):
     """Each tile configuration the autotuner may pick, alone (tests elsewhere run the first one only):
@@ -353,6 +459,9 @@ def test_cuda_every_autotune_config(monkeypatch):
             monkeypatch.setattr(ccq_read, table, lambda cfg=cfg: [cfg])
             ccq_read._TUNED.clear()
             pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16)
+            if table == "_configs":  # the forward pass's cleaning epilogue (inference) too
+                got, want = _cuda_cleaned(q, k, 600)
+                pairs.append(("q_clean", got, want))
             bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
             assert not bad, (table, i, cfg, bad)
         monkeypatch.setattr(ccq_read, table, lambda configs=configs: configs[:1])

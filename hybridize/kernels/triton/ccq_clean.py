@@ -193,16 +193,27 @@ class _CleanQuery(torch.autograd.Function):
         return dq, ds, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype), None
 
 
-def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False):
+def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False, read_cleans: bool = False):
     """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes
-    (`unit_keys`: k is used as it is, no normalisation pass either way)."""
+    (`unit_keys`: k is used as it is, no normalisation pass either way). `read_cleans`: `read` takes
+    `clean=(weight, bias, fixed lambda)` and then returns the cleaned query itself (the Triton read's epilogue,
+    `triton/ccq_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
     from hybridize.kernels import ccq_clean as ref
 
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:
         return ref.ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys)
-    sigma_q, stats = read(q, k if unit_keys else _UnitRows.apply(k))
+    k_unit = k if unit_keys else _UnitRows.apply(k)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, weight, bias))
+    if read_cleans and not grads:
+        return read(q, k_unit, clean=(weight, bias, fixed_lambda))
+    sigma_q, stats = read(q, k_unit)
     return _CleanQuery.apply(q, sigma_q, weight, bias, fixed_lambda), stats
 
 
-__all__ = ["ccq_clean_fused"]
+def ccq_clean_fused_chunk(*args, **kwargs):
+    """`ccq_clean_fused` for chunk mode, whose read (`ccq_read.ccq_triton` on CUDA) can clean in its epilogue."""
+    return ccq_clean_fused(*args, read_cleans=True, **kwargs)
+
+
+__all__ = ["ccq_clean_fused", "ccq_clean_fused_chunk"]

@@ -241,11 +241,13 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
 
 
 @triton.jit
-def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
+def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, cb, LAM,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    PROD: tl.constexpr, PREC: tl.constexpr):
-    # one program per (channel block, segment, head)
+                    PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr):
+    # one program per (channel block, segment, head). CLEAN (no gradient: inference): 0 writes Sigma q; 1 writes
+    # q - lambda Sigma q with lambda = sigmoid(w_h . q / max(||q||, 1e-12) + b_h) (`triton/ccq_clean.py`'s
+    # gate, on the fp32 read before any rounding); 2 the same with the fixed lambda LAM
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = _bounds(seg, i_n)
@@ -270,6 +272,9 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
     b_S -= _shift(b_c, b_M, b_cv, b_Mv, b_n)
     b_M -= b_n * b_c
     b_Mv -= b_n * b_cv
+    if CLEAN == 1:
+        b_cw = tl.load(cw + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_cb = tl.load(cb + i_h).to(tl.float32)
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -291,6 +296,12 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid,
         b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
         b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
         b_o = b_o - b_w[:, None] * b_Mv[None, :]
+        if CLEAN == 1:
+            lam = tl.sigmoid(tl.sum(b_q * b_cw[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(b_q * b_q, 1)), 1e-12) + b_cb)
+            b_o = tl.load(q + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32) \
+                - lam[:, None] * b_o
+        elif CLEAN == 2:
+            b_o = tl.load(q + p + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32) - LAM * b_o
         tl.store(o + p + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_S += tl.dot(tl.trans(b_k16), b_kv16, input_precision=PREC)
         b_M += tl.sum(b_k16.to(tl.float32), 0)
@@ -613,20 +624,23 @@ class Pieces(NamedTuple):
     seq: torch.Tensor        # [G] int64: the sequence a piece belongs to
     segs: torch.Tensor       # [N, 2] int64: first piece, number of pieces, per sequence
     n_end: torch.Tensor      # [N] int64: count at the end of each sequence
+    n_div: torch.Tensor      # [N] fp32: max(n_end, 1), what the mean key divides by
 
 
 _TABLES: dict = {}
 
 
-def _table(B, T, cu, mask, n0, seg_len, zero_start=False) -> Pieces:
+def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
     """Pieces over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
     without a host sync. Every sequence is cut into pieces of `seg_len` tokens (None: one piece each).
-    Without a mask, cu_seqlens or initial counts (`zero_start`: n0 is all zeros) the table depends on the
-    shape alone and is cached on CUDA (a dozen small launches per call otherwise)."""
-    plain = cu is None and mask is None and zero_start and n0.device.type == "cuda"
-    key = (B, T, seg_len, str(n0.device)) if plain else None
+    n0 `[N]`: the initial counts (None: zeros). Without a mask, cu_seqlens or initial counts the table depends
+    on the shape alone and is cached on CUDA (a dozen small launches per call otherwise)."""
+    plain = cu is None and mask is None and n0 is None and device.type == "cuda"
+    key = (B, T, seg_len, str(device)) if plain else None
     if key is not None and key in _TABLES:
         return _TABLES[key]
+    if n0 is None:
+        n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=device)
     out = _build_table(B, T, cu, mask, n0, seg_len)
     if key is not None:
         if len(_TABLES) > 64:
@@ -648,10 +662,12 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
     else:
         cm = torch.cat([torch.zeros(1, device=dev, dtype=torch.long), mask.reshape(-1).long().cumsum(0)])
     n_end = n0 + cm[starts + lens] - cm[starts]
+    n_div = n_end.clamp(min=1).float()
     if seg_len is None:
         ar = torch.arange(N, device=dev)
         return Pieces(torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
-                      n_end.float().contiguous(), ar, torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end)
+                      n_end.float().contiguous(), ar, torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end,
+                      n_div)
     nseg = (lens + seg_len - 1) // seg_len
     ends = nseg.cumsum(0)
     G = N * triton.cdiv(T, seg_len) if cu is None else N + total // seg_len
@@ -664,7 +680,7 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
     n_after = n_before + cm[bos + ln] - cm[bos]
     return Pieces(torch.stack([bos, ln], 1).contiguous(), n_before.float().contiguous(),
                   n_after.float().contiguous(), seq.contiguous(),
-                  torch.stack([ends - nseg, nseg], 1).contiguous(), n_end)
+                  torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
 
 
 def _segment_len(B, T, H, longest, backward=True):
@@ -702,10 +718,25 @@ def _products(dtype) -> tuple[int, int, str]:
     return (*PRODUCT_MODES[mode], "tf32")
 
 
-def _mean_key(M, n):
+def _clean_mode(clean) -> int:
+    """The forward kernel's CLEAN flag for `clean` = None or (weight, bias, fixed lambda)."""
+    return 0 if clean is None else (2 if clean[2] is not None else 1)
+
+
+def _clean_args(clean, dummy) -> tuple:
+    """(weight, bias, fixed lambda) as the forward kernel's arguments (`dummy` where unread)."""
+    if clean is None:
+        return dummy, dummy, 0.0
+    w, b, fixed = clean
+    if fixed is not None:
+        return dummy, dummy, float(fixed)
+    return w.contiguous(), b.contiguous(), 0.0
+
+
+def _mean_key(M, n_div):
     """The centre the passes carry their sums about: each sequence's mean key `[N, H, K]` from its key sum
-    M `[N, H, K]` (initial statistics included) and count n `[N]`."""
-    return (M / n.clamp(min=1).float().view(-1, 1, 1)).contiguous()
+    M `[N, H, K]` (initial statistics included) and max(count, 1) `[N]` fp32 (`Pieces.n_div`)."""
+    return M / n_div.view(-1, 1, 1)
 
 
 def _key_sums(k, mask, pc, M0, H, K):
@@ -737,7 +768,7 @@ class _CCQReadFn(torch.autograd.Function):
     suffix sums over pieces, then runs every piece from its own start."""
 
     @staticmethod
-    def forward(ctx, q, k, mask, S0, M0, pc, chunk_size, seg_len, prods):
+    def forward(ctx, q, k, mask, S0, M0, pc, chunk_size, seg_len, prods, clean=None):
         B, T, H, K = q.shape
         prod, _, prec = prods   # the dk pass's setting is the backward's
         o = torch.empty_like(q)
@@ -746,11 +777,12 @@ class _CCQReadFn(torch.autograd.Function):
         M_end = q.new_empty(N, H, K, dtype=torch.float32)
         dummy = M_end
         m_arg = dummy if mask is None else mask
-        common = dict(HAS_MASK=mask is not None, PROD=prod, PREC=prec)
+        common = dict(HAS_MASK=mask is not None, PROD=prod, PREC=prec, CLEAN=_clean_mode(clean))
+        gate = _clean_args(clean, dummy)
         starts = mstarts = None
         if seg_len is None:  # one pass per sequence, straight from the initial state
-            cen = _mean_key(_key_sums(k, mask, pc, M0, H, K), pc.n_end)
-            where = (pc.seg, cen, pc.seq, H)
+            cen = _mean_key(_key_sums(k, mask, pc, M0, H, K), pc.n_div)
+            where = (pc.seg, cen, pc.seq, *gate, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
                      S_end, M_end, *where),
@@ -760,8 +792,8 @@ class _CCQReadFn(torch.autograd.Function):
             msums = q.new_empty(G, H, K, dtype=torch.float32)
             _piece_sums(k, mask, pc, sums, msums, H, K, chunk_size, prec)
             starts, mstarts = _scan(sums, msums, S0, M0, S_end, M_end, pc.segs, H, K)
-            cen = _mean_key(M_end, pc.n_end)
-            where = (pc.seg, cen, pc.seq, H)
+            cen = _mean_key(M_end, pc.n_div)
+            where = (pc.seg, cen, pc.seq, *gate, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where),
                     dict(HAS_H0=True, STORE_END=False, **common))
@@ -769,12 +801,10 @@ class _CCQReadFn(torch.autograd.Function):
         ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
         ctx.chunk_size, ctx.seg_len, ctx.prods = chunk_size, seg_len, prods
         ctx.set_materialize_grads(False)  # unused end sums give None, not zero tensors
-        n_end = pc.n_end.clone()  # handed to the caller in the final state: not the cached table's tensor
-        ctx.mark_non_differentiable(n_end)
-        return o, S_end, M_end, n_end
+        return o, S_end, M_end
 
     @staticmethod
-    def backward(ctx, do, dS_end, dM_end, _dn_end):
+    def backward(ctx, do, dS_end, dM_end):
         q, k, mask, S0, M0, starts, mstarts, cen = ctx.saved_tensors
         B, T, H, K = q.shape
         prod, prod_dk, prec = ctx.prods
@@ -832,28 +862,45 @@ class _CCQReadFn(torch.autograd.Function):
                 dm0 = torch.where(empty, dm_end if has_end else torch.zeros_like(dm0[:N]), dm0[first])
             dS0 = ds0 + dS_end if has_end else ds0
             dM0 = dm0 - ((dS0 + dS0.transpose(-1, -2)) @ cen.unsqueeze(-1)).squeeze(-1)   # back from U0, S0_c
-        return dq, dk, None, dS0, dM0, None, None, None, None
+        return dq, dk, None, dS0, dM0, None, None, None, None, None
 
 
 # ---- the op ----------------------------------------------------------------------------------------
 
+def _clean_torch(q, sigma_q, clean):
+    """q - lambda Sigma q in PyTorch (`kernels.ccq_clean`), for the inputs the fused epilogue does not take."""
+    from hybridize.kernels import ccq_clean as ref
+
+    lam = ref.gate(ref.unit_rows(q), *clean)
+    return (q.to(lam.dtype) - lam.unsqueeze(-1) * sigma_q.to(lam.dtype)).to(q.dtype)
+
+
 def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
-               segment_len: int | None = None):
+               segment_len: int | None = None, clean=None):
     """Sigma_t q_t with the signature of `kernels.ccq.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
     in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
 
     `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
     sequence into pieces of that many tokens in both directions (None: automatic on GPU, off in the
-    interpreter; 0: off)."""
+    interpreter; 0: off). `clean` = (weight `[H, K]`, bias `[H]`, fixed lambda): o is CCQ's cleaned query
+    q - lambda Sigma q instead (`kernels.ccq_clean`'s gate), computed in the output pass's epilogue: one pass
+    over q and Sigma q less. Without gradient only (inference); training runs the cleaning as its own op."""
     from hybridize.kernels import ccq as ref
+    from hybridize.kernels import ccq_clean as ref_clean
 
     ref._check(q, k, mask)
+    if clean is not None:
+        ref_clean.check_gate(q, *clean)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, *clean[:2])):
+            raise ValueError("ccq_triton(clean=...) has no backward; call it without gradient (torch.no_grad()), "
+                             "or run the read and `ccq_clean` separately")
     if q.dtype == torch.float64 or q.shape[1] == 0 or q.dtype != k.dtype:
-        return ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
-                             cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+        o, fs = ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+        return (o if clean is None else _clean_torch(q, o, clean)), fs
     if _interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong
         o, fs = ccq_triton(q.float(), k.float(), mask, initial_state, output_final_state, cu_seqlens, chunk_size,
-                           segment_len)
+                           segment_len, clean)
         return o.to(q.dtype), fs
     prods = _products(q.dtype)
     B, T, H, K = q.shape
@@ -866,8 +913,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     N = B if cu is None else len(cu) - 1
     m = None if mask is None else mask.to(device=q.device, dtype=torch.int8).contiguous()
     if initial_state is None:
-        S0 = M0 = None
-        n0 = torch.zeros(N, dtype=torch.long, device=q.device)
+        S0 = M0 = n0 = None
     else:
         C0, mu0, n0 = initial_state
         if C0.shape != (N, H, K, K) or mu0.shape != (N, H, K) or n0.shape != (N,):
@@ -882,10 +928,11 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T, backward)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    pc = _table(B, T, cu, m, n0, seg_len, zero_start=initial_state is None)
-    o, S_end, M_end, n_end = _CCQReadFn.apply(q, k, m, S0, M0, pc, chunk_size, seg_len, prods)
+    pc = _table(B, T, cu, m, n0, seg_len, q.device)
+    o, S_end, M_end = _CCQReadFn.apply(q, k, m, S0, M0, pc, chunk_size, seg_len, prods, clean)
     if not output_final_state:
         return o, None
+    n_end = pc.n_end.clone()  # the caller's: not the cached table's tensor
     inv = 1.0 / n_end.clamp(min=1).float()
     return o, (S_end * inv.view(N, 1, 1, 1), M_end * inv.view(N, 1, 1), n_end)
 
