@@ -311,6 +311,27 @@ def test_autotuners_keep_their_whole_lists_under_the_global_cap():
         cr._TUNED.update(saved)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
+def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
+    """The passes' autotune key holds the power-of-two bucket of the token count, so a tile picked at 4k is not
+    reused at 32k (session 9: the best tile at 16k was 2x slow at 32k)."""
+    from hybridize.kernels.triton import ccq_read as cr
+
+    seen = []
+
+    class Tuned:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw)
+
+    monkeypatch.setattr(cr, "_interpreting", lambda: False)
+    monkeypatch.setattr(cr, "_autotuned", lambda kernel, configs, key: seen.append(key) or Tuned())
+    for tokens in (4096, 5000, 32768):
+        cr._launch(cr._ccq_fwd_kernel, 4, 128, None, (), {"HAS_MASK": False}, tokens)
+    keys, kws = seen[0::2], seen[1::2]
+    assert all("LEN" in key for key in keys)
+    assert [kw["LEN"] for kw in kws] == [4096, 8192, 32768]
+
+
 # ---- CUDA (compiled kernels) -----------------------------------------------------------------------
 
 def _cuda_ops(segment_len=None):

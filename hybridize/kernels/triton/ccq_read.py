@@ -244,7 +244,7 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
 def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, cb, LAM,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr):
+                    PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, LEN):
     # one program per (channel block, segment, head). CLEAN (no gradient: inference): 0 writes Sigma q; 1 writes
     # q - lambda Sigma q with lambda = sigmoid(w_h . q / max(||q||, 1e-12) + b_h) (`triton/ccq_clean.py`'s
     # gate, on the fp32 read before any rounding); 2 the same with the fixed lambda LAM
@@ -361,7 +361,7 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
-                       PROD: tl.constexpr, PREC: tl.constexpr):
+                       PROD: tl.constexpr, PREC: tl.constexpr, LEN):
     # this program owns channels l in the block: it carries rows S[l, :] (about the centre, like the
     # forward) and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -429,7 +429,8 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
 @triton.jit
 def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr):
+                       HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr,
+                       LEN):
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -518,12 +519,13 @@ def _configs():
     # ptxas (sm_90a, K = 128, bf16 -> tf32 tiles): BT=16 compiles without spills, BT=32 spills ~0.2-1 KB,
     # BT=64 spills 1-4 KB per thread at 4 warps (and (64, 32, 4 warps) made an illegal memory access in the
     # forward on the H100 once the keys were centred, so it is out); the 8-warp rows hold wider channel
-    # blocks (fewer programs recomputing q k^T); the last two are the dk passes' picks in a wider H100 sweep
-    # (16k: 0.85 -> 0.75 ms). Autotuning picks the fastest of these on the device
+    # blocks (fewer programs recomputing q k^T); (64, 64, 8) and (32, 64, 4) are the dk passes' picks in a wider
+    # H100 sweep (16k: 0.85 -> 0.75 ms); (64, 128, 8) was fastest at 16k in session 9's sweep and 2x slow at 32k,
+    # which the key's length bucket (`_launch`) allows. Autotuning picks the fastest of these on the device
     # (the global cap HYBRIDIZE_AUTOTUNE_TOP, meant for fla's long lists, does not apply here;
     # HYBRIDIZE_CCQ_TUNE_TOP=<n> keeps the first n, e.g. 1 for tests that only check numbers)
     table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
-             (64, 64, 8, 2), (32, 64, 4, 2), (16, 32, 2, 2)]
+             (64, 64, 8, 2), (32, 64, 4, 2), (16, 32, 2, 2), (64, 128, 8, 2)]
     top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
             for bt, bv, w, st in (table[:top] if top > 0 else table)]
@@ -551,16 +553,19 @@ def _autotuned(kernel, configs, key):
     return _TUNED[kernel]
 
 
-def _launch(kernel, rows, K, chunk_size, args, meta):
+def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
-    autotuned (BT, BV, warps, stages) on GPU."""
+    autotuned (BT, BV, warps, stages) on GPU, once per power-of-two bucket of the token count (`LEN`, unused
+    by the kernels: the best tile measured differs with the length, e.g. (64, 128, 8 warps) is fastest at 16k
+    and slow at 32k)."""
     BK = max(16, triton.next_power_of_2(K))
+    LEN = triton.next_power_of_2(max(int(tokens), 1))
     if _interpreting():
         BV = min(BK, 16)
-        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, **meta)
+        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, LEN=LEN, **meta)
         return
-    _autotuned(kernel, _configs, ["K", "BK", *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
-        *args, K=K, BK=BK, **meta)
+    _autotuned(kernel, _configs, ["K", "BK", "LEN", *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
+        *args, K=K, BK=BK, LEN=LEN, **meta)
 
 
 def _sums_configs():
@@ -786,7 +791,7 @@ class _CCQReadFn(torch.autograd.Function):
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, dummy if S0 is None else S0, dummy if M0 is None else M0, pc.n_before, o,
                      S_end, M_end, *where),
-                    dict(HAS_H0=S0 is not None, STORE_END=True, **common))
+                    dict(HAS_H0=S0 is not None, STORE_END=True, **common), B * T)
         else:  # key sums per piece, prefix over pieces, then all pieces in parallel
             sums = q.new_empty(G, H, K, K, dtype=torch.float32)
             msums = q.new_empty(G, H, K, dtype=torch.float32)
@@ -796,7 +801,7 @@ class _CCQReadFn(torch.autograd.Function):
             where = (pc.seg, cen, pc.seq, *gate, H)
             _launch(_ccq_fwd_kernel, G * H, K, chunk_size,
                     (q, k, m_arg, starts, mstarts, pc.n_before, o, dummy, dummy, *where),
-                    dict(HAS_H0=True, STORE_END=False, **common))
+                    dict(HAS_H0=True, STORE_END=False, **common), B * T)
         ctx.save_for_backward(q, k, mask, S0, M0, starts, mstarts, cen)
         ctx.pieces = pc   # index tables only (no autograd): the backward walks the same pieces
         ctx.chunk_size, ctx.seg_len, ctx.prods = chunk_size, seg_len, prods
@@ -827,7 +832,7 @@ class _CCQReadFn(torch.autograd.Function):
                 (q, k, m_arg, do, dummy if s_start is None else s_start, dummy if m_start is None else m_start,
                  pc.n_before, dq, a_buf, r_buf, dummy if ds0 is None else ds0, *where),
                 dict(HAS_MASK=mask is not None, HAS_H0=s_start is not None, STORE_DS0=store_ds0, PROD=prod,
-                     PREC=prec))
+                     PREC=prec), B * T)
         has_end = dS_end is not None or dM_end is not None
         e_end = dm_end = None
         if has_end:
@@ -852,7 +857,7 @@ class _CCQReadFn(torch.autograd.Function):
         _launch(_ccq_bwd_dk_kernel, G * H, K, ctx.chunk_size,
                 (q, k, m_arg, do, a_buf, r_buf, pc.n_after, dummy if e_start is None else e_start,
                  dummy if dm_start is None else dm_start, dk, dm0, *where),
-                dict(HAS_DEND=e_start is not None, **dk_flags))
+                dict(HAS_DEND=e_start is not None, **dk_flags), B * T)
         dS0 = dM0 = None
         if S0 is not None:
             if split:  # per-piece partial sums -> per sequence; dM0 is the first piece's carried sum
