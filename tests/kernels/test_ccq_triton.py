@@ -313,8 +313,9 @@ def test_autotuners_keep_their_whole_lists_under_the_global_cap():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
 def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
-    """The passes' autotune key holds the power-of-two bucket of the token count, so a tile picked at 4k is not
-    reused at 32k (session 9: the best tile at 16k was 2x slow at 32k)."""
+    """The passes' autotune key holds power-of-two buckets of the token count and of the rows, so a tile picked
+    at 4k is not reused at 32k (session 9: the best tile at 16k was 2x slow at 32k), nor one picked for a
+    training step's rows by a forward alone with half as many."""
     from hybridize.kernels.triton import ccq_read as cr
 
     seen = []
@@ -325,11 +326,11 @@ def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
 
     monkeypatch.setattr(cr, "_interpreting", lambda: False)
     monkeypatch.setattr(cr, "_autotuned", lambda kernel, configs, key: seen.append(key) or Tuned())
-    for tokens in (4096, 5000, 32768):
-        cr._launch(cr._ccq_fwd_kernel, 4, 128, None, (), {"HAS_MASK": False}, tokens)
+    for tokens, rows in ((4096, 64), (5000, 64), (32768, 64), (4096, 128)):
+        cr._launch(cr._ccq_fwd_kernel, rows, 128, None, (), {"HAS_MASK": False}, tokens)
     keys, kws = seen[0::2], seen[1::2]
-    assert all("LEN" in key for key in keys)
-    assert [kw["LEN"] for kw in kws] == [4096, 8192, 32768]
+    assert all("LEN" in key and "ROWS" in key for key in keys)
+    assert [(kw["LEN"], kw["ROWS"]) for kw in kws] == [(4096, 64), (8192, 64), (32768, 64), (4096, 128)]
 
 
 # ---- CUDA (compiled kernels) -----------------------------------------------------------------------

@@ -244,7 +244,7 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
 def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, cb, LAM,
                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
-                    PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, LEN):
+                    PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, LEN, ROWS):
     # one program per (channel block, segment, head). CLEAN (no gradient: inference): 0 writes Sigma q; 1 writes
     # q - lambda Sigma q with lambda = sigmoid(w_h . q / max(||q||, 1e-12) + b_h) (`triton/ccq_clean.py`'s
     # gate, on the fp32 read before any rounding); 2 the same with the fixed lambda LAM
@@ -361,7 +361,7 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
 def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_DS0: tl.constexpr,
-                       PROD: tl.constexpr, PREC: tl.constexpr, LEN):
+                       PROD: tl.constexpr, PREC: tl.constexpr, LEN, ROWS):
     # this program owns channels l in the block: it carries rows S[l, :] (about the centre, like the
     # forward) and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -430,7 +430,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
 def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, seg, cen, sid,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        HAS_MASK: tl.constexpr, HAS_DEND: tl.constexpr, PROD: tl.constexpr, PREC: tl.constexpr,
-                       LEN):
+                       LEN, ROWS):
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -521,7 +521,7 @@ def _configs():
     # forward on the H100 once the keys were centred, so it is out); the 8-warp rows hold wider channel
     # blocks (fewer programs recomputing q k^T); (64, 64, 8) and (32, 64, 4) are the dk passes' picks in a wider
     # H100 sweep (16k: 0.85 -> 0.75 ms); (64, 128, 8) was fastest at 16k in session 9's sweep and 2x slow at 32k,
-    # which the key's length bucket (`_launch`) allows. Autotuning picks the fastest of these on the device
+    # which the key's length and row buckets (`_launch`) allow. Autotuning picks the fastest of these on the device
     # (the global cap HYBRIDIZE_AUTOTUNE_TOP, meant for fla's long lists, does not apply here;
     # HYBRIDIZE_CCQ_TUNE_TOP=<n> keeps the first n, e.g. 1 for tests that only check numbers)
     table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
@@ -555,17 +555,18 @@ def _autotuned(kernel, configs, key):
 
 def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
-    autotuned (BT, BV, warps, stages) on GPU, once per power-of-two bucket of the token count (`LEN`, unused
-    by the kernels: the best tile measured differs with the length, e.g. (64, 128, 8 warps) is fastest at 16k
-    and slow at 32k)."""
+    autotuned (BT, BV, warps, stages) on GPU, once per power-of-two bucket of the token count and of the rows
+    (`LEN`, `ROWS`: key-only arguments, unused by the kernels). The best tile differs with both: (64, 128,
+    8 warps) was fastest at 16k and 2x slow at 32k, and with one channel block it leaves half of the SMs idle
+    when a forward alone has half the rows (4k: 64 programs)."""
     BK = max(16, triton.next_power_of_2(K))
-    LEN = triton.next_power_of_2(max(int(tokens), 1))
+    bucket = dict(LEN=triton.next_power_of_2(max(int(tokens), 1)), ROWS=triton.next_power_of_2(max(int(rows), 1)))
     if _interpreting():
         BV = min(BK, 16)
-        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, LEN=LEN, **meta)
+        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, **bucket, **meta)
         return
-    _autotuned(kernel, _configs, ["K", "BK", "LEN", *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
-        *args, K=K, BK=BK, LEN=LEN, **meta)
+    _autotuned(kernel, _configs, ["K", "BK", *bucket, *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
+        *args, K=K, BK=BK, **bucket, **meta)
 
 
 def _sums_configs():
