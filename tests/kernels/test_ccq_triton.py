@@ -277,18 +277,20 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
 def test_segment_len_rule(monkeypatch):
-    """Piece length: ~128 (piece, head) rows with a backward, ~64 for a forward alone, 512..4096 tokens, none
-    when one piece would hold the whole sequence; the environment overrides."""
+    """Piece length: ~128 (piece, head) rows, 512..4096 tokens, none when one piece would hold the whole
+    sequence; the environment overrides."""
     from hybridize.kernels.triton.ccq_read import _segment_len
     monkeypatch.delenv("HYBRIDIZE_CCQ_SEGMENT", raising=False)
     monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS", raising=False)
     assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
-    assert [_segment_len(1, T, 16, T, backward=False) for T in (4096, 16384, 32768)] == [1024, 4096, 4096]
+    monkeypatch.setenv("HYBRIDIZE_CCQ_ROWS", "64")
+    assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768)] == [1024, 4096, 4096]
+    monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS")
     assert _segment_len(1, 512, 16, 512) is None and _segment_len(8, 8192, 32, 8192) == 4096
     monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "0")
     assert _segment_len(1, 16384, 16, 16384) is None
     monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "300")
-    assert _segment_len(1, 16384, 16, 16384, backward=False) == 300
+    assert _segment_len(1, 16384, 16, 16384) == 300
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")

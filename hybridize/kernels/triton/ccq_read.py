@@ -689,18 +689,19 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
                   torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
 
 
-def _segment_len(B, T, H, longest, backward=True):
-    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (piece, head) rows so that B * H alone (often 16) does not leave
-    most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more in the prefix scan and the per-piece
-    sums than they gain, longer ones idle SMs; H100 sweeps in benchmarks/RESULTS.md, sessions 5 and 9).
-    Rows: 128 when a backward will run, 64 for a forward alone (its pieces carry no backward, and half the
-    rows measured faster: 16k 0.48 against 0.51 ms, 4k 0.138 against 0.146). `HYBRIDIZE_CCQ_SEGMENT=<n>`
-    overrides (0: one piece per sequence)."""
+def _segment_len(B, T, H, longest):
+    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (default 128) (piece, head) rows so that B * H alone (often 16) does
+    not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more in the prefix scan and the
+    per-piece sums than they gain, longer ones idle SMs; H100 sweeps in benchmarks/RESULTS.md, sessions 5, 9
+    and 10). A forward alone used 64 rows in session 9, when its tile was tuned once for every shape; with
+    the tiles tuned per length and rows bucket (`_launch`) 128 rows measured faster for it too (read forward
+    4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece
+    per sequence)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128" if backward else "64"))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128"))
         n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
     return None if n <= 0 or n >= longest else n
 
@@ -930,8 +931,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         S0 = (C0.float() * tf.view(N, 1, 1, 1)).contiguous()
         M0 = (mu0.float() * tf.view(N, 1, 1)).contiguous()
     if segment_len is None:
-        backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T, backward)
+        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
     pc = _table(B, T, cu, m, n0, seg_len, q.device)
