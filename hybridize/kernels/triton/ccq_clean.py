@@ -7,6 +7,8 @@ Computes what `hybridize.kernels.ccq_clean.ccq_clean_chunk` computes (same argum
 - `clean_query`: per row (token, head) qbar, lambda = sigmoid(w_h . qbar + b_h) and q - lambda * Sigma q in
   one pass; the backward recomputes qbar and lambda and gives dq, d(Sigma q) and per-block partial sums of
   dw, db (summed afterwards: deterministic, no atomics).
+In chunk mode without gradient (inference) the gate and update run inside the Triton read's output pass instead
+(`ccq_clean_fused_chunk`, `triton/ccq_read.py`'s `clean=`): no gate pass at all.
 All arithmetic is fp32 in registers, one rounding to the output dtype (the PyTorch form rounds after
 every op in 16-bit). fp64 inputs go to the PyTorch form. Before: F.normalize twice, an fp32 copy of qbar,
 an einsum, sigmoid, a product and a difference, each a full pass over `[B, T, H, K]` forward and more

@@ -49,6 +49,10 @@ direction (CCQ's unit keys usually do), so a 16-bit rounding of the carried sums
 difference (3.7e-2 max relative error measured at 16k with one bf16 product); about the mean the carried
 sums are of the size of the result, and one bf16 product is as accurate as the hi/lo pair was about zero.
 
+Inference (`clean=`, no gradient): the output pass also applies CCQ's query cleaning (`kernels/ccq_clean.py`):
+lambda from the query tile it holds, q - lambda Sigma q written from the fp32 read, so the separate gate pass
+over q and Sigma q does not run. Training keeps that pass (its backward needs Sigma q).
+
 Numerics: sums and scores accumulate in fp32. Products of two inputs (q u^T, u^T u, do u^T) run on 16-bit
 tiles. Products with a carried fp32 operand (the state S, the score
 tile, g = do / n, E) run, for bf16 inputs, as one bf16 product (the default), or with
@@ -56,8 +60,8 @@ tile, g = do / n, E) run, for bf16 inputs, as one bf16 product (the default), or
 pass), or `=tf32` on fp32 tiles in tf32; fp16 inputs use tf32 (a carried sum rounded
 to fp16 could overflow), fp32 inputs IEEE fp32. fp64 and empty inputs go to the PyTorch op; under
 TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit `tl.dot` is wrong). On CUDA the
-tile sizes (BT, BV) and warps are autotuned over a short list and `chunk_size` is ignored; under
-TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
+tile sizes (BT, BV) and warps are autotuned over a short list, once per power-of-two bucket of the token count
+and of the rows, and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
 """
 from __future__ import annotations
 
