@@ -550,9 +550,11 @@ def _interp_tile(chunk_size) -> int:
 def _autotuned(kernel, configs, key):
     """`kernel` autotuned over `configs()`, built once per kernel. Every constexpr flag is part of `key`, so with
     and without mask / initial state tune separately. Marked `full_tune`: the global cap meant for fla's long
-    lists (`autotune.py`, HYBRIDIZE_AUTOTUNE_TOP) leaves these short, curated lists whole."""
+    lists (`autotune.py`, HYBRIDIZE_AUTOTUNE_TOP) leaves these short, curated lists whole. The picks are cached
+    on disk by Triton (`cache_results`, keyed by the kernel source, the GPU, the key and the config list), so a
+    new length / rows bucket costs its tuning (seconds) once per machine, not once per process."""
     if kernel not in _TUNED:
-        _TUNED[kernel] = triton.autotune(configs=configs(), key=key)(kernel)
+        _TUNED[kernel] = triton.autotune(configs=configs(), key=key, cache_results=True)(kernel)
         _TUNED[kernel].full_tune = True
     return _TUNED[kernel]
 
