@@ -294,11 +294,13 @@ def test_segment_len_rule(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
-def test_autotuners_keep_their_whole_lists_under_the_global_cap():
+def test_autotuners_keep_their_whole_lists_under_the_global_cap(monkeypatch):
     """The read's autotuners (passes and piece sums) are exempt from HYBRIDIZE_AUTOTUNE_TOP (meant for fla's
     long lists): capped to one config, each still tunes over its whole short list."""
     from hybridize.kernels.triton import ccq_read as cr
     from hybridize.kernels.triton.autotune import limit_autotune
+
+    monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)   # the read's own cap (tests that check numbers)
 
     saved = dict(cr._TUNED)
     cr._TUNED.clear()
