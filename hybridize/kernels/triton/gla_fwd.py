@@ -1,0 +1,194 @@
+"""GLA forward (no gradient) built like the CCQ read: pieces, a scan over piece states, register-carried state.
+
+Computes what `hybridize.kernels.gla.gla_chunk` computes for per-key-channel gates, without a backward:
+S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t, for q, k, g `[B, T, H, K]`, v `[B, T, H, V]`,
+an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. An experiment toward SSE's speed target
+(issue 6): SSE runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per
+token than fla's `chunk_gla`; the CCQ read (`ccq_read.py`), a linear attention without decay laid out this
+way, runs at ~0.33x of chunk_gla per token. Forward only: it is not registered with `dispatch`.
+
+Every sequence is cut into pieces (`ccq_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
+piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
+per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2) `_scan_kernel`: each piece's
+starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
+sequences' final states; (3) `_output_kernel`: every piece from its start, per tile of BT tokens and block of BV
+value channels: o = (q * exp(Gc)) S + tril(A) v with A_ts = sum_d q_td k_sd exp(Gc_td - Gc_sd) (Gc the tile's
+inclusive cumulative log-decay), then S = exp(Gc_end) * S + (k * exp(Gc_end - Gc))^T v.
+
+Numerics: fp32 accumulation; 16-bit inputs give 16-bit products (the carried state and the score tile are
+rounded once for their product, as fla does). The in-tile scores factor exp(Gc_t - Gc_s) through a reference at
+half the tile's total decay, so each factor is at most exp(|tile decay| / 2): fine unless one tile's log-decay
+passes ~-170 in a channel (fla splits the tile further; this experiment does not).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ccq_read import _autotuned, _bounds, _interp_tile, _interpreter_shim, _interpreting, _segment_len, _table
+
+
+@triton.jit
+def _piece_state_kernel(k, v, g, seg, l_out, d_out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    # one program per ((key block, value block), piece, head)
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    NC: tl.constexpr = (V + BC - 1) // BC
+    i_r, i_c = tl.program_id(0) // NC, tl.program_id(0) % NC
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r, m_c = o_r < K, o_c < V
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    b_L = tl.zeros([BR, BC], dtype=tl.float32)
+    b_G = tl.zeros([BR], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        pk = (rows[:, None] * H + i_h) * K + o_r[None, :]
+        b_k = tl.load(k + pk, mask=m_t[:, None] & m_r[None, :], other=0.0)
+        b_g = tl.load(g + pk, mask=m_t[:, None] & m_r[None, :], other=0.0).to(tl.float32)
+        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+        b_gc = tl.cumsum(b_g, 0)
+        b_last = tl.sum(b_g, 0)
+        b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(b_v.dtype)   # exponents <= 0
+        b_L = b_L * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
+        b_G += b_last
+    tl.store(l_out + i_nh.to(tl.int64) * K * V + o_r[:, None] * V + o_c[None, :], b_L,
+             mask=m_r[:, None] & m_c[None, :])
+    if i_c == 0:
+        tl.store(d_out + i_nh.to(tl.int64) * K + o_r, b_G, mask=m_r)
+
+
+@triton.jit
+def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr, HAS_H0: tl.constexpr):
+    # per ((key block, value block), sequence, head): each piece's starting state and the sequence's final one
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    NC: tl.constexpr = (V + BC - 1) // BC
+    o_r = (tl.program_id(0) // NC) * BR + tl.arange(0, BR)
+    o_c = (tl.program_id(0) % NC) * BC + tl.arange(0, BC)
+    m_r = o_r < K
+    m_blk = m_r[:, None] & (o_c < V)[None, :]
+    blk = o_r[:, None] * V + o_c[None, :]
+    first = tl.load(segs + 2 * i_n).to(tl.int64)
+    count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
+    b_S = tl.zeros([BR, BC], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(s0 + i_nh.to(tl.int64) * K * V + blk, mask=m_blk, other=0.0)
+    for i in range(0, count):
+        p = (first + i) * H + i_h
+        tl.store(starts + p * K * V + blk, b_S, mask=m_blk)
+        b_d = tl.load(d_in + p * K + o_r, mask=m_r, other=0.0)
+        b_S = b_S * tl.exp(b_d)[:, None] + tl.load(l_in + p * K * V + blk, mask=m_blk, other=0.0)
+    tl.store(s_end + i_nh.to(tl.int64) * K * V + blk, b_S, mask=m_blk)
+
+
+@triton.jit
+def _output_kernel(q, k, v, g, seg, starts, o, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LEN, ROWS):
+    # one program per (value block, piece, head); LEN / ROWS: autotune key only
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    tril = o_t[:, None] >= o_t[None, :]
+    b_S = tl.load(starts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + pk, mask=m_tk, other=0.0)
+        b_k = tl.load(k + pk, mask=m_tk, other=0.0)
+        b_g = tl.load(g + pk, mask=m_tk, other=0.0).to(tl.float32)
+        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_gc = tl.cumsum(b_g, 0)
+        b_last = tl.sum(b_g, 0)
+        b_ref = 0.5 * b_last
+        dt = b_v.dtype
+        b_qs = b_q.to(tl.float32) * scale
+        b_o = tl.dot((b_qs * tl.exp(b_gc)).to(dt), b_S.to(dt), input_precision=PREC)
+        b_A = tl.dot((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
+                     tl.trans((b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt)), input_precision=PREC)
+        b_A = tl.where(tril, b_A, 0.0)
+        b_o += tl.dot(b_A.to(dt), b_v, input_precision=PREC)
+        tl.store(o + pv, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)
+        b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
+
+
+def _out_configs():
+    table = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2),
+             (64, 128, 8, 2)]
+    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
+
+
+def _state_configs():
+    table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3)]
+    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
+
+
+def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                   chunk_size=None, segment_len: int | None = None):
+    """(o `[B, T, H, V]` in v's dtype, final state `[N, H, K, V]` fp32 or None), no gradient. g: per-key-channel
+    log-decay `[B, T, H, K]` (<= 0). `segment_len`: piece length (None: automatic on GPU, one piece per
+    sequence in the interpreter; 0: one piece per sequence). `chunk_size`: the interpreter's tile (GPU tiles are
+    autotuned)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g)):
+        raise ValueError("gla_fwd_triton has no backward; call it under torch.no_grad() or use chunk_gla")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if g.shape != q.shape:
+        raise ValueError(f"gla_fwd_triton takes per-key-channel gates {tuple(q.shape)}, got {tuple(g.shape)}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
+    N = B if cu is None else len(cu) - 1
+    if segment_len is None:
+        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
+    else:
+        seg_len = None if segment_len <= 0 else int(segment_len)
+    pc = _table(B, T, cu, None, None, seg_len, q.device)
+    G = pc.seg.shape[0]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    own, decay = torch.empty(G, H, K, V, **f32), torch.empty(G, H, K, **f32)
+    starts, s_end = torch.empty(G, H, K, V, **f32), torch.empty(N, H, K, V, **f32)
+    s0 = None if initial_state is None else initial_state.to(**f32).contiguous()
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    BK = max(16, triton.next_power_of_2(K))
+    if _interpreting():
+        _interpreter_shim()
+        BT = _interp_tile(chunk_size)
+        _piece_state_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
+            k, v, g, pc.seg, own, decay, H=H, K=K, V=V, BT=BT, BR=16, BC=16, PREC=prec)
+    else:
+        _autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC"])[
+            lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
+            k, v, g, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec)
+    B_ = 16 if _interpreting() else 32
+    _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
+        own, decay, own if s0 is None else s0, starts, s_end, pc.segs, H=H, K=K, V=V, BR=B_, BC=B_,
+        HAS_H0=s0 is not None, num_warps=4)
+    bucket = dict(LEN=triton.next_power_of_2(max(B * T, 1)), ROWS=triton.next_power_of_2(max(G * H, 1)))
+    if _interpreting():
+        BV = min(16, triton.next_power_of_2(V))
+        _output_kernel[(triton.cdiv(V, BV), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V, BK=BK,
+                                                    BT=BT, BV=BV, PREC=prec, **bucket)
+    else:
+        _autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *bucket])[
+            lambda m: (triton.cdiv(V, m["BV"]), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V,
+                                                        BK=BK, PREC=prec, **bucket)
+    return o, (s_end if output_final_state else None)
+
+
+__all__ = ["gla_fwd_triton"]

@@ -1,0 +1,80 @@
+"""GLA forward in pieces (`kernels/triton/gla_fwd.py`, an experiment, no backward) against `gla_recurrent`.
+
+Gates: interpreter (`TRITON_INTERPRET=1`, triton importable): fp32 against the fp64 recurrent reference,
+odd lengths, K != V, pieces that cut tiles, an initial and a final state, varlen documents with an empty one,
+strong and weak decay; CUDA: bf16 and fp32 at ~4k tokens.
+
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_gla_triton.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridize.kernels.gla import gla_recurrent
+
+from .triton_gates import cuda_only, interp_only, rel
+
+
+def inputs(B, T, H, K, V, device="cpu", seed=0, strength=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=torch.float64) * 2 + 1) * strength
+    h0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
+    return [t.to(device) for t in (q, k, v, gate, h0)]
+
+
+def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, **kw):
+    from hybridize.kernels.triton.gla_fwd import gla_fwd_triton
+
+    want, want_end = gla_recurrent(q, k, v, gate, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    with torch.no_grad():
+        got, end = gla_fwd_triton(*(t.to(dtype) for t in (q, k, v, gate)), initial_state=h0,
+                                  output_final_state=True, cu_seqlens=cu, **kw)
+    assert got.dtype == dtype and end.dtype == torch.float32
+    assert rel(got, want) < tol, ("o", rel(got, want))
+    assert rel(end, want_end) < tol, ("final state", rel(end, want_end))
+
+
+@interp_only
+@pytest.mark.parametrize("T,K,V,split", [(37, 16, 32, None), (70, 32, 16, 32), (45, 16, 16, 20)])
+@pytest.mark.parametrize("strength", [1.0, 0.05])
+def test_interp_matches_recurrent(T, K, V, split, strength):
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = inputs(2, T, 2, K, V, strength=strength)
+    compare(q, k, v, gate, h0, chunk_size=16, segment_len=split)
+    compare(q, k, v, gate, None, chunk_size=16, segment_len=split)
+
+
+@interp_only
+@pytest.mark.parametrize("split", [None, 20])
+def test_interp_varlen(split):
+    torch.set_num_threads(1)
+    cu = torch.tensor([0, 17, 17, 50, 61])
+    q, k, v, gate, _ = inputs(1, 61, 2, 16, 16, seed=3)
+    h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
+    compare(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
+
+
+@interp_only
+def test_interp_refuses_gradient_and_bad_gates():
+    from hybridize.kernels.triton.gla_fwd import gla_fwd_triton
+
+    q, k, v, gate, _ = (t.float() for t in inputs(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match="no backward"):
+        gla_fwd_triton(q.requires_grad_(), k, v, gate)
+    with pytest.raises(ValueError, match="per-key-channel"):
+        with torch.no_grad():
+            gla_fwd_triton(q, k, v, gate[..., 0])
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_cuda_matches_recurrent(dtype, tol):
+    q, k, v, gate, h0 = inputs(1, 4100, 4, 128, 128, device="cuda", seed=5, strength=0.3)
+    compare(q, k, v, gate, h0, dtype=dtype, tol=tol)
+    cu = torch.tensor([0, 1000, 1000, 3001, 4100], device="cuda")
+    compare(q, k, v, gate, torch.randn(4, 4, 128, 128, device="cuda", dtype=torch.float64), cu=cu, dtype=dtype,
+            tol=tol)
