@@ -22,7 +22,8 @@ decides which tokens reach which of the N state partitions of each head.
     trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
     kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
-    PyTorch forms (CPU, fp64, reference). `varlen_index` is the older host-side form of the same
+    PyTorch forms (CPU, fp64, reference). Without gradient on CUDA (16-bit GLA inputs: prefill, evaluation)
+    the varlen GLA call is our pieces forward (`triton/gla_fwd.py`) instead of fla's chunk_gla. `varlen_index` is the older host-side form of the same
     reorder (non-empty segments only; it waits for the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
     runs the op's recurrent form for one step on them (with the shared partition), scatters back.
@@ -51,6 +52,7 @@ not offered: every layout reads exactly the partitions it writes (the paper's de
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -409,7 +411,13 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
-    o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state, seg_cu, chunk_size)
+    if _gla_in_pieces(op, x):
+        from .triton.gla_fwd import gla_fwd_triton
+        g = x.g if x.g.dim() == 4 else x.g.unsqueeze(-1).expand_as(x.q)
+        o_all, st = gla_fwd_triton(x.q, x.k, x.v, g, scale=scale, initial_state=h0,
+                                   output_final_state=output_final_state, cu_seqlens=seg_cu)
+    else:
+        o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state, seg_cu, chunk_size)
     o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
     if cu_seqlens is None:
         o = o.view(B, T, H, V)
@@ -419,6 +427,18 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
     first = 0 if shared is None else nseq
     sh_end = None if shared is None else st[:nseq].to(acc)
     return o, sh_end, st[first:first + nseq * n].to(acc).view(nseq, n, H, Kd, V)
+
+
+def _gla_in_pieces(op: str, x: PathInputs) -> bool:
+    """Whether the varlen GLA call runs `triton/gla_fwd.py` (no gradient, CUDA, 16-bit inputs): GLA's forward
+    cut into pieces, 0.53-0.70x of chunk_gla's device time on this 2T-row layout (benchmarks/RESULTS.md,
+    session 10); per-token log-decays below -8 are taken as -8 there (see that module).
+    `HYBRIDIZE_SSE_GLA_PIECES=0` or the torch backend keeps `dispatch`'s op (fla's chunk_gla on CUDA)."""
+    if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if dispatch.get_backend() == "torch" or os.environ.get("HYBRIDIZE_SSE_GLA_PIECES", "1") == "0":
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x.q, x.k, x.v, x.g)))
 
 
 # ---- recurrent ground truth / decode ---------------------------------------------------------

@@ -26,13 +26,15 @@ def inputs(B, T, H, K, V, device="cpu", seed=0, strength=1.0):
     return [t.to(device) for t in (q, k, v, gate, h0)]
 
 
-def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, **kw):
+def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, strong=None, **kw):
+    """Kernel (given `strong` gates instead of `gate`, if any) against the fp64 recurrent op with `gate`."""
     from hybridize.kernels.triton.gla_fwd import gla_fwd_triton
 
     want, want_end = gla_recurrent(q, k, v, gate, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     with torch.no_grad():
-        got, end = gla_fwd_triton(*(t.to(dtype) for t in (q, k, v, gate)), initial_state=h0,
-                                  output_final_state=True, cu_seqlens=cu, **kw)
+        got, end = gla_fwd_triton(*(t.to(dtype) for t in (q, k, v, gate if strong is None else strong)),
+                                  initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(end).all())
     assert got.dtype == dtype and end.dtype == torch.float32
     assert rel(got, want) < tol, ("o", rel(got, want))
     assert rel(end, want_end) < tol, ("final state", rel(end, want_end))
@@ -56,6 +58,19 @@ def test_interp_varlen(split):
     q, k, v, gate, _ = inputs(1, 61, 2, 16, 16, seed=3)
     h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
     compare(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
+
+
+@interp_only
+def test_interp_strong_decay_is_floored_not_nan():
+    """Log-decays far below G_MIN (-30 per token in some channels): finite, and equal to the op with the gates
+    floored at G_MIN (the documented departure); moderate gates (above the floor) are exact."""
+    from hybridize.kernels.triton.gla_fwd import G_MIN
+
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = inputs(1, 40, 2, 16, 16, seed=9)
+    gate[0, 5:30, :, :4] = -30.0
+    gate[0, 10:12] = -9.0
+    compare(q, k, v, gate.clamp(min=G_MIN), h0, chunk_size=16, segment_len=20, strong=gate)
 
 
 @interp_only

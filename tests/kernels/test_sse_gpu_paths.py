@@ -396,6 +396,51 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
     assert rel(got_o, o_ref) < 1e-5 and rel(got_state[0], s1_ref) < 1e-5 and rel(got_state[1], s2_ref) < 1e-5
 
 
+def test_gla_pieces_forward_only_without_gradient_on_cuda_16bit(monkeypatch):
+    """The varlen path's choice of the pieces GLA forward: GLA only, CUDA, 16-bit, no gradient, not disabled."""
+    x = PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)), None)
+    assert not sse._gla_in_pieces("gla", x)           # CPU tensors
+    if cuda:
+        xc = PathInputs(*(t.cuda() for t in x[:4]), None)
+        with torch.no_grad():
+            assert sse._gla_in_pieces("gla", xc) and not sse._gla_in_pieces("delta", xc)
+            assert not sse._gla_in_pieces("gla", PathInputs(*(t.float() for t in xc[:4]), None))
+            monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
+            assert not sse._gla_in_pieces("gla", xc)
+            monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
+        assert not sse._gla_in_pieces("gla", PathInputs(xc.q.requires_grad_(), *xc[1:]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["dense", "packed"])
+def test_cuda_varlen_inference_uses_gla_pieces_and_agrees(case, gpu_backend, monkeypatch):
+    """Without gradient, bf16: the varlen call runs the pieces GLA forward, and the output and final states
+    match the same call through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the PyTorch path."""
+    from hybridize.kernels.triton import gla_fwd
+
+    H, D, N, K = 2, 64, 4, 1
+    if case == "packed":
+        B, T, cu = 1, 1157, torch.tensor([0, 370, 370, 1137, 1157], device="cuda")
+    else:
+        B, T, cu = 2, 1157, None
+    nseq = 4 if case == "packed" else B
+    sh, sp, logits, valid = make("gla", B, T, H, D, N, K, True, dtype=torch.bfloat16, device="cuda")
+    h0 = state(nseq, N, H, D, device="cuda")
+    calls = []
+    real = gla_fwd.gla_fwd_triton
+    monkeypatch.setattr(gla_fwd, "gla_fwd_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        got = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=False)
+        assert calls, "the pieces forward did not run"
+        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
+        fla = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=False)
+        ref = _torch_path(lambda: run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=False))
+    assert len(calls) == 1
+    for name, a, b, c in zip(["o", "shared state", "sparse state"], got[:3], fla[:3], ref[:3]):
+        assert a.dtype == c.dtype, name
+        assert nrel(a, b) < 2e-2 and nrel(a, c) < 3e-2, (name, nrel(a, b), nrel(a, c))
+
+
 @needs_cuda
 def test_cuda_varlen_bookkeeping_and_row_moves_never_sync(gpu_backend):
     from hybridize.kernels.triton.sse_route import combine_rows, pack_rows
