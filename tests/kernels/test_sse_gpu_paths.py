@@ -398,17 +398,19 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
 
 def test_gla_pieces_forward_only_without_gradient_on_cuda_16bit(monkeypatch):
     """The varlen path's choice of the pieces GLA forward: GLA only, CUDA, 16-bit, no gradient, not disabled."""
-    x = PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)), None)
-    assert not sse._gla_in_pieces("gla", x)           # CPU tensors
+    def inputs(device="cpu", dtype=torch.bfloat16):
+        return PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=dtype, device=device) for _ in range(4)), None)
+    assert not sse._gla_in_pieces("gla", inputs())           # CPU tensors
     if cuda:
-        xc = PathInputs(*(t.cuda() for t in x[:4]), None)
+        xc = inputs("cuda")
         with torch.no_grad():
             assert sse._gla_in_pieces("gla", xc) and not sse._gla_in_pieces("delta", xc)
-            assert not sse._gla_in_pieces("gla", PathInputs(*(t.float() for t in xc[:4]), None))
+            assert not sse._gla_in_pieces("gla", inputs("cuda", torch.float32))
             monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
             assert not sse._gla_in_pieces("gla", xc)
             monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
-        assert not sse._gla_in_pieces("gla", PathInputs(xc.q.requires_grad_(), *xc[1:]))
+        xc.q.requires_grad_()
+        assert not sse._gla_in_pieces("gla", xc)
 
 
 @needs_cuda
