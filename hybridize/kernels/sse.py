@@ -438,6 +438,8 @@ def _gla_in_pieces(op: str, x: PathInputs) -> bool:
         return False
     if dispatch.get_backend() == "torch" or os.environ.get("HYBRIDIZE_SSE_GLA_PIECES", "1") == "0":
         return False
+    if torch.compiler.is_compiling():   # a traced region keeps dispatch's op (it wraps launchers opaquely)
+        return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x.q, x.k, x.v, x.g)))
 
 
