@@ -22,9 +22,10 @@ decides which tokens reach which of the N state partitions of each head.
     trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
     kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
-    PyTorch forms (CPU, fp64, reference). Without gradient on CUDA (16-bit GLA inputs: prefill, evaluation)
-    the varlen GLA call is our pieces forward (`triton/gla_fwd.py`) instead of fla's chunk_gla. `varlen_index` is the older host-side form of the same
-    reorder (non-empty segments only; it waits for the device), kept as a readable reference.
+    PyTorch forms (CPU, fp64, reference). Without gradient on CUDA (bf16 GLA inputs: prefill, evaluation)
+    the varlen GLA call is our pieces forward (`triton/gla_fwd.py`) instead of fla's chunk_gla.
+    `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
+    the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
     runs the op's recurrent form for one step on them (with the shared partition), scatters back.
     On CUDA without gradients the Triton `triton/sse_decode.py` step does this inside the state
@@ -430,11 +431,11 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
-    """Whether the varlen GLA call runs `triton/gla_fwd.py` (no gradient, CUDA, 16-bit inputs): GLA's forward
-    cut into pieces, 0.53-0.70x of chunk_gla's device time on this 2T-row layout (benchmarks/RESULTS.md,
-    session 10); per-token log-decays below -8 are taken as -8 there (see that module).
+    """Whether the varlen GLA call runs `triton/gla_fwd.py` (no gradient, CUDA, bf16 inputs, the dtype it was
+    measured in): GLA's forward cut into pieces, 0.56-0.81x of chunk_gla's device time on this 2T-row layout
+    (benchmarks/RESULTS.md, session 10); per-token log-decays below -8 are taken as -8 there (see that module).
     `HYBRIDIZE_SSE_GLA_PIECES=0` or the torch backend keeps `dispatch`'s op (fla's chunk_gla on CUDA)."""
-    if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype not in (torch.bfloat16, torch.float16):
+    if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype != torch.bfloat16:
         return False
     if dispatch.get_backend() == "torch" or os.environ.get("HYBRIDIZE_SSE_GLA_PIECES", "1") == "0":
         return False

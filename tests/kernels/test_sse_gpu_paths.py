@@ -396,8 +396,8 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
     assert rel(got_o, o_ref) < 1e-5 and rel(got_state[0], s1_ref) < 1e-5 and rel(got_state[1], s2_ref) < 1e-5
 
 
-def test_gla_pieces_forward_only_without_gradient_on_cuda_16bit(monkeypatch):
-    """The varlen path's choice of the pieces GLA forward: GLA only, CUDA, 16-bit, no gradient, not disabled."""
+def test_gla_pieces_forward_only_without_gradient_on_cuda_bf16(monkeypatch):
+    """The varlen path's choice of the pieces GLA forward: GLA only, CUDA, bf16, no gradient, not disabled."""
     def inputs(device="cpu", dtype=torch.bfloat16):
         return PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=dtype, device=device) for _ in range(4)), None)
     assert not sse._gla_in_pieces("gla", inputs())           # CPU tensors
