@@ -168,14 +168,14 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _block(i_rc, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """(row block index, rows `[BR]`, columns `[BC]`, their masks) of block i_rc of a K x K matrix cut into
-    BR x BC blocks, row-major."""
-    NC: tl.constexpr = (K + BC - 1) // BC
-    i_r = i_rc // NC
+def _block(i_rc, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(row block index, column block index, rows `[BR]`, columns `[BC]`, their masks) of block i_rc of an
+    R x C matrix cut into BR x BC blocks, row-major."""
+    NC: tl.constexpr = (C + BC - 1) // BC
+    i_r, i_c = i_rc // NC, i_rc % NC
     o_r = i_r * BR + tl.arange(0, BR)
-    o_c = (i_rc % NC) * BC + tl.arange(0, BC)
-    return i_r, o_r, o_c, o_r < K, o_c < K
+    o_c = i_c * BC + tl.arange(0, BC)
+    return i_r, i_c, o_r, o_c, o_r < R, o_c < C
 
 
 @triton.jit
@@ -186,7 +186,7 @@ def _piece_sums_kernel(k, msk, s_out, m_out, seg, H: tl.constexpr, K: tl.constex
     # walk with wide token tiles: no scores, no output, so none of the output pass's register limits
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
+    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
     bos, L = _bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_S = tl.zeros([BR, BC], dtype=tl.float32)
@@ -216,7 +216,7 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
     # the key-sum gradient's sum dM[cols] = -sum_i (r_i / n_i) g_i + (a'_i / n_i) q_i
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
+    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
     bos, L = _bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_D = tl.zeros([BR, BC], dtype=tl.float32)
@@ -332,7 +332,7 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
     # loads, so the more programs the better
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, BR, BC)
+    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
     first = tl.load(segs + 2 * i_n).to(tl.int64)
     count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
     blk = o_r[:, None] * K + o_c[None, :]
@@ -559,6 +559,11 @@ def _autotuned(kernel, configs, key):
     return _TUNED[kernel]
 
 
+def _tune_buckets(tokens, rows) -> dict:
+    """The key-only kernel arguments a pass autotunes on: power-of-two buckets of the token count and rows."""
+    return dict(LEN=triton.next_power_of_2(max(int(tokens), 1)), ROWS=triton.next_power_of_2(max(int(rows), 1)))
+
+
 def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
     autotuned (BT, BV, warps, stages) on GPU, once per power-of-two bucket of the token count and of the rows
@@ -566,7 +571,7 @@ def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     8 warps) was fastest at 16k and 2x slow at 32k, and with one channel block it leaves half of the SMs idle
     when a forward alone has half the rows (4k: 64 programs)."""
     BK = max(16, triton.next_power_of_2(K))
-    bucket = dict(LEN=triton.next_power_of_2(max(int(tokens), 1)), ROWS=triton.next_power_of_2(max(int(rows), 1)))
+    bucket = _tune_buckets(tokens, rows)
     if _interpreting():
         BV = min(BK, 16)
         kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, **bucket, **meta)

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ccq_read import _autotuned, _bounds, _interp_tile, _interpreter_shim, _interpreting, _segment_len, _table
+from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _segment_len,
+                       _table, _tune_buckets)
 
 
 @triton.jit
@@ -40,11 +41,7 @@ def _piece_state_kernel(k, v, g, seg, l_out, d_out, H: tl.constexpr, K: tl.const
     # one program per ((key block, value block), piece, head)
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    NC: tl.constexpr = (V + BC - 1) // BC
-    i_r, i_c = tl.program_id(0) // NC, tl.program_id(0) % NC
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_r, m_c = o_r < K, o_c < V
+    _, i_c, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
     bos, L = _bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_L = tl.zeros([BR, BC], dtype=tl.float32)
@@ -73,11 +70,8 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
     # per ((key block, value block), sequence, head): each piece's starting state and the sequence's final one
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    NC: tl.constexpr = (V + BC - 1) // BC
-    o_r = (tl.program_id(0) // NC) * BR + tl.arange(0, BR)
-    o_c = (tl.program_id(0) % NC) * BC + tl.arange(0, BC)
-    m_r = o_r < K
-    m_blk = m_r[:, None] & (o_c < V)[None, :]
+    _, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
+    m_blk = m_r[:, None] & m_c[None, :]
     blk = o_r[:, None] * V + o_c[None, :]
     first = tl.load(segs + 2 * i_n).to(tl.int64)
     count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
@@ -191,7 +185,7 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
     _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
         own, decay, own if s0 is None else s0, starts, s_end, pc.segs, H=H, K=K, V=V, BR=B_, BC=B_,
         HAS_H0=s0 is not None, num_warps=4)
-    bucket = dict(LEN=triton.next_power_of_2(max(B * T, 1)), ROWS=triton.next_power_of_2(max(G * H, 1)))
+    bucket = _tune_buckets(B * T, G * H)
     if _interpreting():
         BV = min(16, triton.next_power_of_2(V))
         _output_kernel[(triton.cdiv(V, BV), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V, BK=BK,
