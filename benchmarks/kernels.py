@@ -57,15 +57,21 @@ def bench(fn, grad_to_none=None):
     return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
-def fwd_bwd(fn, inputs):
-    """(forward-only fn, forward+backward fn) for `fn(**inputs) -> o`."""
-    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+def fwd_bwd(fn, inputs, leaves=None):
+    """(forward-only fn, forward+backward fn, leaves) for `fn(**inputs) -> o`. `leaves`: every tensor the
+    gradient reaches (default: the inputs that require it); the forward+backward fn drops their .grad first, as
+    `do_bench(grad_to_none=...)` and a training step's zero_grad(set_to_none=True) do, so a profile of repeated
+    calls does not time the accumulation of .grad across calls (session 11; before, it did, on both sides)."""
+    if leaves is None:
+        leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def f():
         with torch.no_grad():
             fn(**inputs)
 
     def fb():
+        for t in leaves:
+            t.grad = None
         o = fn(**inputs)
         o.backward(cot[0])
     cot = [None]
@@ -160,7 +166,7 @@ def section_sse(rows, T, warm):
         sse.USE_TRITON = triton_moves
         try:
             call, inp, leaves = sse_setup(T, N, layout)
-            f, fb, _ = fwd_bwd(call, inp)
+            f, fb, _ = fwd_bwd(call, inp, leaves)
             if warm:
                 f(), fb()
             else:

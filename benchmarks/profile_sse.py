@@ -84,7 +84,7 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for T in [int(t) for t in args.T.split(",")]:
         call, inputs, leaves = bk.sse_setup(T, args.n, "varlen")
-        f, fb, _ = bk.fwd_bwd(call, inputs)
+        f, fb, _ = bk.fwd_bwd(call, inputs, leaves)
         gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
         lf, lfb, _ = bk.fwd_bwd(bk.run_gla_varlen, same_layout_inputs(T, args.n))
         for name, fn in ((f"sse_varlen_n{args.n}k1 fwd", f), (f"sse_varlen_n{args.n}k1 fwd+bwd", fb),

@@ -413,10 +413,10 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
     if _gla_in_pieces(op, x):
-        from .triton.gla_fwd import gla_fwd_triton
+        from .triton.gla_bwd import gla_triton
         g = x.g if x.g.dim() == 4 else x.g.unsqueeze(-1).expand_as(x.q)
-        o_all, st = gla_fwd_triton(x.q, x.k, x.v, g, scale=scale, initial_state=h0,
-                                   output_final_state=output_final_state, cu_seqlens=seg_cu)
+        o_all, st = gla_triton(x.q, x.k, x.v, g, scale=scale, initial_state=h0,
+                               output_final_state=output_final_state, cu_seqlens=seg_cu)
     else:
         o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state, seg_cu, chunk_size)
     o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
@@ -431,17 +431,16 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
-    """Whether the varlen GLA call runs `triton/gla_fwd.py` (no gradient, CUDA, bf16 inputs, the dtype it was
-    measured in): GLA's forward cut into pieces, 0.56-0.81x of chunk_gla's device time on this 2T-row layout
-    (benchmarks/RESULTS.md, session 10); per-token log-decays below -8 are taken as -8 there (see that module).
+    """Whether the varlen GLA call runs our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`; CUDA, bf16
+    inputs, the dtype it was measured in), forward and backward: 0.73x / 0.64x of chunk_gla's device time
+    (forward / forward+backward) on this 2T-row layout at 16k before the merged dk/dv pass (H100,
+    benchmarks/RESULTS.md, session 11); per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
     `HYBRIDIZE_SSE_GLA_PIECES=0` or the torch backend keeps `dispatch`'s op (fla's chunk_gla on CUDA)."""
     if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype != torch.bfloat16:
         return False
     if dispatch.get_backend() == "torch" or os.environ.get("HYBRIDIZE_SSE_GLA_PIECES", "1") == "0":
         return False
-    if torch.compiler.is_compiling():   # a traced region keeps dispatch's op (it wraps launchers opaquely)
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x.q, x.k, x.v, x.g)))
+    return not torch.compiler.is_compiling()   # a traced region keeps dispatch's op (it wraps launchers opaquely)
 
 
 # ---- recurrent ground truth / decode ---------------------------------------------------------

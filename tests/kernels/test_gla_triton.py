@@ -1,8 +1,9 @@
-"""GLA forward in pieces (`kernels/triton/gla_fwd.py`, an experiment, no backward) against `gla_recurrent`.
+"""GLA in pieces (`kernels/triton/gla_fwd.py`, `gla_bwd.py`) against `gla_recurrent`, forward and gradients.
 
 Gates: interpreter (`TRITON_INTERPRET=1`, triton importable): fp32 against the fp64 recurrent reference,
 odd lengths, K != V, pieces that cut tiles, an initial and a final state, varlen documents with an empty one,
-strong and weak decay; CUDA: bf16 and fp32 at ~4k tokens.
+strong and weak decay, the gradients of q, k, v, g and the initial state through the output and the final state;
+CUDA: bf16 and fp32 at ~4k tokens, both directions.
 
     TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_gla_triton.py
 """
@@ -83,6 +84,90 @@ def test_interp_refuses_gradient_and_bad_gates():
     with pytest.raises(ValueError, match="per-key-channel"):
         with torch.no_grad():
             gla_fwd_triton(q, k, v, gate[..., 0])
+
+
+def compare_grads(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, strong=None, **kw):
+    """`gla_triton`'s output, final state and the gradients of q, k, v, g, h0 (loss: a random projection of the
+    output plus one of the final state) against the fp64 recurrent op's (given `strong` gates, if any, the
+    kernel runs on those; its gate gradient is then compared with the reference's through a clamp at G_MIN)."""
+    from hybridize.kernels.triton.gla_bwd import gla_triton
+    from hybridize.kernels.triton.gla_fwd import G_MIN
+
+    gen = torch.Generator().manual_seed(11)
+    N = q.shape[0] if cu is None else len(cu) - 1
+    do = torch.randn(q.shape[:3] + v.shape[-1:], generator=gen, dtype=torch.float64).to(q.device)
+    dht = torch.randn(N, q.shape[2], q.shape[-1], v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
+
+    def run(fn, cast, gates, **extra):
+        leaves = [t.detach().clone().to(cast).requires_grad_() for t in (q, k, v, gates)]
+        s0 = None if h0 is None else h0.detach().clone().to(cast).requires_grad_()
+        g_in = leaves[3].clamp(min=G_MIN) if strong is not None and fn is gla_recurrent else leaves[3]
+        o, end = fn(*leaves[:3], g_in, initial_state=s0, output_final_state=True, cu_seqlens=cu, **extra)
+        ((o.double() * do).sum() + (end.double() * dht).sum()).backward()
+        return [o, end] + [t.grad for t in leaves] + ([] if s0 is None else [s0.grad])
+
+    want = run(gla_recurrent, torch.float64, strong if strong is not None else gate)
+    got = run(gla_triton, dtype, gate if strong is None else strong, **kw)
+    for name, a, b in zip(("o", "final state", "dq", "dk", "dv", "dg", "dh0"), got, want):
+        assert a is not None and bool(torch.isfinite(a).all()), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+@interp_only
+@pytest.mark.parametrize("T,K,V,split", [(37, 16, 32, None), (70, 32, 16, 32), (45, 16, 16, 20)])
+@pytest.mark.parametrize("strength", [1.0, 0.05])
+def test_interp_gradients_match_recurrent(T, K, V, split, strength):
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = inputs(2, T, 2, K, V, strength=strength)
+    compare_grads(q, k, v, gate, h0, chunk_size=16, segment_len=split)
+    compare_grads(q, k, v, gate, None, chunk_size=16, segment_len=split)
+
+
+@interp_only
+@pytest.mark.parametrize("split", [None, 20])
+def test_interp_varlen_gradients(split):
+    torch.set_num_threads(1)
+    cu = torch.tensor([0, 17, 17, 50, 61])
+    q, k, v, gate, _ = inputs(1, 61, 2, 16, 16, seed=3)
+    h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
+    compare_grads(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
+
+
+@interp_only
+def test_interp_floored_gates_get_no_gradient():
+    """Gates far below G_MIN: the gradients equal the reference's through a clamp at G_MIN (zero for the
+    floored gates), finite."""
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = inputs(1, 40, 2, 16, 16, seed=9)
+    gate[0, 5:30, :, :4] = -30.0
+    gate[0, 10:12] = -9.0
+    compare_grads(q, k, v, gate, h0, chunk_size=16, segment_len=20, strong=gate)
+
+
+@interp_only
+def test_interp_gradient_from_the_final_state_alone():
+    """Only the final state is used (the output's gradient is None): dq is zero, the rest flows."""
+    from hybridize.kernels.triton.gla_bwd import gla_triton
+
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = (t.float().requires_grad_() for t in inputs(1, 30, 1, 16, 16, seed=4))
+    _, end = gla_triton(q, k, v, gate, initial_state=h0, output_final_state=True, chunk_size=16, segment_len=20)
+    end.sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, gate, h0)]
+    gla_recurrent(*ref[:4], initial_state=ref[4], output_final_state=True)[1].sum().backward()
+    assert float(q.grad.abs().max()) == 0.0
+    for a, b in zip((k, v, gate, h0), ref[1:]):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_cuda_gradients_match_recurrent(dtype, tol):
+    q, k, v, gate, h0 = inputs(1, 2100, 4, 128, 128, device="cuda", seed=6, strength=0.3)
+    compare_grads(q, k, v, gate, h0, dtype=dtype, tol=tol, segment_len=512)
+    cu = torch.tensor([0, 700, 700, 1601, 2100], device="cuda")
+    compare_grads(q, k, v, gate, torch.randn(4, 4, 128, 128, device="cuda", dtype=torch.float64), cu=cu,
+                  dtype=dtype, tol=tol)
 
 
 @cuda_only

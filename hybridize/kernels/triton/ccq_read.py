@@ -700,19 +700,19 @@ def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
                   torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
 
 
-def _segment_len(B, T, H, longest):
+def _segment_len(B, T, H, longest, rows: int | None = None):
     """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (default 128) (piece, head) rows so that B * H alone (often 16) does
     not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more in the prefix scan and the
     per-piece sums than they gain, longer ones idle SMs; H100 sweeps in benchmarks/RESULTS.md, sessions 5, 9
     and 10). A forward alone used 64 rows in session 9, when its tile was tuned once for every shape; with
     the tiles tuned per length and rows bucket (`_launch`) 128 rows measured faster for it too (read forward
     4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece
-    per sequence)."""
+    per sequence). `rows`: the target instead of HYBRIDIZE_CCQ_ROWS (the pieces GLA passes its own)."""
     env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
     if env is not None:
         n = int(env)
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128"))
+        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128")) if rows is None else int(rows)
         n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
     return None if n <= 0 or n >= longest else n
 

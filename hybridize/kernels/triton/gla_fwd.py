@@ -26,6 +26,8 @@ older state's share is under 3.4e-4 either way (fla's chunk_gla splits its tiles
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -66,8 +68,10 @@ def _piece_state_kernel(k, v, g, seg, l_out, d_out, H: tl.constexpr, K: tl.const
 
 @triton.jit
 def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr, HAS_H0: tl.constexpr):
-    # per ((key block, value block), sequence, head): each piece's starting state and the sequence's final one
+                 BR: tl.constexpr, BC: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
+    # per ((key block, value block), sequence, head): each piece's starting state and the sequence's final one.
+    # REVERSE (the backward's state gradient, same recurrence run from the last piece): each piece's carried
+    # gradient from after it, and the gradient of the sequence's initial state
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     _, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
@@ -79,7 +83,10 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
     if HAS_H0:
         b_S += tl.load(s0 + i_nh.to(tl.int64) * K * V + blk, mask=m_blk, other=0.0)
     for i in range(0, count):
-        p = (first + i) * H + i_h
+        if REVERSE:
+            p = (first + count - 1 - i) * H + i_h
+        else:
+            p = (first + i) * H + i_h
         tl.store(starts + p * K * V + blk, b_S, mask=m_blk)
         b_d = tl.load(d_in + p * K + o_r, mask=m_r, other=0.0)
         b_S = b_S * tl.exp(b_d)[:, None] + tl.load(l_in + p * K * V + blk, mask=m_blk, other=0.0)
@@ -143,34 +150,53 @@ def _state_configs():
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
 
 
-def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                   chunk_size=None, segment_len: int | None = None):
-    """(o `[B, T, H, V]` in v's dtype, final state `[N, H, K, V]` fp32 or None), no gradient. g: per-key-channel
-    log-decay `[B, T, H, K]` (<= 0). `segment_len`: piece length (None: automatic on GPU, one piece per
-    sequence in the interpreter; 0: one piece per sequence). `chunk_size`: the interpreter's tile (GPU tiles are
-    autotuned)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g)):
-        raise ValueError("gla_fwd_triton has no backward; call it under torch.no_grad() or use chunk_gla")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if g.shape != q.shape:
-        raise ValueError(f"gla_fwd_triton takes per-key-channel gates {tuple(q.shape)}, got {tuple(g.shape)}")
-    scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
-    N = B if cu is None else len(cu) - 1
+#: (piece, head) rows the automatic piece length aims at (`ccq_read._segment_len`; `HYBRIDIZE_GLA_ROWS`
+#: overrides): H100 sweep on SSE's 2T layout (session 11), forward+backward 16k: 128 rows 5.35 ms, 256 4.84,
+#: 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31 (at 4k every setting from 256 up gives 512-token pieces)
+ROWS = 1024
+
+
+def _pieces_for(q, B, T, cu, segment_len):
+    """The piece table of a call (`segment_len`: None automatic on GPU / one piece per sequence in the
+    interpreter, 0 one piece per sequence) and its length (None: one piece per sequence)."""
     if segment_len is None:
-        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
+        rows = int(os.environ.get("HYBRIDIZE_GLA_ROWS", str(ROWS)))
+        seg_len = None if _interpreting() else _segment_len(B, T, q.shape[2], T if cu is None else B * T, rows)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    pc = _table(B, T, cu, None, None, seg_len, q.device)
+    return _table(B, T, cu, None, None, seg_len, q.device)
+
+
+def _precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def scan_pieces(own, decay, s0, segs, H, K, V, reverse=False):
+    """Piece sums `[G, H, K, V]` and total log-decays `[G, H, K]` -> (each piece's start `[G, H, K, V]`, each
+    sequence's end `[N, H, K, V]`), fp32; forward from `s0`, or with `reverse` from the last piece (then the
+    starts are the state gradients from after each piece and the end is the initial state's gradient)."""
+    N = segs.shape[0]
+    starts, s_end = torch.empty_like(own), own.new_empty(N, H, K, V)
+    B_ = 16 if _interpreting() else 32
+    if _interpreting():
+        _interpreter_shim()
+    _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
+        own, decay, own if s0 is None else s0, starts, s_end, segs, H=H, K=K, V=V, BR=B_, BC=B_,
+        HAS_H0=s0 is not None, REVERSE=reverse, num_warps=4)
+    return starts, s_end
+
+
+def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None):
+    """The forward on contiguous inputs over the pieces `pc`: (o `[B, T, H, V]`, each piece's starting state
+    `[G, H, K, V]`, each piece's total log-decay `[G, H, K]` (floored gates), each sequence's final state
+    `[N, H, K, V]`), states fp32. `s0`: fp32 initial state or None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     G = pc.seg.shape[0]
     f32 = dict(dtype=torch.float32, device=q.device)
     own, decay = torch.empty(G, H, K, V, **f32), torch.empty(G, H, K, **f32)
-    starts, s_end = torch.empty(G, H, K, V, **f32), torch.empty(N, H, K, V, **f32)
-    s0 = None if initial_state is None else initial_state.to(**f32).contiguous()
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = _precision(q.dtype)
     BK = max(16, triton.next_power_of_2(K))
     if _interpreting():
         _interpreter_shim()
@@ -181,10 +207,7 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
         _autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC"])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
             k, v, g, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
-    B_ = 16 if _interpreting() else 32
-    _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
-        own, decay, own if s0 is None else s0, starts, s_end, pc.segs, H=H, K=K, V=V, BR=B_, BC=B_,
-        HAS_H0=s0 is not None, num_warps=4)
+    starts, s_end = scan_pieces(own, decay, s0, pc.segs, H, K, V)
     bucket = _tune_buckets(B * T, G * H)
     if _interpreting():
         BV = min(16, triton.next_power_of_2(V))
@@ -194,6 +217,36 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
         _autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *bucket])[
             lambda m: (triton.cdiv(V, m["BV"]), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V,
                                                         BK=BK, PREC=prec, G_MIN=G_MIN, **bucket)
+    return o, starts, decay, s_end
+
+
+def check_inputs(q, k, v, g, cu_seqlens):
+    """One-line errors for what the pieces kernels do not take."""
+    if g.shape != q.shape:
+        raise ValueError(f"the pieces GLA takes per-key-channel gates {tuple(q.shape)}, got {tuple(g.shape)}")
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k `[B, T, H, K]` and v `[B, T, H, V]` must agree, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch of 1, got batch {q.shape[0]}")
+
+
+def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                   chunk_size=None, segment_len: int | None = None):
+    """(o `[B, T, H, V]` in v's dtype, final state `[N, H, K, V]` fp32 or None), no gradient. g: per-key-channel
+    log-decay `[B, T, H, K]` (<= 0). `segment_len`: piece length (None: automatic on GPU, one piece per
+    sequence in the interpreter; 0: one piece per sequence). `chunk_size`: the interpreter's tile (GPU tiles are
+    autotuned). With gradients use `gla_bwd.gla_triton`."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g)):
+        raise ValueError("gla_fwd_triton has no backward; call it under torch.no_grad() or use gla_triton")
+    check_inputs(q, k, v, g, cu_seqlens)
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
+    pc = _pieces_for(q, B, T, cu, segment_len)
+    s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
+    o, _, _, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
     return o, (s_end if output_final_state else None)
 
 

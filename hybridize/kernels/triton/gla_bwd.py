@@ -1,0 +1,305 @@
+"""GLA's backward in the pieces layout of `gla_fwd.py`, and `gla_triton`: the op with both directions.
+
+For S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T and o_t = scale * S_t^T q_t (per-key-channel gates), with do the
+output's gradient and dS_t the gradient of the state S_t (from every later read, plus the final state's):
+
+    dS_{t-1} = diag(exp(g_t)) dS_t + scale q_{t-1} do_{t-1}^T
+    dq_t = scale S_t do_t           dk_t = dS_t v_t           dv_t = dS_t^T k_t
+    dg_t = sum_{t' >= t} (q_t' * dq_t' - k_t' * dk_t')  +  rowsum(S_final * dS_final)
+
+Pieces (`ccq_read._table`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
+tokens alone, D = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's start), a GEMM walk; (2) the
+forward's scan run from the last piece (`gla_fwd.scan_pieces(reverse=True)`): R(j), the state gradient each
+piece receives from after its end, and the initial state's gradient; (3) `_dq_kernel`, forward in time from the
+forward's piece starts (kept): dq, q * dq (fp32, for dg), and at the piece's end the suffix of dg past it,
+rowsum(S_end(j) * R(j)) (that equals dL/dg at the next piece's first token, see below), so dg needs no scan of its
+own; (4) `_dk_kernel`, backward in time from R(j): dk, and dg as the in-tile reverse cumsum of q * dq - k * dk
+plus the carried suffix; (5) `_dv_kernel`, backward in time from R(j): dv. (One pass for dk and dv, a program per
+(piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with 256 or
+more rows: 2.31-2.49 ms against 2.01-2.19 for the two, RESULTS session 11; their key / value blocks give more
+programs.)
+
+Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
+next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-1} is S_end(j).
+
+Tiles, like the forward's output pass: 16 tokens, scores factored through a reference at half the tile's decay,
+per-token log-decays floored at `gla_fwd.G_MIN` = -8 (the floored gates get no gradient, as a clamp's). fp32
+accumulation; 16-bit products, the carried fp32 state rounded once per product, as fla does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ccq_read import _autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _tune_buckets
+from .gla_fwd import G_MIN, _pieces_for, _precision, check_inputs, forward_pieces, scan_pieces
+
+
+@triton.jit
+def _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, G_MIN: tl.constexpr):
+    """q, k `[BT, BK]` (input dtype), the floored gates' inclusive cumsum over the tile (fp32), the tile's total
+    log-decay `[BK]`, and whether each gate is above the floor (its gradient passes)."""
+    pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + pk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + pk, mask=m_tk, other=0.0)
+    b_graw = tl.load(g + pk, mask=m_tk, other=0.0).to(tl.float32)
+    b_g = tl.maximum(b_graw, G_MIN)
+    return b_q, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0), b_graw >= G_MIN
+
+
+@triton.jit
+def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                      G_MIN: tl.constexpr):
+    # one program per ((key block, value block), piece, head): D = sum_t exp(G_t) scale q_t do_t^T. The
+    # exponents are <= 0 (G runs from the piece's start), so no rescaling of the sum as the walk goes on
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    _, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    b_D = tl.zeros([BR, BC], dtype=tl.float32)
+    b_G = tl.zeros([BR], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        pk = (rows[:, None] * H + i_h) * K + o_r[None, :]
+        b_q = tl.load(q + pk, mask=m_t[:, None] & m_r[None, :], other=0.0)
+        b_g = tl.maximum(tl.load(g + pk, mask=m_t[:, None] & m_r[None, :], other=0.0).to(tl.float32), G_MIN)
+        b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
+                       other=0.0)
+        b_qd = (b_q.to(tl.float32) * scale * tl.exp(b_G[None, :] + tl.cumsum(b_g, 0))).to(b_do.dtype)
+        b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+        b_G += tl.sum(b_g, 0)
+    tl.store(d_out + i_nh.to(tl.int64) * K * V + o_r[:, None] * V + o_c[None, :], b_D,
+             mask=m_r[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+               G_MIN: tl.constexpr, LEN, ROWS):
+    # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V];
+    # LEN / ROWS: autotune key only
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    tril = o_t[:, None] >= o_t[None, :]
+    blk = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_blk = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(starts + blk, mask=m_blk, other=0.0)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dt = b_v.dtype
+        b_ref = 0.5 * b_last
+        b_dq = tl.dot(b_do, tl.trans(b_S).to(dt), input_precision=PREC) * tl.exp(b_gc)
+        b_B = tl.where(tril, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0)
+        b_dq += tl.dot(b_B.to(dt), (b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt),
+                       input_precision=PREC) * tl.exp(b_gc - b_ref[None, :])
+        b_dq *= scale
+        pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        tl.store(dq + pk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dgq + pk, b_dq * b_q.to(tl.float32), mask=m_tk)
+        b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)
+        b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
+    b_R = tl.load(rstarts + blk, mask=m_blk, other=0.0)
+    tl.store(off + i_nh.to(tl.int64) * K + o_k, tl.sum(b_S * b_R, 1), mask=m_k)
+
+
+@triton.jit
+def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+               G_MIN: tl.constexpr, LEN, ROWS):
+    # one program per (key block, piece, head), backward in time carrying the state gradient's rows dS[BK, V]
+    # and the gates' gradient suffix [BK]
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    triu = o_t[:, None] <= o_t[None, :]      # [s, t]: key s is read by query t >= s
+    b_dS = tl.load(rstarts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_c = tl.load(off + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+    NT = tl.cdiv(L, BT)
+    for i in range(0, NT):
+        i_t = NT - 1 - i
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dt = b_v.dtype
+        b_ref = 0.5 * b_last
+        b_qs = b_q.to(tl.float32) * scale
+        b_Bt = tl.where(triu, tl.dot(b_v, tl.trans(b_do), input_precision=PREC), 0.0)
+        b_dk = tl.dot(b_Bt.to(dt), (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
+                      input_precision=PREC) * tl.exp(b_ref[None, :] - b_gc)
+        b_dk += tl.dot(b_v, tl.trans(b_dS).to(dt), input_precision=PREC) * tl.exp(b_last[None, :] - b_gc)
+        pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        tl.store(dk + pk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_dG = tl.load(dgq + pk, mask=m_tk, other=0.0) - b_dk * b_k.to(tl.float32)
+        b_tot = tl.sum(b_dG, 0)
+        b_dg = b_c[None, :] + b_tot[None, :] - tl.cumsum(b_dG, 0) + b_dG
+        tl.store(dg + pk, tl.where(b_pass, b_dg, 0.0).to(dg.dtype.element_ty), mask=m_tk)
+        b_c += b_tot
+        b_qd = (b_qs * tl.exp(b_gc)).to(dt)
+        b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+
+
+@triton.jit
+def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr,
+               LEN, ROWS):
+    # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = _bounds(seg, i_n)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    triu = o_t[:, None] <= o_t[None, :]
+    b_dS = tl.load(rstarts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    NT = tl.cdiv(L, BT)
+    for i in range(0, NT):
+        i_t = NT - 1 - i
+        m_t = i_t * BT + o_t < L
+        rows = bos + i_t * BT + o_t
+        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dt = b_do.dtype
+        b_ref = 0.5 * b_last
+        b_qs = b_q.to(tl.float32) * scale
+        b_At = tl.dot((b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt),
+                      tl.trans((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt)), input_precision=PREC)
+        b_At = tl.where(triu, b_At, 0.0)
+        b_dv = tl.dot(b_At.to(dt), b_do, input_precision=PREC)
+        b_dv += tl.dot((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS.to(dt),
+                       input_precision=PREC)
+        tl.store(dv + pv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_qd = (b_qs * tl.exp(b_gc)).to(dt)
+        b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+
+
+def _sums_configs():
+    table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3)]
+    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
+
+
+def _row_configs():
+    # the dq / dk passes: key-channel blocks with the whole value width carried
+    table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2)]
+    return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in table]
+
+
+def _col_configs():
+    # the dv pass: value-channel blocks with the whole key width carried
+    table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (16, 32, 2, 2)]
+    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
+
+
+def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None):
+    """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
+    final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    G = pc.seg.shape[0]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    prec = _precision(q.dtype)
+    BKF, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    own = torch.empty(G, H, K, V, **f32)
+    interp = _interpreting()
+    if interp:
+        _interpreter_shim()
+        _grad_sums_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
+            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, BT=_interp_tile(chunk_size), BR=16, BC=16, PREC=prec,
+            G_MIN=G_MIN)
+    else:
+        _autotuned(_grad_sums_kernel, _sums_configs, ["K", "V", "PREC"])[
+            lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
+            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
+    rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
+    dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
+    dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
+    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **_tune_buckets(B * T, G * H))
+    rows = (q, k, v, g, do, pc.seg)
+    if interp:
+        grid = (triton.cdiv(K, 16), G * H)
+        _dq_kernel[grid](*rows, starts, rstarts, dq, dgq, off, scale, BT=16, BK=16, BV=BVF, **common)
+        _dk_kernel[grid](*rows, rstarts, dgq, off, dk, dg, scale, BT=16, BK=16, BV=BVF, **common)
+        _dv_kernel[(triton.cdiv(V, 16), G * H)](q, k, g, do, pc.seg, rstarts, dv, scale, BT=16, BK=BKF, BV=16,
+                                                 **common)
+        return dq, dk, dv, dg, dh0
+    key = ["K", "V", "PREC", "LEN", "ROWS"]
+    by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
+    _autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
+    _autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
+    _autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
+        q, k, g, do, pc.seg, rstarts, dv, scale, BK=BKF, **common)
+    return dq, dk, dv, dg, dh0
+
+
+class _GLAFn(torch.autograd.Function):
+    """(q, k, v, g, s0 fp32 or None) -> (o, final state fp32) over the pieces `pc`; the forward keeps its piece
+    starts and decays for the backward's dq pass and reverse scan."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size):
+        o, starts, decay, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
+        ctx.save_for_backward(q, k, v, g, starts, decay)
+        ctx.pc, ctx.scale, ctx.chunk_size, ctx.has_h0 = pc, scale, chunk_size, s0 is not None
+        ctx.set_materialize_grads(False)
+        return o, s_end
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, starts, decay = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dht = None if dht is None else dht.float().contiguous()
+        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, decay, ctx.pc, ctx.scale, ctx.chunk_size)
+        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None
+
+
+def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               chunk_size=None, segment_len: int | None = None):
+    """GLA with per-key-channel gates, forward and backward in pieces: q, k, g `[B, T, H, K]` (g the log-decay,
+    <= 0), v `[B, T, H, V]`, initial state `[N, H, K, V]`, packed `cu_seqlens` -> (o `[B, T, H, V]` in v's dtype,
+    final state `[N, H, K, V]` fp32 or None). Gradients reach q, k, v, g and the initial state. Per-token
+    log-decays below -8 are taken as -8 (module docstring of `gla_fwd.py`). `segment_len` / `chunk_size`: as
+    `gla_fwd_triton`. Under TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit dot is
+    wrong)."""
+    check_inputs(q, k, v, g, cu_seqlens)
+    if _interpreting() and q.dtype != torch.float32:
+        o, st = gla_triton(q.float(), k.float(), v.float(), g.float(), scale, initial_state, output_final_state,
+                           cu_seqlens, chunk_size, segment_len)
+        return o.to(v.dtype), st
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
+    pc = _pieces_for(q, B, T, cu, segment_len)
+    s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
+    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size)
+    return o, (s_end if output_final_state else None)
+
+
+__all__ = ["gla_triton"]
