@@ -97,6 +97,8 @@ OPS = {"gla": ("gla", "chunk"), "ccq": ("ccq", "chunk"), "log_linear": ("log_lin
 
 def op_of(case):
     name = case.split("/")[0]
+    if name == "gla_pieces":   # our pieces GLA (`kernels/triton/gla_bwd.py`), SSE's varlen call; not in dispatch
+        return "gla", "pieces"
     if name.endswith("@rec"):
         return name[:-4], "recurrent"
     return OPS[name]
@@ -111,6 +113,9 @@ def ref_call(case, x, kw):
 def gpu_call(case, x, kw):
     from hybridize.kernels import dispatch
     op, mode = op_of(case)
+    if mode == "pieces":
+        from hybridize.kernels.triton.gla_bwd import gla_triton
+        return gla_triton(**x, **kw)
     return dispatch.run(op, mode, **x, **kw)
 
 
@@ -201,6 +206,7 @@ def guard_probe():
 
 GROUPS = {
     "gla": ["gla/none", "gla/scalar", "gla/vector", "gla@rec/vector"],
+    "gla_pieces": ["gla_pieces/vector"],
     "deltanet": ["delta/deltanet"],
     "gdn": ["delta/gdn", "delta@rec/gdn"],
     "qdelta": ["delta/qdelta", "delta@rec/qdelta"],

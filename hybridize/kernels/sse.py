@@ -22,8 +22,8 @@ decides which tokens reach which of the N state partitions of each head.
     trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
     kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
-    PyTorch forms (CPU, fp64, reference). Without gradient on CUDA (bf16 GLA inputs: prefill, evaluation)
-    the varlen GLA call is our pieces forward (`triton/gla_fwd.py`) instead of fla's chunk_gla.
+    PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
+    varlen GLA call is our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`) instead of fla's chunk_gla.
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
@@ -432,9 +432,9 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
     """Whether the varlen GLA call runs our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`; CUDA, bf16
-    inputs, the dtype it was measured in), forward and backward: 0.73x / 0.64x of chunk_gla's device time
-    (forward / forward+backward) on this 2T-row layout at 16k before the merged dk/dv pass (H100,
-    benchmarks/RESULTS.md, session 11); per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
+    inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
+    (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md, session 11);
+    per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
     `HYBRIDIZE_SSE_GLA_PIECES=0` or the torch backend keeps `dispatch`'s op (fla's chunk_gla on CUDA)."""
     if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype != torch.bfloat16:
         return False

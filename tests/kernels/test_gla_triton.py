@@ -161,8 +161,10 @@ def test_interp_gradient_from_the_final_state_alone():
 
 
 @cuda_only
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_cuda_gradients_match_recurrent(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,products", [(torch.float32, 1e-4, "single"), (torch.bfloat16, 2e-2, "single"),
+                                                (torch.bfloat16, 2e-2, "split")])
+def test_cuda_gradients_match_recurrent(dtype, tol, products, monkeypatch):
+    monkeypatch.setenv("HYBRIDIZE_GLA_PRODUCTS", products)
     q, k, v, gate, h0 = inputs(1, 2100, 4, 128, 128, device="cuda", seed=6, strength=0.3)
     compare_grads(q, k, v, gate, h0, dtype=dtype, tol=tol, segment_len=512)
     cu = torch.tensor([0, 700, 700, 1601, 2100], device="cuda")
@@ -178,3 +180,13 @@ def test_cuda_matches_recurrent(dtype, tol):
     cu = torch.tensor([0, 1000, 1000, 3001, 4100], device="cuda")
     compare(q, k, v, gate, torch.randn(4, 4, 128, 128, device="cuda", dtype=torch.float64), cu=cu, dtype=dtype,
             tol=tol)
+
+
+@interp_only
+def test_interp_bad_products_setting_fails_at_the_call(monkeypatch):
+    from hybridize.kernels.triton.gla_bwd import gla_triton
+
+    monkeypatch.setenv("HYBRIDIZE_GLA_PRODUCTS", "fast")
+    q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match="HYBRIDIZE_GLA_PRODUCTS must be single or split"):
+        gla_triton(q, k, v, gate)

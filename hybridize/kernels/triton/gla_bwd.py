@@ -28,11 +28,14 @@ accumulation; 16-bit products, the carried fp32 state rounded once per product, 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .ccq_read import _autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _tune_buckets
+from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
+                       _tune_buckets)
 from .gla_fwd import G_MIN, _pieces_for, _precision, check_inputs, forward_pieces, scan_pieces
 
 
@@ -80,7 +83,7 @@ def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.conste
 @triton.jit
 def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               G_MIN: tl.constexpr, LEN, ROWS):
+               G_MIN: tl.constexpr, PROD: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V];
     # LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -103,7 +106,7 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
         b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
-        b_dq = tl.dot(b_do, tl.trans(b_S).to(dt), input_precision=PREC) * tl.exp(b_gc)
+        b_dq = _mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
         b_B = tl.where(tril, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0)
         b_dq += tl.dot(b_B.to(dt), (b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt),
                        input_precision=PREC) * tl.exp(b_gc - b_ref[None, :])
@@ -121,7 +124,7 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
 @triton.jit
 def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               G_MIN: tl.constexpr, LEN, ROWS):
+               G_MIN: tl.constexpr, PROD: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), backward in time carrying the state gradient's rows dS[BK, V]
     # and the gates' gradient suffix [BK]
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -150,7 +153,7 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
         b_Bt = tl.where(triu, tl.dot(b_v, tl.trans(b_do), input_precision=PREC), 0.0)
         b_dk = tl.dot(b_Bt.to(dt), (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
                       input_precision=PREC) * tl.exp(b_ref[None, :] - b_gc)
-        b_dk += tl.dot(b_v, tl.trans(b_dS).to(dt), input_precision=PREC) * tl.exp(b_last[None, :] - b_gc)
+        b_dk += _mdot_r(b_v, tl.trans(b_dS), PROD, PREC) * tl.exp(b_last[None, :] - b_gc)
         pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(dk + pk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -166,7 +169,7 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
 @triton.jit
 def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr,
-               LEN, ROWS):
+               PROD: tl.constexpr, LEN, ROWS):
     # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -193,8 +196,7 @@ def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.cons
                       tl.trans((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt)), input_precision=PREC)
         b_At = tl.where(triu, b_At, 0.0)
         b_dv = tl.dot(b_At.to(dt), b_do, input_precision=PREC)
-        b_dv += tl.dot((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS.to(dt),
-                       input_precision=PREC)
+        b_dv += _mdot_r((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS, PROD, PREC)
         tl.store(dv + pv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_qd = (b_qs * tl.exp(b_gc)).to(dt)
         b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
@@ -240,7 +242,7 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
     dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
     dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
-    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **_tune_buckets(B * T, G * H))
+    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=_products(q.dtype), **_tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, pc.seg)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
@@ -249,13 +251,25 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
         _dv_kernel[(triton.cdiv(V, 16), G * H)](q, k, g, do, pc.seg, rstarts, dv, scale, BT=16, BK=BKF, BV=16,
                                                  **common)
         return dq, dk, dv, dg, dh0
-    key = ["K", "V", "PREC", "LEN", "ROWS"]
+    key = ["K", "V", "PREC", "PROD", "LEN", "ROWS"]
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
     _autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
     _autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
     _autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
         q, k, g, do, pc.seg, rstarts, dv, scale, BK=BKF, **common)
     return dq, dk, dv, dg, dh0
+
+
+def _products(dtype) -> int:
+    """`ccq_read._mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
+    bf16 2, one bf16 product (the state rounded once, as fla does), or with `HYBRIDIZE_GLA_PRODUCTS=split` 1,
+    two bf16 products of a hi/lo split (~16 mantissa bits of the state); fp16 0 (tf32 tiles)."""
+    mode = os.environ.get("HYBRIDIZE_GLA_PRODUCTS", "single")
+    if mode not in ("single", "split"):
+        raise ValueError(f"HYBRIDIZE_GLA_PRODUCTS must be single or split, got {mode!r}")
+    if dtype != torch.bfloat16:
+        return 0
+    return 1 if mode == "split" else 2
 
 
 class _GLAFn(torch.autograd.Function):
@@ -288,6 +302,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     `gla_fwd_triton`. Under TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit dot is
     wrong)."""
     check_inputs(q, k, v, g, cu_seqlens)
+    _products(q.dtype)   # a bad HYBRIDIZE_GLA_PRODUCTS fails here, not in the backward
     if _interpreting() and q.dtype != torch.float32:
         o, st = gla_triton(q.float(), k.float(), v.float(), g.float(), scale, initial_state, output_final_state,
                            cu_seqlens, chunk_size, segment_len)

@@ -1,13 +1,13 @@
-"""GLA forward (no gradient) built like the CCQ read: pieces, a scan over piece states, register-carried state.
+"""GLA's forward built like the CCQ read: pieces, a scan over piece states, register-carried state.
 
-Computes what `hybridize.kernels.gla.gla_chunk` computes for per-key-channel gates, without a backward:
+Computes what `hybridize.kernels.gla.gla_chunk` computes for per-key-channel gates:
 S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t, for q, k, g `[B, T, H, K]`, v `[B, T, H, V]`,
 an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. Written for SSE's speed target (issue 6): SSE
 runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per token than fla's
-`chunk_gla`; the CCQ read (`ccq_read.py`), a linear attention without decay laid out this way, runs at ~0.33x
-of chunk_gla per token, and this forward at ~0.6x (H100, benchmarks/RESULTS.md, session 10). Forward only:
-SSE's varlen call uses it when nothing needs a gradient (`kernels/sse.py`, `_gla_in_pieces`); it is not
-registered with `dispatch`, so GLA layers and training keep fla's chunk_gla.
+`chunk_gla`; this forward runs at ~0.6x of chunk_gla per token (H100, benchmarks/RESULTS.md, sessions 10-11).
+`gla_fwd_triton` is the forward alone (no gradient); `gla_bwd.gla_triton` is the op with its backward. SSE's
+varlen call uses it (`kernels/sse.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
+keep fla's chunk_gla.
 
 Every sequence is cut into pieces (`ccq_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
 piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
