@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
                        _tune_buckets)
-from .gla_fwd import G_MIN, _pieces_for, _precision, check_inputs, forward_pieces, scan_pieces
+from .gla_fwd import G_MIN, _pieces_for, _precision, _state_configs, check_inputs, forward_pieces, scan_pieces
 
 
 @triton.jit
@@ -202,11 +202,6 @@ def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.cons
         b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
 
 
-def _sums_configs():
-    table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3)]
-    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
-
-
 def _row_configs():
     # the dq / dk passes: key-channel blocks with the whole value width carried
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2)]
@@ -236,7 +231,8 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
             q, do, g, pc.seg, own, scale, H=H, K=K, V=V, BT=_interp_tile(chunk_size), BR=16, BC=16, PREC=prec,
             G_MIN=G_MIN)
     else:
-        _autotuned(_grad_sums_kernel, _sums_configs, ["K", "V", "PREC"])[
+        # a GEMM walk like the forward's piece states: the same tiles
+        _autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC"])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
             q, do, g, pc.seg, own, scale, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
     rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
