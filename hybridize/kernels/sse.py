@@ -23,7 +23,8 @@ decides which tokens reach which of the N state partitions of each head.
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
     kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
     PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
-    varlen GLA call is our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`) instead of fla's chunk_gla.
+    varlen GLA call is our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`) instead of fla's chunk_gla;
+    without gradient it reads the shared and sparse tensors in place (`_gla_gathers`), so the row packs are skipped.
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
@@ -404,14 +405,24 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
 
     def mv(a, b, s=None):
         return None if b is None else pack(a, b, plan.order, plan.inv, K, scale=s, keep=plan.keep)
-    x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
-                   v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
     seg_cu = plan.seg_cu if shared is None else torch.cat([cu, plan.seg_cu[1:] + L])
     h0 = None
     if initial_state is not None:
         sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
+    if _gla_gathers(op, shared, sparse, w):
+        from .triton.gla_fwd import Gather, gla_fwd_triton
+        src = shared if shared is not None else sparse            # (no shared path: never read)
+        gather = Gather(sparse.q, sparse.k, sparse.v, sparse.g, plan.order, w, K, 0 if shared is None else L,
+                        emulq, emulk)
+        with torch.no_grad():
+            o_all, st = gla_fwd_triton(src.q, src.k, src.v, src.g, scale=scale, initial_state=h0,
+                                       output_final_state=output_final_state, cu_seqlens=seg_cu, gather=gather)
+        o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
+        return _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V)
+    x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
+                   v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
     if _gla_in_pieces(op, x):
         from .triton.gla_bwd import gla_triton
         g = x.g if x.g.dim() == 4 else x.g.unsqueeze(-1).expand_as(x.q)
@@ -420,6 +431,11 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
     else:
         o_all, st = call_op(op, "chunk", x, scale, h0, output_final_state, seg_cu, chunk_size)
     o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
+    return _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V)
+
+
+def _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V):
+    """`sse_varlen`'s (o, shared end state, sparse end states) from the combined output and the op's states."""
     if cu_seqlens is None:
         o = o.view(B, T, H, V)
     if not output_final_state:
@@ -428,6 +444,21 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
     first = 0 if shared is None else nseq
     sh_end = None if shared is None else st[:nseq].to(acc)
     return o, sh_end, st[first:first + nseq * n].to(acc).view(nseq, n, H, Kd, V)
+
+
+def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> bool:
+    """Whether the pieces GLA reads the varlen layout in place (`triton/gla_fwd.py` `Gather`) instead of the row
+    packer copying it: the pieces GLA applies (`_gla_in_pieces`), nothing needs a gradient (the backward keeps the
+    packed rows), per-key gates on both paths, and both paths in one dtype. Saves the four packs' copies: 0.46 of
+    SSE's 1.97 ms forward at 16k on the H100 (benchmarks/RESULTS.md, session 11)."""
+    paths = [sparse] + ([] if shared is None else [shared])
+    if not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
+        return False
+    if any((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) != (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
+                                                            sparse.g.dtype) for p in paths):
+        return False
+    ts = [t for p in paths for t in (p.q, p.k, p.v, p.g)] + [w]
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:

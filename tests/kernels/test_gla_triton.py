@@ -160,6 +160,48 @@ def test_interp_gradient_from_the_final_state_alone():
         assert rel(a.grad, b.grad) < 1e-5
 
 
+@interp_only
+@pytest.mark.parametrize("shared,K,emul,split", [(True, 1, (True, True), None), (True, 2, (True, False), 8),
+                                                 (False, 1, (False, True), 8), (True, 1, (False, False), 8)])
+def test_interp_gather_reads_the_sse_layout_in_place(shared, K, emul, split):
+    """`Gather`: the forward reading SSE's shared and sparse tensors where they are equals the forward on the rows
+    the packer builds (`sse.pack_rows_torch`), on every row and state the caller keeps (the trash segment of
+    dropped pairs aside): two documents, a padding token, K = 1 and 2, router scales on q and / or k, pieces."""
+    from hybridize.kernels import sse
+    from hybridize.kernels.triton.gla_fwd import Gather, gla_fwd_triton
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(21)
+    L, H, D, N = 45, 2, 16, 4
+    paths = []
+    for _ in range(2):
+        q, k, v, gate, _ = inputs(1, L, H, D, D, seed=int(torch.randint(0, 99, (1,), generator=gen)))
+        paths.append([t.float() for t in (q, k, v, gate)])
+    sh, sp = paths
+    valid = torch.ones(1, L, dtype=torch.bool)
+    valid[0, 7] = False
+    cu = torch.tensor([0, 20, 45])
+    r = sse.route(torch.randn(1, L, N, generator=gen), K, valid)
+    plan = sse.varlen_plan(r, cu)
+    w = r.probs[0].gather(-1, r.index[0]).reshape(-1)
+    L0 = L if shared else 0
+    seg_cu = torch.cat([cu, plan.seg_cu[1:] + L]) if shared else plan.seg_cu
+    scales = [w if emul[0] else None, w if emul[1] else None, None, None]
+    packed = [sse.pack_rows_torch(a if shared else None, b, plan.order, plan.inv, K, scale=c, keep=plan.keep)
+              for a, b, c in zip(sh, sp, scales)]
+    h0 = torch.randn(len(seg_cu) - 1, H, D, D, generator=gen)
+    gather = Gather(*sp, plan.order, w, K, L0, *emul)
+    with torch.no_grad():
+        want, want_end = gla_fwd_triton(*packed, initial_state=h0, output_final_state=True, cu_seqlens=seg_cu,
+                                        chunk_size=16, segment_len=split)
+        got, end = gla_fwd_triton(*(sh if shared else sp), initial_state=h0, output_final_state=True,
+                                  cu_seqlens=seg_cu, chunk_size=16, segment_len=split, gather=gather)
+    kept = int(seg_cu[-2])   # rows from here on are the dropped pairs' trash segment
+    assert got.shape == want.shape and kept < got.shape[1]
+    assert rel(got[:, :kept], want[:, :kept]) < 1e-6
+    assert rel(end[:-1], want_end[:-1]) < 1e-6
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype,tol,products", [(torch.float32, 1e-4, "single"), (torch.bfloat16, 2e-2, "single"),
                                                 (torch.bfloat16, 2e-2, "split")])

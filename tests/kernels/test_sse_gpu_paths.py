@@ -408,8 +408,13 @@ def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
         assert not sse._gla_in_pieces("gla", xc)
         monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda"))
+        assert not sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True))
+        scalar_gates = PathInputs(xc.q, xc.k, xc.v, xc.g[..., 0], None)
+        assert not sse._gla_gathers("gla", scalar_gates, xc, torch.ones(4, device="cuda"))
         xc.q.requires_grad_()
-        assert sse._gla_in_pieces("gla", xc)
+        assert sse._gla_in_pieces("gla", xc) and not sse._gla_gathers("gla", None, xc, torch.ones(4, device="cuda"))
+    assert not sse._gla_gathers("gla", inputs(), inputs(), torch.ones(4))
 
 
 @needs_cuda
@@ -419,7 +424,7 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     """bf16, with and without gradient: the varlen call runs the pieces GLA, and the output, the final states and
     every leaf's gradient match the same call through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the
     PyTorch path."""
-    from hybridize.kernels.triton import gla_bwd
+    from hybridize.kernels.triton import gla_bwd, gla_fwd
 
     H, D, N, K = 2, 64, 4, 1
     if case == "packed":
@@ -430,15 +435,17 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     sh, sp, logits, valid = make("gla", B, T, H, D, N, K, True, dtype=torch.bfloat16, device="cuda")
     h0 = state(nseq, N, H, D, device="cuda")
     calls = []
-    real = gla_bwd.gla_triton
-    monkeypatch.setattr(gla_bwd, "gla_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real_train, real_fwd = gla_bwd.gla_triton, gla_fwd.gla_fwd_triton
+    monkeypatch.setattr(gla_bwd, "gla_triton", lambda *a, **kw: calls.append("train") or real_train(*a, **kw))
+    monkeypatch.setattr(gla_fwd, "gla_fwd_triton",
+                        lambda *a, **kw: calls.append("gather" if kw.get("gather") else "fwd") or real_fwd(*a, **kw))
     with torch.set_grad_enabled(grad):
         got = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         assert calls, "the pieces GLA did not run"
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
         fla = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         ref = _torch_path(lambda: run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad))
-    assert len(calls) == 1
+    assert calls == (["train"] if grad else ["gather"])   # without gradient the layout is read in place
     names = ["o", "shared state", "sparse state"] + [f"grad {i}" for i in range(len(got[3]))]
     for name, a, b, c in zip(names, got[:3] + tuple(got[3]), fla[:3] + tuple(fla[3]), ref[:3] + tuple(ref[3])):
         if c is None:

@@ -27,6 +27,7 @@ older state's share is under 3.4e-4 either way (fla's chunk_gla splits its tiles
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,9 +38,57 @@ from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_s
 
 
 @triton.jit
-def _piece_state_kernel(k, v, g, seg, l_out, d_out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                        G_MIN: tl.constexpr):
+def _sources(rows, m_t, bos, order, wsc, L0, KS: tl.constexpr, GATHER: tl.constexpr, HAS_W: tl.constexpr):
+    """(the rows `[BT]` the tile reads, whether its piece reads the sparse tensors, the router scale of each row
+    `[BT]` fp32). Without GATHER: the rows themselves, no scale. With it (SSE's layout read in place, `Gather`):
+    a piece before row L0 reads the shared tensors' same rows; a later one the sparse tensors' rows of its pairs'
+    tokens, order[r - L0] // KS, scaled by wsc[pair] where asked."""
+    if GATHER:
+        sparse = bos >= L0
+        m_sp = m_t & sparse
+        pair = tl.load(order + (rows - L0), mask=m_sp, other=0).to(tl.int64)
+        src = tl.where(m_sp, pair // KS, rows)
+        if HAS_W:
+            w = tl.load(wsc + pair, mask=m_sp, other=1.0).to(tl.float32)
+        else:
+            w = tl.full(rows.shape, 1.0, tl.float32)
+    else:
+        sparse = bos < 0
+        src = rows
+        w = tl.full(rows.shape, 1.0, tl.float32)
+    return src, sparse, w
+
+
+@triton.jit
+def _load(x, x_sp, src, sparse, i_h, o_c, m, C: tl.constexpr, H: tl.constexpr, GATHER: tl.constexpr):
+    """Rows `src` of x, or of x_sp for a sparse piece, channels o_c `[BT, BC]` (0 where not m). (The loads sit in a
+    branch: the piece-state walk measured 0.49 against 0.34 ms at 16k gathered, likely because loads in a branch
+    are not software-pipelined; two loads with complementary masks would avoid it, not measured yet.)"""
+    off = (src[:, None] * H + i_h) * C + o_c[None, :]
+    if GATHER:
+        if sparse:
+            out = tl.load(x_sp + off, mask=m, other=0.0)
+        else:
+            out = tl.load(x + off, mask=m, other=0.0)
+    else:
+        out = tl.load(x + off, mask=m, other=0.0)
+    return out
+
+
+@triton.jit
+def _scaled(x, w, SCALE: tl.constexpr):
+    """x `[BT, C]` times the rows' router scale, rounded to x's dtype once as the row packer does (SCALE)."""
+    if SCALE:
+        return (x.to(tl.float32) * w[:, None]).to(x.dtype)
+    else:
+        return x
+
+
+@triton.jit
+def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d_out, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                        PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
+                        SCALE_K: tl.constexpr):
     # one program per ((key block, value block), piece, head)
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -51,10 +100,11 @@ def _piece_state_kernel(k, v, g, seg, l_out, d_out, H: tl.constexpr, K: tl.const
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        pk = (rows[:, None] * H + i_h) * K + o_r[None, :]
-        b_k = tl.load(k + pk, mask=m_t[:, None] & m_r[None, :], other=0.0)
-        b_g = tl.maximum(tl.load(g + pk, mask=m_t[:, None] & m_r[None, :], other=0.0).to(tl.float32), G_MIN)
-        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_K)
+        m_tr = m_t[:, None] & m_r[None, :]
+        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER), w, SCALE_K)
+        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER).to(tl.float32), G_MIN)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_c, m_t[:, None] & m_c[None, :], V, H, GATHER)
         b_gc = tl.cumsum(b_g, 0)
         b_last = tl.sum(b_g, 0)
         b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(b_v.dtype)   # exponents <= 0
@@ -94,9 +144,10 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
 
 
 @triton.jit
-def _output_kernel(q, k, v, g, seg, starts, o, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr,
-                   LEN, ROWS):
+def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, o, scale, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
+                   SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
     # one program per (value block, piece, head); LEN / ROWS: autotune key only
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -111,13 +162,13 @@ def _output_kernel(q, k, v, g, seg, starts, o, scale, H: tl.constexpr, K: tl.con
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + pk, mask=m_tk, other=0.0)
-        b_k = tl.load(k + pk, mask=m_tk, other=0.0)
-        b_g = tl.maximum(tl.load(g + pk, mask=m_tk, other=0.0).to(tl.float32), G_MIN)
-        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER), w, SCALE_Q)
+        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER), w, SCALE_K)
+        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER).to(tl.float32), G_MIN)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER)
         b_gc = tl.cumsum(b_g, 0)
         b_last = tl.sum(b_g, 0)
         b_ref = 0.5 * b_last
@@ -186,37 +237,73 @@ def scan_pieces(own, decay, s0, segs, H, K, V, reverse=False):
     return starts, s_end
 
 
-def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None):
+class Gather(NamedTuple):
+    """SSE's varlen layout read where it is (`kernels/sse.py`) instead of packed by `triton/sse_route.pack_rows`.
+    Row r < L0 of the call is row r of the tensors passed as q, k, v, g (the shared path); row L0 + j is row
+    order[j] // K of the sparse tensors below, its q / k times scale[order[j]] where `scale_q` / `scale_k`. The
+    rows of dropped (padding) pairs are read as they are: they sort into their own trailing segment, whose output
+    and state the caller drops, so the zeros the packer writes there change nothing it keeps."""
+    q: torch.Tensor              # [1, L, H, K] sparse path (and k, g); v [1, L, H, V]
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    order: torch.Tensor          # [M] int64: the sorted pairs
+    scale: torch.Tensor | None   # [L * K] fp32: router probability of every pair
+    K: int                       # slots per token
+    L0: int                      # shared rows in front (0: no shared path)
+    scale_q: bool
+    scale_k: bool
+
+
+def _gather_args(q, k, v, g, gather):
+    """The kernels' (sparse q, k, v, g, order, scale, L0) arguments and (KS, GATHER, SCALE_Q, SCALE_K) flags."""
+    if gather is None:
+        return (q, k, v, g, q, q, 0), dict(KS=1, GATHER=False, SCALE_Q=False, SCALE_K=False)
+    x = gather
+    w = x.scale if x.scale is not None else x.order
+    return ((x.q, x.k, x.v, x.g, x.order, w, x.L0),
+            dict(KS=x.K, GATHER=True, SCALE_Q=x.scale_q and x.scale is not None,
+                 SCALE_K=x.scale_k and x.scale is not None))
+
+
+def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | None = None):
     """The forward on contiguous inputs over the pieces `pc`: (o `[B, T, H, V]`, each piece's starting state
     `[G, H, K, V]`, each piece's total log-decay `[G, H, K]` (floored gates), each sequence's final state
-    `[N, H, K, V]`), states fp32. `s0`: fp32 initial state or None."""
+    `[N, H, K, V]`), states fp32. `s0`: fp32 initial state or None. `gather`: read SSE's layout in place (then
+    o is `[1, L0 + M, H, V]`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if gather is not None:
+        B, T = 1, gather.L0 + gather.order.numel()
     G = pc.seg.shape[0]
     f32 = dict(dtype=torch.float32, device=q.device)
     own, decay = torch.empty(G, H, K, V, **f32), torch.empty(G, H, K, **f32)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     prec = _precision(q.dtype)
     BK = max(16, triton.next_power_of_2(K))
+    src, flags = _gather_args(q, k, v, g, gather)
+    st_src, st_flags = src[1:], dict(KS=flags["KS"], GATHER=flags["GATHER"], SCALE_K=flags["SCALE_K"])
     if _interpreting():
         _interpreter_shim()
         BT = _interp_tile(chunk_size)
         _piece_state_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
-            k, v, g, pc.seg, own, decay, H=H, K=K, V=V, BT=BT, BR=16, BC=16, PREC=prec, G_MIN=G_MIN)
+            k, v, g, *st_src, pc.seg, own, decay, H=H, K=K, V=V, BT=BT, BR=16, BC=16, PREC=prec, G_MIN=G_MIN,
+            **st_flags)
     else:
-        _autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC"])[
+        _autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC", *st_flags])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
-            k, v, g, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
+            k, v, g, *st_src, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **st_flags)
     starts, s_end = scan_pieces(own, decay, s0, pc.segs, H, K, V)
     bucket = _tune_buckets(B * T, G * H)
+    args = (q, k, v, g, *src, pc.seg, starts, o, scale)
     if _interpreting():
         BV = min(16, triton.next_power_of_2(V))
-        _output_kernel[(triton.cdiv(V, BV), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V, BK=BK,
-                                                    BT=16, BV=BV, PREC=prec, G_MIN=G_MIN, **bucket)
+        _output_kernel[(triton.cdiv(V, BV), G * H)](*args, H=H, K=K, V=V, BK=BK, BT=16, BV=BV, PREC=prec,
+                                                    G_MIN=G_MIN, **flags, **bucket)
     else:
-        _autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *bucket])[
-            lambda m: (triton.cdiv(V, m["BV"]), G * H)](q, k, v, g, pc.seg, starts, o, scale, H=H, K=K, V=V,
-                                                        BK=BK, PREC=prec, G_MIN=G_MIN, **bucket)
+        _autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *flags, *bucket])[
+            lambda m: (triton.cdiv(V, m["BV"]), G * H)](*args, H=H, K=K, V=V, BK=BK, PREC=prec, G_MIN=G_MIN,
+                                                        **flags, **bucket)
     return o, starts, decay, s_end
 
 
@@ -232,22 +319,30 @@ def check_inputs(q, k, v, g, cu_seqlens):
 
 
 def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                   chunk_size=None, segment_len: int | None = None):
+                   chunk_size=None, segment_len: int | None = None, gather: Gather | None = None):
     """(o `[B, T, H, V]` in v's dtype, final state `[N, H, K, V]` fp32 or None), no gradient. g: per-key-channel
     log-decay `[B, T, H, K]` (<= 0). `segment_len`: piece length (None: automatic on GPU, one piece per
     sequence in the interpreter; 0: one piece per sequence). `chunk_size`: the interpreter's tile (GPU tiles are
-    autotuned). With gradients use `gla_bwd.gla_triton`."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g)):
+    autotuned). `gather`: SSE's packed layout read in place (`Gather`; q, k, v, g are then the shared path's
+    tensors, `cu_seqlens` the layout's and o `[1, L0 + M, H, V]`). With gradients use `gla_bwd.gla_triton`."""
+    ins = (q, k, v, g) + (() if gather is None else (gather.q, gather.k, gather.v, gather.g))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ins):
         raise ValueError("gla_fwd_triton has no backward; call it under torch.no_grad() or use gla_triton")
     check_inputs(q, k, v, g, cu_seqlens)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    if gather is not None:
+        check_inputs(gather.q, gather.k, gather.v, gather.g, cu_seqlens)
+        if cu_seqlens is None or (gather.q.dtype, gather.v.dtype) != (q.dtype, v.dtype):
+            raise ValueError("gla_fwd_triton(gather=...) needs cu_seqlens and the same dtypes on both paths")
+        gather = gather._replace(**{n: getattr(gather, n).contiguous() for n in ("q", "k", "v", "g", "order")})
+        B, T = 1, gather.L0 + gather.order.numel()
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
     pc = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
-    o, _, _, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
+    o, _, _, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, gather)
     return o, (s_end if output_final_state else None)
 
 
-__all__ = ["gla_fwd_triton"]
+__all__ = ["Gather", "gla_fwd_triton"]
