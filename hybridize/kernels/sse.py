@@ -416,9 +416,8 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         src = shared if shared is not None else sparse            # (no shared path: never read)
         gather = Gather(sparse.q, sparse.k, sparse.v, sparse.g, plan.order, w, K, 0 if shared is None else L,
                         emulq, emulk)
-        with torch.no_grad():
-            o_all, st = gla_fwd_triton(src.q, src.k, src.v, src.g, scale=scale, initial_state=h0,
-                                       output_final_state=output_final_state, cu_seqlens=seg_cu, gather=gather)
+        o_all, st = gla_fwd_triton(src.q, src.k, src.v, src.g, scale=scale, initial_state=h0,
+                                   output_final_state=output_final_state, cu_seqlens=seg_cu, gather=gather)
         o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
         return _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V)
     x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),

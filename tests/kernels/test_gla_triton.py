@@ -42,26 +42,6 @@ def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, stro
 
 
 @interp_only
-@pytest.mark.parametrize("T,K,V,split", [(37, 16, 32, None), (70, 32, 16, 32), (45, 16, 16, 20)])
-@pytest.mark.parametrize("strength", [1.0, 0.05])
-def test_interp_matches_recurrent(T, K, V, split, strength):
-    torch.set_num_threads(1)
-    q, k, v, gate, h0 = inputs(2, T, 2, K, V, strength=strength)
-    compare(q, k, v, gate, h0, chunk_size=16, segment_len=split)
-    compare(q, k, v, gate, None, chunk_size=16, segment_len=split)
-
-
-@interp_only
-@pytest.mark.parametrize("split", [None, 20])
-def test_interp_varlen(split):
-    torch.set_num_threads(1)
-    cu = torch.tensor([0, 17, 17, 50, 61])
-    q, k, v, gate, _ = inputs(1, 61, 2, 16, 16, seed=3)
-    h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
-    compare(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
-
-
-@interp_only
 def test_interp_strong_decay_is_floored_not_nan():
     """Log-decays far below G_MIN (-30 per token in some channels): finite, and equal to the op with the gates
     floored at G_MIN (the documented departure); moderate gates (above the floor) are exact."""
@@ -113,24 +93,30 @@ def compare_grads(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+#: the forward alone (`gla_fwd_triton`, no gradient) and the op with its backward (`gla_triton`, all gradients)
+CHECKS = pytest.mark.parametrize("check", [compare, compare_grads], ids=["forward", "gradients"])
+
+
 @interp_only
+@CHECKS
 @pytest.mark.parametrize("T,K,V,split", [(37, 16, 32, None), (70, 32, 16, 32), (45, 16, 16, 20)])
 @pytest.mark.parametrize("strength", [1.0, 0.05])
-def test_interp_gradients_match_recurrent(T, K, V, split, strength):
+def test_interp_matches_recurrent(check, T, K, V, split, strength):
     torch.set_num_threads(1)
     q, k, v, gate, h0 = inputs(2, T, 2, K, V, strength=strength)
-    compare_grads(q, k, v, gate, h0, chunk_size=16, segment_len=split)
-    compare_grads(q, k, v, gate, None, chunk_size=16, segment_len=split)
+    check(q, k, v, gate, h0, chunk_size=16, segment_len=split)
+    check(q, k, v, gate, None, chunk_size=16, segment_len=split)
 
 
 @interp_only
+@CHECKS
 @pytest.mark.parametrize("split", [None, 20])
-def test_interp_varlen_gradients(split):
+def test_interp_varlen(check, split):
     torch.set_num_threads(1)
     cu = torch.tensor([0, 17, 17, 50, 61])
     q, k, v, gate, _ = inputs(1, 61, 2, 16, 16, seed=3)
     h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
-    compare_grads(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
+    check(q, k, v, gate, h0, cu=cu, chunk_size=16, segment_len=split)
 
 
 @interp_only

@@ -314,6 +314,8 @@ def check_inputs(q, k, v, g, cu_seqlens):
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, k `[B, T, H, K]` and v `[B, T, H, V]` must agree, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    # batch only: `varlen.check_cu_seqlens` also reads the packed total on the host (a sync on SSE's path, and
+    # with `Gather` the rows are not q's)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a packed batch of 1, got batch {q.shape[0]}")
 
