@@ -74,6 +74,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", default="4096,16384")
     ap.add_argument("--n", type=int, default=4, help="partitions")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
@@ -90,7 +91,7 @@ def main(argv=None):
         for name, fn in ((f"sse_varlen_n{args.n}k1 fwd", f), (f"sse_varlen_n{args.n}k1 fwd+bwd", fb),
                          ("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb),
                          ("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)):
-            r = {"case": name, "T": T, **profile(fn)}
+            r = {"case": name, "T": T, **profile(fn, top=args.top)}
             res["cases"].append(r)
             print(f"\n### {name}, T={T}: wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
                   f"{r['kernels']:.0f} kernels, {r['item_calls']:.0f} .item() per call")

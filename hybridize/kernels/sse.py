@@ -277,33 +277,50 @@ class VarlenPlan:
     The M = L * K (token, slot) pairs (pair p = t * K + s) are sorted stably by key = s_seq * N + i
     (sequence-major, partition-minor); pairs of padding tokens get key G = S * N and sort last.
     order `[M]` sorted pair ids; inv `[M]` sorted position of every pair; keep `[M]` bool (False on
-    padding); seg_cu `[G + 2]` offsets of the G (sequence, partition) segments in sorted order, empty
-    ones included, then one trailing "trash" segment [seg_cu[G], M) holding the padding pairs."""
+    padding; None when the routing has no padding); seg_cu `[G + 2]` offsets of the G (sequence, partition)
+    segments in sorted order, empty ones included, then one trailing "trash" segment [seg_cu[G], M) holding
+    the padding pairs; layout_cu: the op call's offsets, seg_cu or, with the shared path's L rows in front,
+    `[cu_seqlens, seg_cu[1:] + L]`."""
 
     order: torch.Tensor
     inv: torch.Tensor
-    keep: torch.Tensor
+    keep: torch.Tensor | None
     seg_cu: torch.Tensor
+    layout_cu: torch.Tensor
 
 
-def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor) -> VarlenPlan:
-    """Packed routing (B == 1, L tokens) and `cu_seqlens` `[S + 1]` -> `VarlenPlan`.
+def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False) -> VarlenPlan:
+    """Packed routing (B == 1, L tokens) and `cu_seqlens` `[S + 1]` -> `VarlenPlan` (`shared`: the shared
+    path's rows go in front of the op call, see `layout_cu`).
 
-    One stable device sort and two `searchsorted` calls: no `nonzero`, `bincount`, boolean indexing or
-    `.tolist()` (each of which waits for the device)."""
+    No `nonzero`, `bincount`, boolean indexing or `.tolist()` (each of which waits for the device). On CUDA a
+    counting sort in three Triton kernels (`triton/sse_plan.py`); otherwise one stable device sort and two
+    `searchsorted` calls."""
     n, K, L = routing.probs.shape[-1], routing.index.shape[-1], routing.index.shape[1]
     dev = routing.index.device
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    keep = None if routing.dense else routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
+    if _triton_ok(routing.index) and n <= _plan_max_partitions():
+        from .triton.sse_plan import plan_triton
+        order, inv, seg_cu, layout_cu = plan_triton(routing.index[0], keep, cu.contiguous(), n, L if shared else None)
+        return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu, layout_cu=layout_cu)
     G = (len(cu) - 1) * n
     seq = torch.searchsorted(cu[1:], torch.arange(L, device=dev), right=True)            # [L] sequence of token
     part = routing.index[0].reshape(-1)                                                  # [M], token-major
-    keep = routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
-    key = torch.where(keep, seq.unsqueeze(1).expand(L, K).reshape(-1) * n + part, torch.full_like(part, G))
+    key = seq.unsqueeze(1).expand(L, K).reshape(-1) * n + part
+    if keep is not None:
+        key = torch.where(keep, key, torch.full_like(part, G))
     skey, order = torch.sort(key, stable=True)           # stable: time order kept inside a segment
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
     seg_cu = torch.searchsorted(skey, torch.arange(G + 1, device=dev))                   # first row of each key
     seg_cu = torch.cat([seg_cu, seg_cu.new_full((1,), order.numel())])
-    return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu)
+    layout_cu = torch.cat([cu, seg_cu[1:] + L]) if shared else seg_cu
+    return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu, layout_cu=layout_cu)
+
+
+def _plan_max_partitions() -> int:
+    from .triton.sse_plan import MAX_PARTITIONS
+    return MAX_PARTITIONS
 
 
 def _bshape(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -386,7 +403,8 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         sparse = PathInputs(*(flat(t) for t in (sparse.q, sparse.k, sparse.v, sparse.g, sparse.beta)))
         if shared is not None:
             shared = PathInputs(*(flat(t) for t in (shared.q, shared.k, shared.v, shared.g, shared.beta)))
-        routing = Routing(flat(routing.probs), flat(routing.index), flat(routing.selected))
+        routing = Routing(flat(routing.probs), flat(routing.index), None if routing.dense else flat(routing.selected),
+                          flat(routing.top_probs))
         cu = torch.arange(0, (B + 1) * T, T, device=sparse.q.device)
     else:
         _check_packed(sparse.q, cu_seqlens)
@@ -398,14 +416,14 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         o = sparse.v.new_zeros(1, 0, H, V)
         return (o.view(B, T, H, V) if cu_seqlens is None else o), *(
             (sh0, sp0) if output_final_state else (None, None))
-    plan = varlen_plan(routing, cu)
+    plan = varlen_plan(routing, cu, shared is not None)
     pack, combine = _row_movers(sparse.q)
-    w = routing.probs[0].gather(-1, routing.index[0]).reshape(-1)                    # [L*K] router prob per pair
+    w = routing.top_probs[0].reshape(-1)                                            # [L*K] router prob per pair
     sh = shared if shared is not None else PathInputs(None, None, None, None, None)
 
     def mv(a, b, s=None):
         return None if b is None else pack(a, b, plan.order, plan.inv, K, scale=s, keep=plan.keep)
-    seg_cu = plan.seg_cu if shared is None else torch.cat([cu, plan.seg_cu[1:] + L])
+    seg_cu = plan.layout_cu
     h0 = None
     if initial_state is not None:
         sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)

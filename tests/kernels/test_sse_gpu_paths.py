@@ -40,8 +40,9 @@ def check_plan(plan, L, K, G):
     """Host-side bounds of a `VarlenPlan` (copied to the CPU), the ranges every gather of the varlen
     layout (torch or Triton) relies on: order and inv are inverse permutations of the L * K pairs,
     seg_cu `[G + 2]` rises from 0 to L * K."""
-    order, inv, seg_cu, keep = (t.cpu() for t in (plan.order, plan.inv, plan.seg_cu, plan.keep))
+    order, inv, seg_cu = (t.cpu() for t in (plan.order, plan.inv, plan.seg_cu))
     M = L * K
+    keep = torch.ones(M, dtype=torch.bool) if plan.keep is None else plan.keep.cpu()
     assert order.shape == inv.shape == keep.shape == (M,), (order.shape, inv.shape, keep.shape, M)
     assert torch.equal(order.sort().values, torch.arange(M)), "order is not a permutation of the pairs"
     assert torch.equal(inv[order], torch.arange(M)), "inv is not the inverse of order"

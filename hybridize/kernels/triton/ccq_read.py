@@ -656,9 +656,7 @@ def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
     key = (B, T, seg_len, str(device)) if plain else None
     if key is not None and key in _TABLES:
         return _TABLES[key]
-    if n0 is None:
-        n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=device)
-    out = _build_table(B, T, cu, mask, n0, seg_len)
+    out = _build_table(B, T, cu, mask, n0, seg_len, device)
     if key is not None:
         if len(_TABLES) > 64:
             _TABLES.clear()
@@ -666,8 +664,12 @@ def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
     return out
 
 
-def _build_table(B, T, cu, mask, n0, seg_len) -> Pieces:
-    dev = n0.device
+def _build_table(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
+    if cu is not None and mask is None and seg_len is not None and (dev.type == "cuda" or _interpreting()):
+        from .piece_table import piece_table     # one kernel instead of ~20 small ops
+        return Pieces(*piece_table(cu, seg_len, B * T, n0))
+    if n0 is None:
+        n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=dev)
     if cu is None:
         starts = torch.arange(B, device=dev) * T
         lens = torch.full((B,), T, device=dev, dtype=torch.long)

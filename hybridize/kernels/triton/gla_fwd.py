@@ -60,13 +60,17 @@ def _sources(rows, m_t, bos, order, wsc, L0, KS: tl.constexpr, GATHER: tl.conste
 
 
 @triton.jit
-def _load(x, x_sp, src, sparse, i_h, o_c, m, C: tl.constexpr, H: tl.constexpr, GATHER: tl.constexpr):
-    """Rows `src` of x, or of x_sp for a sparse piece, channels o_c `[BT, BC]` (0 where not m). (The loads sit in a
-    branch: the piece-state walk measured 0.49 against 0.34 ms at 16k gathered, likely because loads in a branch
-    are not software-pipelined; two loads with complementary masks would avoid it, not measured yet.)"""
+def _load(x, x_sp, src, sparse, i_h, o_c, m, C: tl.constexpr, H: tl.constexpr, GATHER: tl.constexpr,
+          SELECT: tl.constexpr):
+    """Rows `src` of x, or of x_sp for a sparse piece, channels o_c `[BT, BC]` (0 where not m). SELECT: one load
+    from the chosen base pointer, which Triton software-pipelines (piece-state walk at 16k on the H100, gathered:
+    0.455 ms, against 0.49 with the loads in a branch); otherwise the loads sit in a branch, not pipelined, which
+    the output pass prefers (1.00 ms pipelined against 0.78; benchmarks/RESULTS.md, sessions 11-12)."""
     off = (src[:, None] * H + i_h) * C + o_c[None, :]
     if GATHER:
-        if sparse:
+        if SELECT:
+            out = tl.load(tl.where(sparse, x_sp, x) + off, mask=m, other=0.0)
+        elif sparse:
             out = tl.load(x_sp + off, mask=m, other=0.0)
         else:
             out = tl.load(x + off, mask=m, other=0.0)
@@ -102,9 +106,9 @@ def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d
         rows = bos + i_t * BT + o_t
         src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_K)
         m_tr = m_t[:, None] & m_r[None, :]
-        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER), w, SCALE_K)
-        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER).to(tl.float32), G_MIN)
-        b_v = _load(v, v_sp, src, sparse, i_h, o_c, m_t[:, None] & m_c[None, :], V, H, GATHER)
+        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True), w, SCALE_K)
+        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True).to(tl.float32), G_MIN)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_c, m_t[:, None] & m_c[None, :], V, H, GATHER, True)
         b_gc = tl.cumsum(b_g, 0)
         b_last = tl.sum(b_g, 0)
         b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(b_v.dtype)   # exponents <= 0
@@ -165,10 +169,10 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
         src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER), w, SCALE_Q)
-        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER), w, SCALE_K)
-        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER).to(tl.float32), G_MIN)
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER)
+        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
+        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_K)
+        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False).to(tl.float32), G_MIN)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER, False)
         b_gc = tl.cumsum(b_g, 0)
         b_last = tl.sum(b_g, 0)
         b_ref = 0.5 * b_last
