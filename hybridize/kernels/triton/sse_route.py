@@ -135,6 +135,8 @@ class _PackRows(torch.autograd.Function):
     def forward(ctx, x_sh, x_sp, scale, keep, order, inv, K):
         ctx.K, ctx.L0, ctx.has_sh = K, (0 if x_sh is None else x_sh.shape[1]), x_sh is not None
         ctx.sh_dtype = None if x_sh is None else x_sh.dtype
+        # one tensor on both paths (SSE's v): its gradient is summed in the gather-sum, no separate add
+        ctx.same = x_sh is x_sp
         ctx.save_for_backward(x_sp if (scale is not None and scale.requires_grad) else None, scale, keep, inv)
         return _pack(x_sh, x_sp, scale, keep, order, K)
 
@@ -143,8 +145,12 @@ class _PackRows(torch.autograd.Function):
         x_sp, scale, keep, inv = ctx.saved_tensors
         d_out = d_out.contiguous()
         L = inv.numel() // ctx.K
-        d_sh = d_out[:, :ctx.L0].to(ctx.sh_dtype) if ctx.has_sh else None
-        d_sp, dots = _gather_sum(d_out, L, None, scale, keep, inv, ctx.K, ctx.L0, y=x_sp)
+        if ctx.same:
+            d_sp, dots = _gather_sum(d_out, L, d_out[:, :ctx.L0], scale, keep, inv, ctx.K, ctx.L0, y=x_sp)
+            d_sh = None
+        else:
+            d_sh = d_out[:, :ctx.L0].to(ctx.sh_dtype) if ctx.has_sh else None
+            d_sp, dots = _gather_sum(d_out, L, None, scale, keep, inv, ctx.K, ctx.L0, y=x_sp)
         d_scale = None if dots is None else dots.to(scale.dtype)
         return d_sh, d_sp, d_scale, None, None, None, None
 
