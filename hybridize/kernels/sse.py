@@ -16,8 +16,9 @@ decides which tokens reach which of the N state partitions of each head.
   * `sse_varlen`: the (token, partition) pairs are reordered so each partition of each sequence is
     one contiguous segment, new `cu_seqlens` are built, the shared path is concatenated in front
     along time, one varlen op call, outputs summed back per token (paper Algorithm 2; best for long
-    sequences). The bookkeeping (`varlen_plan`) is device-side with static shapes: a stable sort of
-    the pair keys and `searchsorted` for the segment offsets; every (sequence, partition) segment is
+    sequences). The bookkeeping (`varlen_plan`) is device-side with static shapes: on CUDA a stable
+    counting sort in three Triton kernels (`triton/sse_plan.py`), elsewhere a stable sort of the pair
+    keys and `searchsorted` for the segment offsets; every (sequence, partition) segment is
     passed, empty ones included (their states pass through untouched), and padding pairs go to one
     trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
@@ -42,7 +43,8 @@ reads its chunk count on the host once (`prepare_chunk_indices`: the chunk grid 
 the segment lengths, and fla-core 0.6.0's public ops take no precomputed chunk indices). Passes over
 the 2T rows: 4 gathers + 2 multiplies + 4 concatenations + `index_add` (backward: 4 `index_put`
 with accumulation, 2 multiply backwards) -> 4 pack kernels + 1 combine kernel (backward: 4
-gather-sum kernels, the scale gradient fused, + 1 pack kernel). `HYBRIDIZE_KERNELS=torch` or
+gather-sum kernels, the scale gradient fused, + 1 pack kernel; a tensor on both paths, SSE's v, gets
+its two gradients summed there). `HYBRIDIZE_KERNELS=torch` or
 `USE_TRITON = False` selects the PyTorch forms on CUDA.
 
 Router gradient (the fla PR #882 reading): the selected partition's router probability multiplies
