@@ -302,10 +302,12 @@ def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False
     dev = routing.index.device
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
     keep = None if routing.dense else routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
-    if _triton_ok(routing.index) and n <= _plan_max_partitions():
-        from .triton.sse_plan import plan_triton
-        order, inv, seg_cu, layout_cu = plan_triton(routing.index[0], keep, cu.contiguous(), n, L if shared else None)
-        return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu, layout_cu=layout_cu)
+    if _triton_ok(routing.index):
+        from .triton.sse_plan import MAX_PARTITIONS, plan_triton
+        if n <= MAX_PARTITIONS:
+            order, inv, seg_cu, layout_cu = plan_triton(routing.index[0], keep, cu.contiguous(), n,
+                                                        L if shared else None)
+            return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu, layout_cu=layout_cu)
     G = (len(cu) - 1) * n
     seq = torch.searchsorted(cu[1:], torch.arange(L, device=dev), right=True)            # [L] sequence of token
     part = routing.index[0].reshape(-1)                                                  # [M], token-major
@@ -318,11 +320,6 @@ def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False
     seg_cu = torch.cat([seg_cu, seg_cu.new_full((1,), order.numel())])
     layout_cu = torch.cat([cu, seg_cu[1:] + L]) if shared else seg_cu
     return VarlenPlan(order=order, inv=inv, keep=keep, seg_cu=seg_cu, layout_cu=layout_cu)
-
-
-def _plan_max_partitions() -> int:
-    from .triton.sse_plan import MAX_PARTITIONS
-    return MAX_PARTITIONS
 
 
 def _bshape(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

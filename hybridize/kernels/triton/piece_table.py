@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ccq_read import _interpreter_shim, _interpreting
+
 
 @triton.jit
 def _table_kernel(cu, n0, seg, n_before, n_after, seq, segs, n_end, n_div, N, G, total, SEG,
@@ -64,7 +66,6 @@ def piece_table(cu: torch.Tensor, seg_len: int, total: int, n0: torch.Tensor | N
                              torch.empty(N, **i64))
     f32 = dict(dtype=torch.float32, device=dev)
     n_before, n_after, n_div = torch.empty(G, **f32), torch.empty(G, **f32), torch.empty(N, **f32)
-    from .ccq_read import _interpreter_shim, _interpreting
     if _interpreting():
         _interpreter_shim()
     _table_kernel[(N,)](cu, cu if n0 is None else n0, seg, n_before, n_after, seq, segs, n_end, n_div, N, G, total,

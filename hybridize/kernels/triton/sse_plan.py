@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ccq_read import _interpreter_shim, _interpreting
+
 
 @triton.jit
 def _pairs(idx, keep, p0, M, BLOCK: tl.constexpr, NP: tl.constexpr, HAS_KEEP: tl.constexpr):
@@ -135,7 +137,6 @@ def plan_triton(index: torch.Tensor, keep: torch.Tensor | None, cu: torch.Tensor
     order, inv = torch.empty(M, dtype=torch.long, device=dev), torch.empty(M, dtype=torch.long, device=dev)
     seg_cu = torch.empty(S * n + 2, dtype=torch.long, device=dev)
     layout_cu = seg_cu if shared_len is None else torch.empty(S + S * n + 2, dtype=torch.long, device=dev)
-    from .ccq_read import _interpreter_shim, _interpreting
     if _interpreting():
         _interpreter_shim()
     flags = dict(BLOCK=BLOCK, NP=NP, HAS_KEEP=keep is not None, num_warps=4)
