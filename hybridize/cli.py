@@ -30,6 +30,20 @@ for _module in AREAS:
     importlib.import_module(_module).register(app)
 
 
+@app.command("recipes")
+def recipes_cmd():
+    """List the shipped recipes (names for `-r`) and the folder that holds them, with the accelerate /
+    DeepSpeed configs under accelerate/ (use that path in `accelerate launch --config_file`)."""
+    from hybridize.distill.config import RECIPES_DIR
+
+    typer.echo(f"recipes folder: {RECIPES_DIR}")
+    for path in sorted(RECIPES_DIR.rglob("*")):
+        if path.suffix in (".yaml", ".json"):
+            rel = path.relative_to(RECIPES_DIR)
+            name = rel.with_suffix("") if rel.parts[0] != "accelerate" else rel
+            typer.echo(f"  {name}")
+
+
 def main() -> None:
     from hybridize.errors import UserError
 

@@ -167,19 +167,22 @@ class TracesConfig:
 
 @dataclass
 class DemoConfig:
-    """`hybridize demo`: convert + stage A + a short stage B on the embedded default, on CPU."""
+    """`hybridize demo`: convert + stage A + stage B on the embedded default, on CPU, budgets in steps."""
 
     out: str = _f("runs/demo", "output folder")
     teacher: str = _f("default", "teacher source")
     layers: str = _f("5:1", "layer plan (5 converted : 1 softmax)")
     mixer: str = _f("sse", "mixer of the converted layers")
-    train_text: str = _f("", "training text (empty: ../shared/data/general_text when present, else the "
-                             "teacher generates it)")
-    heldout_text: str = _f("", "held-out text (empty: ../shared/data/wikitext2/test.txt when present, "
-                               "else teacher-generated)")
     mixer_settings: dict = _f({"chunk_size": 16}, "mixer settings for the converter (chunk 16 is the fastest "
                                                    "CPU chunk size for SSE at head_dim 64; numerically the same)")
-    eval_tokens: int = _f(1024, "held-out tokens for perplexity")
+    train_text: str = _f("", "training text: a local file/folder or hub dataset (empty: the standard library's "
+                             "docstrings + the teacher's answers to the demo's chat prompts)")
+    heldout_text: str = _f("", "held-out text, never trained on (empty: Python's Language Reference topics, "
+                               "pydoc_data)")
+    chat_samples: int = _f(2, "teacher answers per chat prompt in the built-in training text")
+    chat_tokens: int = _f(160, "longest teacher answer in tokens")
+    chat_batch: int = _f(16, "prompts per generate call")
+    eval_tokens: int = _f(2048, "held-out tokens for perplexity")
     eval_seq_len: int = _f(512, "perplexity window")
     align_steps: int = _f(200, "stage A optimizer steps")
     align_lr: float = _f(2e-3, "stage A learning rate")
@@ -190,14 +193,10 @@ class DemoConfig:
                                              "(see distill e2e pretrained_lr_scale)")
     seq_len: int = _f(128, "training row length")
     batch_tokens: int = _f(128, "tokens per micro-batch")
-    generated_tokens: int = _f(768, "teacher-generated tokens per text when no data folder exists")
-    threads: int = _f(0, "torch CPU threads (0 = all cores)")
+    threads: int = _f(0, "torch CPU threads (0 = the cores idle at the start of each stage)")
     seed: int = _f(0, "seed")
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     mixed_precision: str = _f("no", "training autocast: no | bf16")
-    align_minutes: float = _f(7.0, "wall-clock budget of stage A in minutes (0 = none); keeps the demo "
-                                   "under 15 minutes on a slow CPU")
-    e2e_minutes: float = _f(3.0, "wall-clock budget of stage B in minutes (0 = none)")
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -304,11 +303,12 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+#: the recipes shipped inside the package (`recipes/` at the repository root links here)
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def find_recipe(name: str) -> Path:
-    """A recipe path, or a name under the repository's `recipes/` (`smollm2-135m/align`)."""
+    """A recipe path, or a name under the shipped recipes (`smollm2-135m/align`; `hybridize recipes` lists them)."""
     p = Path(name)
     if p.is_file():
         return p

@@ -21,6 +21,8 @@ import torch
 
 from hybridize.errors import UserError
 
+from hybridize.builtin_text import builtin_texts
+
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                  ".parquet": "parquet", ".csv": "csv"}
 
@@ -100,6 +102,11 @@ def row_texts(ds, text_field: str = "text", template: str = "") -> list[str]:
 
 def load_texts(source: str, text_field: str = "text", template: str = "", split: str = "train",
                max_docs: int = 0) -> list[str]:
+    """Documents of a built-in text (`python-docs`, `python-reference`: see hybridize.builtin_text), a local file or
+    folder, or a hub dataset."""
+    builtin = builtin_texts(source)
+    if builtin is not None:
+        return builtin[:max_docs] if max_docs else builtin
     return row_texts(load_rows(source, split, max_docs), text_field, template)
 
 
@@ -267,10 +274,12 @@ __all__ = ["shared_data", "load_rows", "load_texts", "row_texts", "tokenize_docs
 
 
 def default_train_source() -> str:
+    """../shared/data/general_text where it exists, else the built-in `python-docs` (said on the screen)."""
     p = shared_data("general_text")
     if p is None:
-        raise UserError("no training text given: set data.train=<file or hub dataset> "
-                        "(../shared/data/general_text is not present here)")
+        print("data.train is empty and ../shared/data/general_text is not here: training on the built-in "
+              "python-docs text (set data.train=<file, folder or hub dataset> for your own)")
+        return "python-docs"
     return str(p)
 
 

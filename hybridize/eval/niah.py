@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from hybridize.builtin_text import builtin_texts
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 _ADJ = ("abundant acid adorable aggressive alert ancient angry anxious bashful bitter blue brave bright broad "
@@ -125,13 +127,15 @@ _ESSAY_CACHE: dict[str, list[str]] = {}
 
 def load_essay_words(source: str | Path | None = None) -> list[str]:
     """Whitespace-split words of the haystack essays: a text file, a JSONL with a `text` field, or
-    (default) `haystack/paul_graham_essays.txt` in the shared data dir."""
+    (default) `haystack/paul_graham_essays.txt` in the shared data dir, else the built-in
+    `python-reference` text (Python's Language Reference, in every Python installation)."""
     from .common import data_file
 
     if source is None:
-        source = data_file("haystack/paul_graham_essays.txt")
-        if source is None:
-            raise ValueError("no essay file found: pass --essays FILE (a text file or JSONL with 'text')")
+        source = data_file("haystack/paul_graham_essays.txt") or "python-reference"
+    builtin = builtin_texts(str(source))
+    if builtin is not None:
+        return _ESSAY_CACHE.setdefault(str(source), " ".join(builtin).split())
     key = str(source)
     if key not in _ESSAY_CACHE:
         p = Path(source)

@@ -22,10 +22,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridize.builtin_text import builtin_texts
+
 
 @dataclass
 class PplConfig:
-    text: str = field(default="wikitext2", metadata={"help": "'wikitext2' (shared data) or a .txt / .jsonl (text field) file"})
+    text: str = field(default="wikitext2", metadata={"help": "'wikitext2' (shared data; where it is missing, "
+                                                            "'python-reference'), 'python-reference' (Python's "
+                                                            "Language Reference, built in) or a .txt / .jsonl file"})
     lengths: tuple[int, ...] = field(default=(256, 512, 1024, 2048, 4096), metadata={"help": "context lengths (tokens)"})
     tokens: int = field(default=16384, metadata={"help": "token budget scored at every length (>= the longest length)"})
     buckets: int = field(default=16, metadata={"help": "position buckets of the loss-by-position curve"})
@@ -37,12 +41,17 @@ def load_text(source: str) -> str:
 
     if source in ("wikitext2", "wikitext-2", "wikitext"):
         p = data_file("wikitext2/test.txt")
-        if p is None:
-            raise ValueError("wikitext2 not found in the shared data dir; pass --text FILE")
-        return p.read_text(encoding="utf-8")
+        if p is not None:
+            return p.read_text(encoding="utf-8")
+        print("wikitext2 is not here (no ../shared/data): scoring the built-in python-reference text instead "
+              "(--text FILE for your own)")
+        source = "python-reference"
+    builtin = builtin_texts(source)
+    if builtin is not None:
+        return "\n\n".join(builtin)
     p = Path(source)
     if not p.is_file():
-        raise ValueError(f"text source {source!r} is not a file (or 'wikitext2')")
+        raise ValueError(f"text source {source!r} is not a file (or 'wikitext2', 'python-reference')")
     if p.suffix == ".jsonl":
         return "\n\n".join(r.get("text", "") for r in read_jsonl(p))
     return p.read_text(encoding="utf-8")

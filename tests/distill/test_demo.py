@@ -1,5 +1,6 @@
 """`hybridize demo` (the README's main job) end to end on a tiny random teacher: convert + stage A +
-stage B + perplexity table, with local text files and with no data at all (text the teacher writes)."""
+stage B + perplexity table + chat check, with local text files and with the built-in texts (what a user's
+machine without a data folder gets)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,9 @@ import math
 
 import pytest
 
-from hybridize.distill import demo as demo_mod
-from hybridize.distill.demo import demo_config, run_demo
+from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS
+from hybridize.distill.demo import chat_answers, demo_config, run_demo
+from hybridize.distill.data import read_jsonl
 from tests.distill.helpers import write_texts
 from tests.rl.helpers import byte_tokenizer, tiny_teacher
 
@@ -24,7 +26,8 @@ def teacher_dir(tmp_path):
 def _run(tmp_path, teacher_dir, **over):
     base = {"out": str(tmp_path / "demo"), "teacher": str(teacher_dir), "layers": "2:1", "mixer": "sse",
             "eval_tokens": 256, "eval_seq_len": 64, "align_steps": 2, "e2e_steps": 2, "seq_len": 32,
-            "batch_tokens": 64, "generated_tokens": 48, "threads": 1, "device": "cpu"}
+            "batch_tokens": 64, "chat_samples": 1, "chat_tokens": 4, "chat_batch": 64, "threads": 1,
+            "device": "cpu"}
     return run_demo(demo_config([f"{k}={v}" for k, v in {**base, **over}.items()]))
 
 
@@ -35,17 +38,44 @@ def test_demo_with_local_text(tmp_path, teacher_dir):
     ppl = s["perplexity"]
     assert set(ppl) == {"teacher", "converted", "after_align", "after_e2e"}
     assert all(math.isfinite(v) and v > 1 for v in ppl.values()), ppl
+    assert s["ratio_to_teacher"]["teacher"] == 1.0
     assert s["align"]["steps"] == 2 and s["e2e"]["steps"] == 2
     out = tmp_path / "demo"
     assert json.loads((out / "summary.json").read_text())["perplexity"] == ppl
-    assert "after stage B" in (out / "summary.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "after stage B" in md and HELDOUT_CHAT_PROMPTS[0] in md
+    assert len(s["chat"]["student"]) == len(HELDOUT_CHAT_PROMPTS)
     assert (out / "student" / "config.json").is_file()
     assert not (out / "align" / "checkpoints").exists()  # resume points are removed at the end
 
 
-def test_demo_without_any_data_uses_teacher_text(tmp_path, teacher_dir, monkeypatch):
-    monkeypatch.setattr(demo_mod, "shared_data", lambda rel: None)   # as on a user's machine
+def test_demo_default_data_is_built_in(tmp_path, teacher_dir):
+    """No data options: training on standard-library docstrings + teacher chat answers, held-out on the
+    Language Reference topics (never in the training file)."""
     s = _run(tmp_path, teacher_dir)
-    assert s["heldout"].startswith("teacher-generated")
-    assert (tmp_path / "demo" / "data" / "train.jsonl").is_file()
+    assert s["heldout"].startswith("Python Language Reference")
+    train = [r["text"] for r in read_jsonl(tmp_path / "demo" / "data" / "train.jsonl")]
+    assert len(read_jsonl(tmp_path / "demo" / "data" / "chat.jsonl")) == len(CHAT_PROMPTS)
+    from hybridize.builtin_text import language_reference_topics
+    held = set(language_reference_topics())
+    assert train and not held & set(train)
     assert all(math.isfinite(v) for v in s["perplexity"].values())
+
+
+def test_chat_answers_resume(tmp_path):
+    """An interrupted answer file is completed, not rewritten: rows already there are kept as they are."""
+    from tests.rl.helpers import byte_tokenizer, tiny_teacher
+
+    teacher, tok = tiny_teacher(), byte_tokenizer()
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": 0, "sample": 0, "text": "KEPT"}) + "\n")
+    docs = chat_answers(teacher, tok, path, samples=1, max_new_tokens=2, batch=64, seed=0)
+    assert docs[0] == "KEPT" and len(docs) == len(CHAT_PROMPTS)
+    assert len(read_jsonl(path)) == len(CHAT_PROMPTS)
+
+
+def test_demo_config_rejects_stage_keys():
+    from hybridize.errors import UserError
+
+    with pytest.raises(UserError, match="unknown setting"):
+        demo_config(["train.lr=3e-4"])

@@ -1,0 +1,105 @@
+"""Does a busy core stall the CPU forward? Teacher vs its 5:1 SSE hybrid, 1 and 2 threads, idle and loaded.
+
+The embedded default (SmolLM2-135M-Instruct) and its `5:1` SSE conversion (no calibration: speed only),
+fp32, batch 1. "loaded" starts one busy-looping process per `--load` core for the duration of the
+timing (a user's other work); each cell is the median of `--repeats` forwards (after two warm-ups),
+timed with the model's default thread choice (`hybridize.cpu.threads_for`) and with a fixed count.
+Prints a markdown table with the slowdown under load side by side (also written to --out).
+
+    python benchmarks/cpu_threads.py --tokens 128 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hybridize.convert.convert import convert_model
+from hybridize.convert.sources import load_model
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
+
+
+class BusyCores:
+    """`n` processes spinning in Python while the block runs."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        time.sleep(0.5 if self.n else 0.0)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+@torch.no_grad()
+def median_forward(model, ids: torch.Tensor, threads: int, repeats: int) -> float:
+    torch.set_num_threads(threads)
+    for _ in range(2):
+        model(input_ids=ids)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(input_ids=ids)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=128, help="sequence length of the timed forward")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="thread counts to time")
+    ap.add_argument("--load", type=int, default=1, help="busy cores in the loaded runs")
+    ap.add_argument("--out", default="benchmarks/results/cpu_threads.md")
+    args = ap.parse_args()
+
+    teacher, _ = load_model("default")
+    hybrid = convert_model(teacher, "5:1", mixer="sse", mixer_settings={"chunk_size": 16}).eval()
+    ids = torch.randint(0, teacher.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    counts = [int(t) for t in args.threads.split(",")]
+    rows = []
+    for threads in counts:
+        cell = {}
+        for load in (0, args.load):
+            with BusyCores(load):
+                for name, model in (("teacher", teacher), ("hybrid", hybrid)):
+                    cell[(name, load)] = median_forward(model, ids, threads, args.repeats)
+        rows.append((threads, cell))
+        print(f"threads {threads}: " + ", ".join(f"{k[0]}/{'loaded' if k[1] else 'idle'} {v * 1e3:.0f} ms"
+                                                  for k, v in cell.items()), flush=True)
+    lines = [f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+             f"{args.tokens} tokens, batch 1, fp32, median of {args.repeats}; loaded = {args.load} busy core(s)", "",
+             "| threads | teacher idle (ms) | teacher loaded (ms) | teacher slowdown | hybrid idle (ms) "
+             "| hybrid loaded (ms) | hybrid slowdown |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for threads, c in rows:
+        lines.append(f"| {threads} | {c[('teacher', 0)] * 1e3:.0f} | {c[('teacher', args.load)] * 1e3:.0f} | "
+                     f"{c[('teacher', args.load)] / c[('teacher', 0)]:.2f}x | {c[('hybrid', 0)] * 1e3:.0f} | "
+                     f"{c[('hybrid', args.load)] * 1e3:.0f} | {c[('hybrid', args.load)] / c[('hybrid', 0)]:.2f}x |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

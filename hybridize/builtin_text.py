@@ -1,0 +1,156 @@
+"""Text every Python installation carries, so the demo trains and evaluates offline with no data folder.
+
+- Training text: the docstrings of the standard library's modules and of their public classes and
+  functions (English prose about programming, ~0.4 MB on CPython 3.11), read with `inspect` from the
+  interpreter that runs us.
+- Held-out text: `pydoc_data.topics`, the Python Language Reference sections that `help()` shows
+  (~0.47 MB, 79 topics). It is never in a training mix: `stdlib_docstrings` skips `pydoc_data`, and any
+  docstring that shares a line of 60+ characters with a topic is dropped (`_without_overlap`).
+- Chat prompts: short instructions written for this project (`CHAT_PROMPTS`); the teacher answers them
+  (`hybridize demo`), so the student also sees chat-formatted text and keeps answering chat prompts.
+  `HELDOUT_CHAT_PROMPTS` are only ever asked, never trained on.
+
+Both texts are licensed with CPython (PSF License); nothing is copied into this repository. They
+depend on the Python version, so the demo's numbers are stated with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import io
+import sys
+import warnings
+
+#: modules never imported: side effects on import (a browser, a window, printing), test suites, and the
+#: held-out source itself
+SKIP_MODULES = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test",
+                          "pydoc_data", "ensurepip", "venv", "lib2to3", "__hello__", "__phello__"})
+
+CHAT_PROMPTS = (
+    "Explain how a rainbow forms.",
+    "Give three tips for learning to cook at home.",
+    "What does a compiler do?",
+    "Write a short poem about the sea.",
+    "Why do leaves change colour in autumn?",
+    "Describe a typical day of a baker.",
+    "How do bees make honey?",
+    "What is the difference between weather and climate?",
+    "Write a friendly email inviting a colleague to lunch.",
+    "Explain what a prime number is, with examples.",
+    "How does a bicycle stay upright?",
+    "Give me a recipe for a simple tomato soup.",
+    "What are the main parts of a plant cell?",
+    "Summarise the water cycle in a few sentences.",
+    "Why is exercise good for health?",
+    "Explain recursion to a beginner programmer.",
+    "What should I pack for a weekend hiking trip?",
+    "Describe how a library organises its books.",
+    "Write a short story about a lost umbrella.",
+    "How do airplanes fly?",
+    "What is photosynthesis?",
+    "Give advice for a first job interview.",
+    "Explain the rules of tic-tac-toe.",
+    "Why do we have seasons on Earth?",
+    "What is a good way to learn a new language?",
+    "Describe the taste of a lemon to someone who never had one.",
+    "How does a refrigerator keep food cold?",
+    "Write a thank-you note to a teacher.",
+    "What is the difference between a list and a tuple in Python?",
+    "Explain what an algorithm is.",
+    "How do volcanoes erupt?",
+    "Suggest three names for a small coffee shop and explain them.",
+    "What happens when water boils?",
+    "Explain why the sky is blue.",
+    "How can I save money on groceries?",
+    "Describe the life cycle of a butterfly.",
+    "What is gravity?",
+    "Write a short dialogue between a cat and a dog.",
+    "How do vaccines work, in simple terms?",
+    "Explain what a database is used for.",
+    "What are some ways to reduce stress?",
+    "Describe a walk through a forest in the morning.",
+    "How does the internet send a message from one computer to another?",
+    "What is the purpose of a museum?",
+    "Explain how to make a paper airplane.",
+    "Why do cats purr?",
+    "Give a short history of the bicycle.",
+    "What makes a good friend?",
+)
+
+#: asked of teacher and student after training, never trained on
+HELDOUT_CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Name three fruits that are yellow.",
+    "How many days are in a week?",
+)
+
+
+def _quiet_import(name: str):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            return importlib.import_module(name)
+        except BaseException:  # a module that needs a missing system library, or exits: skip it
+            return None
+
+
+def _docs_of(module) -> list[str]:
+    """The module's docstring and those of the public classes / functions it defines."""
+    with warnings.catch_warnings():   # reading a deprecated module's members warns
+        warnings.simplefilter("ignore")
+        return _docstrings(module)
+
+
+def _docstrings(module) -> list[str]:
+    objs = [module] + [v for k, v in sorted(vars(module).items())
+                       if not k.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v))
+                       and getattr(v, "__module__", None) == module.__name__]
+    docs = []
+    for obj in objs:
+        doc = obj.__doc__ if obj is module else inspect.getdoc(obj)
+        if isinstance(doc, str):
+            docs.append(inspect.cleandoc(doc))
+    return docs
+
+
+def language_reference_topics() -> list[str]:
+    """The held-out text: `pydoc_data.topics`, one document per topic, in key order."""
+    from pydoc_data.topics import topics
+
+    return [topics[k].strip() for k in sorted(topics) if topics[k].strip()]
+
+
+def _without_overlap(docs: list[str], heldout: list[str], min_line: int = 60) -> list[str]:
+    lines = {ln.strip() for t in heldout for ln in t.splitlines() if len(ln.strip()) >= min_line}
+    return [d for d in docs if not any(ln.strip() in lines for ln in d.splitlines() if len(ln.strip()) >= min_line)]
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_docstrings(min_chars: int) -> tuple[str, ...]:
+    docs: list[str] = []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in SKIP_MODULES:
+            continue
+        module = _quiet_import(name)
+        if module is not None:
+            docs.extend(d for d in _docs_of(module) if len(d) >= min_chars)
+    return tuple(_without_overlap(list(dict.fromkeys(docs)), language_reference_topics()))
+
+
+def stdlib_docstrings(min_chars: int = 300) -> list[str]:
+    """The training text: standard-library docstrings of at least `min_chars` characters, in module-name
+    order, without any that share a long line with the held-out topics."""
+    return list(_stdlib_docstrings(min_chars))
+
+
+#: names that every data option accepts (`data.train=python-docs`, `eval ppl --text python-reference`)
+BUILTIN_TEXTS = {"python-docs": stdlib_docstrings, "python-reference": language_reference_topics}
+
+
+def builtin_texts(name: str) -> list[str] | None:
+    """The documents of a built-in text by name, None when `name` is not one."""
+    fn = BUILTIN_TEXTS.get(name)
+    return fn() if fn else None

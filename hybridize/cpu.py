@@ -1,0 +1,54 @@
+"""How many CPU threads to use, chosen so that a core busy with other work does not stall us.
+
+PyTorch's OpenMP threads wait for each other at the end of every parallel op. When another process holds
+one of the cores, a thread scheduled there arrives late at every barrier, and a model of many small ops
+(a linear-attention mixer's chunked form) stalls at each of them: on 2 cores with one busy, a 128-token
+forward of the embedded default's 5:1 SSE hybrid took 9.5 s on 2 threads against 0.59 s on 1 thread
+(the teacher: 3.0 s against 0.27 s; `benchmarks/cpu_threads.py`). So we count the cores that are idle
+now and use that many threads, at least one.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> list[tuple[int, int]] | None:
+    """(busy, total) jiffies of each core from /proc/stat, None where there is no /proc."""
+    try:
+        lines = open("/proc/stat").read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        if line.startswith("cpu") and line[3:4].isdigit():
+            v = [int(x) for x in line.split()[1:]]
+            idle = v[3] + (v[4] if len(v) > 4 else 0)   # idle + iowait
+            out.append((sum(v) - idle, sum(v)))
+    return out
+
+
+def busy_cores(sample_s: float = 0.3) -> float:
+    """How many cores other processes keep busy, measured over `sample_s` seconds (while we sleep)."""
+    a = _cpu_times()
+    if a is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        return float(load)
+    time.sleep(sample_s)
+    b = _cpu_times() or a
+    return sum((bb - ab) / max(bt - at, 1) for (ab, at), (bb, bt) in zip(a, b))
+
+
+def pick_threads(requested: int = 0) -> int:
+    """`requested` when > 0; else the number of idle usable cores (at least 1)."""
+    if requested > 0:
+        return requested
+    cores = usable_cores()
+    return max(1, min(cores, int(cores - busy_cores() + 0.3)))
