@@ -15,6 +15,12 @@ tuples, rounding to 6 digits). With `require_boxed=False` (used only to check th
 reference solutions), a GSM8K-style `#### N` line or "the answer is X" is accepted too, and
 failing that math-verify's own extraction on the whole text.
 
+Equations (issue 29): against a reference that is not an equation, math-verify compares only an answer
+equation's right side, so `\\boxed{2+2=3}` would pass for 3. An answer equation therefore counts only
+when it names a lone variable (`x = 3`, `AB = 5`) or is a true numeric identity (`5+7 = 12`). The rule
+is not applied to math-verify's own extraction from a whole reference solution (it takes the text's last
+equation, e.g. `N / M = 2^{k-n}`).
+
 `check_checker` validates all of that on a dataset without a model: its reference answers, boxed,
 must score ~100%; its reference solutions (where present) close to that; answers of other problems
 (a derangement) ~0% (exactly the rate at which two problems share an answer).
@@ -142,10 +148,53 @@ def is_correct(completion: str, reference: str, require_boxed: bool = True) -> b
         pred = _parse_text(completion or "")
     if not pred:
         return False
+    if pred_text is not None and _equations(pred) and not _equations(gold) and not _answer_equations_ok(pred):
+        return False
     try:
         return bool(verify(gold, pred, timeout_seconds=_timeout()))
     except Exception:  # math-verify raises on a few exotic sympy objects: count as wrong
         return False
+
+
+def _equations(parsed) -> list:
+    """Every sympy equality inside math-verify's parse result (nested in sets, tuples, chains too)."""
+    from sympy import Basic, preorder_traversal
+    from sympy.core.relational import Equality
+
+    return [e for obj in parsed if isinstance(obj, Basic)
+            for e in preorder_traversal(obj) if isinstance(e, Equality)]
+
+
+def _is_name(e) -> bool:
+    """A lone variable: `x`, `a_n`, `\\theta`, `AB` (a product of letters), `|AB|`, `(x, y)`, `P(A)`;
+    no number and no operator other than the juxtaposition of letters."""
+    from sympy import Abs, Mul, Symbol, Tuple
+    from sympy.core.function import AppliedUndef
+
+    if isinstance(e, Symbol):
+        return True
+    if isinstance(e, (Mul, Tuple, AppliedUndef, Abs)):
+        return all(_is_name(a) for a in e.args)
+    return False
+
+
+def _is_true_identity(e) -> bool:
+    """`5+7 = 12`: both sides free of variables and exactly equal (a worked step, not a claim to game)."""
+    try:
+        if e.free_symbols:
+            return False
+        d = e.lhs - e.rhs
+        return d.is_zero is True or (d.count_ops() <= 64 and d.simplify() == 0)
+    except Exception:  # sets, intervals, ... on one side
+        return False
+
+
+def _answer_equations_ok(parsed) -> bool:
+    """For a reference that is not an equation, every equation in the answer must name a lone variable
+    (`x = 3`) or be a true numeric identity (`5+7 = 12`, a link of `x = 2+1 = 3`). `\\boxed{2+2=3}` for 3,
+    or another problem's `5x - 7y + 11z + 4 = 0` for 0, would otherwise pass: math-verify then compares
+    the right side alone."""
+    return all(_is_name(e.lhs) or _is_true_identity(e) for e in _equations(parsed))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

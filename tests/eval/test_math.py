@@ -51,6 +51,33 @@ def test_is_correct(completion, ref, ok):
     assert is_correct(completion, ref) is ok
 
 
+@pytest.mark.parametrize("answer, ref, ok", [
+    ("2+2=3", "3", False),                         # a false equation whose right side is the reference
+    ("5x - 7y + 11z + 4 = 0", "0", False),         # another problem's equation, right side 0
+    ("4 = 3", "3", False),
+    ("x^2 = 4", "4", False),
+    ("5x = 15", "15", False),
+    ("x = 2+2 = 3", "3", False),                   # a chain with a false link
+    ("x = 3", "3", True),                          # a lone variable named: still fine
+    ("x=3", "3", True),
+    ("a_{n} = 5", "5", True),
+    ("AB = 5", "5", True),
+    ("x = 2+1 = 3", "3", True),                    # a chain of true steps from a named variable
+    ("5+7=12", "12", True),                        # a true numeric identity asserts the answer
+    ("\\frac{8}{24}=\\frac{1}{3}", "\\frac{1}{3}", True),
+    ("x=3, y=4", "(3,4)", True),
+    ("y = 2x+1", "y=2x+1", True),                  # the reference is an equation: compared as equations
+    ("2x+1=y", "y=2x+1", True),
+    ("5x - 7y + 11z + 4 = 0", "5x - 7y + 11z + 4 = 0", True),
+])
+def test_is_correct_equations_not_gameable(answer, ref, ok):
+    """Issue 29: math-verify compares only the right side of an answer equation against a reference that
+    is not one; the checker accepts an equation only when its left side is a lone variable or it is a
+    true numeric identity."""
+    assert is_correct(f"so $\\boxed{{{answer}}}$", ref) is ok
+    assert is_correct(f"The answer is {answer}", ref, require_boxed=False) is ok
+
+
 def test_is_correct_without_box_requirement():
     assert is_correct("the answer is 18", "18", require_boxed=False)
     assert is_correct("Janet makes 9*2 = 18.\n#### 18", "18", require_boxed=False)
