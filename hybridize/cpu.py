@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 
 def usable_cores() -> int:
     try:
@@ -52,3 +54,35 @@ def pick_threads(requested: int = 0) -> int:
         return requested
     cores = usable_cores()
     return max(1, min(cores, int(cores - busy_cores() + 0.3)))
+
+
+class ThreadGuard:
+    """Keeps the thread count right while a loop runs: after each step (`step_done`), a step more than
+    `slack` times slower than the fastest one at the current count re-picks the count (someone took a
+    core), and every `recheck` steps a count below the usable cores is re-picked too (the core is free
+    again). Only the thread count changes, never the work, so a run's steps are the same; the last digits
+    of its losses may differ (float sums in another order)."""
+
+    def __init__(self, enabled: bool = True, slack: float = 3.0, recheck: int = 25):
+        self.enabled, self.slack, self.recheck = enabled, slack, recheck
+        self.best: dict[int, float] = {}
+        self.steps = 0
+        self.last = time.perf_counter()
+
+    def step_done(self) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        self.steps += 1
+        threads = torch.get_num_threads()
+        best = self.best.get(threads)
+        self.best[threads] = dt if best is None else min(best, dt)
+        slow = best is not None and threads > 1 and dt > self.slack * best
+        if slow or (self.steps % self.recheck == 0 and threads < usable_cores()):
+            new = pick_threads()
+            if new != threads:
+                torch.set_num_threads(new)
+                print(f"\n[threads] {threads} -> {new} ({'a step took ' + f'{dt:.1f} s' if slow else 'cores free again'})",
+                      flush=True)
+            self.last = time.perf_counter()   # the idle-core sample is not the next step's time

@@ -47,7 +47,7 @@ class TrainArgs:
     save_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
     log_every: int = _f(1, "write a metrics line every N steps")
-    threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    threads: int = _f(0, "torch CPU threads (0 = the idle cores, re-picked when a step slows down: hybridize/cpu.py)")
     nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
     max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none")

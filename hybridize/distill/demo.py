@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridize.cpu import pick_threads
+from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError
 
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
@@ -67,9 +67,10 @@ def chat_document(tok, prompt: str, answer: str) -> str:
     return f"{prompt}\n{answer}"
 
 
-def chat_answers(teacher, tok, path: Path, samples: int, max_new_tokens: int, batch: int, seed: int) -> list[str]:
+def chat_answers(teacher, tok, path: Path, samples: int, max_new_tokens: int, batch: int, seed: int,
+                 threads: ThreadGuard | None = None) -> list[str]:
     """The teacher's sampled answers to CHAT_PROMPTS as chat documents; rows already in `path` are kept
-    (an interrupted demo does not write them again)."""
+    (an interrupted demo does not write them again). `threads` is told after every batch."""
     done = {(r["prompt"], r["sample"]): r["text"] for r in read_jsonl(path)}
     todo = [(i, s) for s in range(samples) for i in range(len(CHAT_PROMPTS)) if (i, s) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,8 @@ def chat_answers(teacher, tok, path: Path, samples: int, max_new_tokens: int, ba
                 f.write(json.dumps({"prompt": i, "sample": s, "text": done[(i, s)]}) + "\n")
             f.flush()
             bar.update(len(part))
+            if threads is not None:
+                threads.step_done()
     return [done[(i, s)] for s in range(samples) for i in range(len(CHAT_PROMPTS))]
 
 
@@ -100,8 +103,9 @@ def training_text(cfg: DemoConfig, teacher, tok, out: Path) -> tuple[str, str]:
     if cfg.train_text:
         return cfg.train_text, cfg.train_text
     docs = stdlib_docstrings()
+    on_cpu = next(teacher.parameters()).device.type == "cpu"
     chat = chat_answers(teacher, tok, out / "data" / "chat.jsonl", cfg.chat_samples, cfg.chat_tokens,
-                        cfg.chat_batch, cfg.seed)
+                        cfg.chat_batch, cfg.seed, ThreadGuard(enabled=on_cpu and not cfg.threads))
     path = write_jsonl(out / "data" / "train.jsonl", docs + chat)
     return str(path), f"{len(docs)} standard-library docstrings + {len(chat)} teacher chat answers ({path})"
 
@@ -123,7 +127,7 @@ def chat_check(model, tok, prompts=HELDOUT_CHAT_PROMPTS, max_new_tokens: int = 2
 def stage_configs(cfg: DemoConfig, out: Path, train_src: str) -> tuple[AlignConfig, E2EConfig]:
     data = {"train": train_src, "seq_len": cfg.seq_len, "batch_tokens": cfg.batch_tokens}
     common = {"progress": True, "save_every": 0, "keep_checkpoints": 1, "seed": cfg.seed,
-              "mixed_precision": cfg.mixed_precision}
+              "mixed_precision": cfg.mixed_precision, "threads": cfg.threads}
     a = load_config(AlignConfig, None, {
         "params": "mixer", "loss": "nmse", "data": data,
         "train": {**common, "run_dir": str(out / "align"), "max_steps": cfg.align_steps, "lr": cfg.align_lr,

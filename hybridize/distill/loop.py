@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -256,6 +257,10 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
         log.write(step=0, **eval_fn(0))
 
     speed = Throughput()
+    on_cpu = acc.device.type == "cpu"
+    if on_cpu:
+        torch.set_num_threads(pick_threads(train.threads))
+    threads = ThreadGuard(enabled=on_cpu and not train.threads)
     bar = tqdm(total=train.max_steps, initial=step, desc=desc, disable=not (train.progress and acc.is_main_process),
                dynamic_ncols=True)
     t0, last_loss, skipped, done_here = time.perf_counter(), float("nan"), 0, 0
@@ -318,6 +323,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                 log.write(step=step, **eval_fn(step))
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.4g}", tok_s=f"{tps:.0f}")
+            threads.step_done()
             if train.save_every and step % train.save_every == 0 and step < train.max_steps:
                 checkpoint(step)
             if stop_after is not None and done_here >= stop_after:
