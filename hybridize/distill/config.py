@@ -149,7 +149,8 @@ class TracesConfig:
     """`hybridize distill traces`: the teacher writes completions for prompts (JSONL, resumable)."""
 
     teacher: str = _f("default", "teacher source for load_model")
-    prompts: str = _f("", "prompts: .jsonl/.json/.parquet or hub name (empty: ../shared/data/gsm8k/train.jsonl)")
+    prompts: str = _f("", "prompts: .jsonl/.json/.parquet, hub name, or generated arithmetic arith[:train|test]"
+                          "[:L1-6][:n=N][:seed=S] (split default: `split`) (empty: ../shared/data/gsm8k/train.jsonl)")
     split: str = _f("train", "dataset split")
     prompt_field: str = _f("problem", "column with the prompt")
     system_prompt: str = _f("", "optional system message")

@@ -1,5 +1,7 @@
 """`hybridize distill traces`: the teacher writes completions ("reasoning traces") for prompts, as JSONL
-that stage C reads (`prompt_field=problem completion_field=completion`).
+that stage C reads (`prompt_field=problem completion_field=completion`). `prompts=arith:train` (and the
+other names of `hybridize.eval.arith`) generates arithmetic problems; their `prompt` column adds the
+boxed-answer instruction to `problem`.
 
 Each output line keeps the prompt row's columns and adds `completion`, `sample` (0..k-1), `prompt_index`
 and `teacher`. Lines are appended and flushed per batch; rerunning the same command skips
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridize.errors import UserError
+from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 
 from .config import TracesConfig, save_config
 from .data import load_rows, read_jsonl, shared_data
@@ -55,7 +58,11 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out.with_suffix(".config.yaml"))
-    ds = load_rows(cfg.prompts or default_prompts(), cfg.split, cfg.num_prompts)
+    source = cfg.prompts or default_prompts()
+    if is_arith_spec(source):   # generated arithmetic: split from the name, else `split`
+        ds = arith_dataset(source, default_split=cfg.split, max_rows=cfg.num_prompts)
+    else:
+        ds = load_rows(source, cfg.split, cfg.num_prompts)
     if cfg.prompt_field not in ds.column_names:
         raise UserError(f"prompts have no column {cfg.prompt_field!r}; columns: {ds.column_names}")
     done = {(r.get("prompt_index"), r.get("sample")) for r in read_jsonl(out)}

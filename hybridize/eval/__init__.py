@@ -2,6 +2,7 @@
 
 - `math`: AIME24/25, MATH-500, AMC23, OlympiadBench, GSM8K or any problem/answer JSONL; avg@k, pass@k;
   the pure answer helpers `extract_answer`, `is_correct`, `format_ok` (reused by the GRPO rewards)
+- `arith`: generated arithmetic by level (1-6), train/test disjoint by operand triple; a `math` dataset name
 - `niah`: RULER-style needle-in-a-haystack (S-NIAH-1/2/3, multi-key/value/query), token-exact lengths/depths
 - `mqar`: multi-query associative recall, train-from-scratch comparison of token mixers
 - `perplexity`: perplexity vs context length and loss by position (length extrapolation)

@@ -58,8 +58,10 @@ def _done(path: Path) -> None:
 def math_cmd(
     model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
     dataset: str = typer.Option("aime24", "--dataset", "-d",
-                                help="aime24, aime25, math500, amc23, olympiadbench, gsm8k, a JSONL with "
-                                     "problem/answer, or 'all' (with --check-checker)"),
+                                help="aime24, aime25, math500, amc23, olympiadbench, gsm8k, generated arithmetic "
+                                     "arith[:train|test][:L3|:L1-3][:n=N][:seed=S] (default the test split, 50 "
+                                     "per level; levels 1-6), a JSONL with problem/answer, or 'all' (with "
+                                     "--check-checker)"),
     samples: Optional[int] = typer.Option(None, help="completions per problem (avg@k); default 32 for AIME, else 1"),
     greedy: bool = typer.Option(False, help="greedy decoding, one completion per problem"),
     temperature: float = typer.Option(1.0, help="sampling temperature (SSE protocol 1.0)"),
@@ -72,16 +74,20 @@ def math_cmd(
     check_checker: bool = typer.Option(False, "--check-checker",
                                        help="no model: score the dataset's own answers/solutions and shuffled answers"),
     seed: int = typer.Option(0, help="sampling seed"),
+    answer_format: str = typer.Option("boxed", help="boxed: ask for \\boxed{}, math-verify on the last box | "
+                                                    "number: ask 'Answer with the number only.', the number "
+                                                    "after the last '=' (else the last one) must equal the answer"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/math/<model>/<dataset>)"),
 ):
     """Math benchmarks with boxed answers checked by math-verify: avg@k, pass@k, per-problem JSONL."""
     from .common import print_table, write_csv, write_json
-    from .math import DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math, load_math_dataset
+    from .math import (ANSWER_FORMATS, DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math,
+                       load_math_dataset)
 
     if check_checker:
-        names = list(DATASETS) if dataset == "all" else [dataset]
+        names = [*DATASETS, "arith"] if dataset == "all" else [dataset]
         rows = []
         for n in names:
             r = run_check(load_math_dataset(n, limit))
@@ -96,13 +102,17 @@ def math_cmd(
         return
     if dataset == "all":
         raise typer.BadParameter("'all' works only with --check-checker; pick one dataset")
+    if answer_format not in ANSWER_FORMATS:
+        raise typer.BadParameter(f"--answer-format is one of {', '.join(ANSWER_FORMATS)}, not {answer_format!r}")
     name, m, tok = _load(model, dtype, device)
     cfg = MathEvalConfig(dataset=dataset, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
                          max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, chat=chat, seed=seed,
-                         generation=generation)
+                         generation=generation, answer_format=answer_format)
     d = _out(out, "math", name, Path(dataset).stem)
     s = evaluate_math(m, tok, cfg, d)
-    print_table([{"model": name, **s}], title=f"math: {dataset}")
+    print_table([{"model": name, **{k: v for k, v in s.items() if k != "by_level"}}], title=f"math: {dataset}")
+    if s.get("by_level"):
+        print_table(s["by_level"], title=f"math: {dataset} by level")
     _done(d)
 
 

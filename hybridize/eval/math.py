@@ -1,5 +1,6 @@
-"""Math benchmarks (AIME24/25, MATH-500, AMC23, OlympiadBench, GSM8K or any JSONL of problem/answer):
-prompting, sampling, answer checking with math-verify, avg@k and unbiased pass@k, per-problem JSONL.
+"""Math benchmarks (AIME24/25, MATH-500, AMC23, OlympiadBench, GSM8K, the generated `arith` levels of
+`hybridize.eval.arith`, or any JSONL of problem/answer): prompting, sampling, answer checking with
+math-verify, avg@k and unbiased pass@k, per-problem JSONL; accuracy per level when the rows have a `level`.
 
 Protocol (SSE paper, section 5.2): chat template + "put your final answer within \\boxed{}",
 temperature 1.0, top-p 0.7, avg@32 on AIME; greedy (temperature 0, one sample) is the other mode.
@@ -21,6 +22,10 @@ when it names a lone variable (`x = 3`, `AB = 5`) or is a true numeric identity 
 is not applied to math-verify's own extraction from a whole reference solution (it takes the text's last
 equation, e.g. `N / M = 2^{k-n}`).
 
+Answer format "number" (`MathEvalConfig.answer_format`, for small models): the prompt asks "Answer with
+the number only." and `is_correct_number` takes the first number after the last "=", else the last number,
+of the completion (of its last box when it has one) and wants it equal to the reference exactly.
+
 `check_checker` validates all of that on a dataset without a model: its reference answers, boxed,
 must score ~100%; its reference solutions (where present) close to that; answers of other problems
 (a derangement) ~0% (exactly the rate at which two problems share an answer).
@@ -37,6 +42,9 @@ from pathlib import Path
 from typing import Sequence
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+NUMBER_INSTRUCTION = "Answer with the number only."
+#: answer formats: the instruction after the problem; `grade` checks the answer by the same format
+ANSWER_FORMATS = {"boxed": BOXED_INSTRUCTION, "number": NUMBER_INSTRUCTION}
 
 # ---- answer extraction and checking (pure) ------------------------------------------------------
 
@@ -212,6 +220,72 @@ def pass_ks(n: int) -> list[int]:
     return ks + ([n] if ks[-1] != n else [])
 
 
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def extract_number(text: str) -> str | None:
+    """The answer of a number-only completion: inside the last box when there is one, else in the whole
+    text, the first number after the last "=" ("5+7=12"), failing that the last number ("The answer is
+    12."). Thousands commas are dropped; a "-" right before the digits counts unless it follows a word or
+    a closing bracket ("9-4" holds 9 and 4). None when there is no number."""
+    if not text:
+        return None
+    boxed = extract_boxed(text)
+    text = boxed if boxed is not None else text
+    eq = text.rfind("=")
+    after = _NUMBER_RE.search(text, eq + 1) if eq != -1 else None
+    nums = [after.group(0)] if after else _NUMBER_RE.findall(text)
+    return nums[-1].replace(",", "") if nums else None
+
+
+def _as_number(s: str):
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        return Decimal(str(s).strip().replace(",", ""))
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def is_correct_number(completion: str, reference: str) -> bool:
+    """The strict numeric check of answer format "number": `extract_number(completion)` equals the
+    reference exactly as a number ("12" and "12.0" for 12; not "12.5", "-12", "13"). A reference that is
+    not a plain number falls back to `is_correct(completion, reference, require_boxed=False)`."""
+    if reference is None:
+        raise ValueError("reference answer is None; drop problems without an answer")
+    ref = _as_number(reference)
+    if ref is None:
+        return is_correct(completion, reference, require_boxed=False)
+    got = extract_number(completion)
+    return got is not None and _as_number(got) == ref
+
+
+def check_format(answer_format: str) -> str:
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}")
+    return answer_format
+
+
+def grade(completion: str, reference: str, answer_format: str = "boxed") -> bool:
+    """Correctness by answer format: "boxed" is `is_correct` (the last box, math-verify), "number" is
+    `is_correct_number` (the strict numeric rule)."""
+    if check_format(answer_format) == "number":
+        return is_correct_number(completion, reference)
+    return is_correct(completion, reference)
+
+
+def answer_format_ok(text: str, answer_format: str = "boxed") -> bool:
+    """Format by answer format: a closed, non-empty box ("boxed"), a number anywhere ("number")."""
+    if check_format(answer_format) == "number":
+        return extract_number(text) is not None
+    return format_ok(text)
+
+
+def extract_final(text: str, answer_format: str = "boxed") -> str | None:
+    """What `grade` compares: the last box's content ("boxed") or `extract_number` ("number")."""
+    return extract_number(text) if check_format(answer_format) == "number" else extract_boxed(text)
+
+
 # ---- datasets -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -247,19 +321,27 @@ def _normalise_record(r: dict, i: int) -> dict:
     if isinstance(sol, list):
         sol = "\n".join(sol)
     rid = r.get("id", r.get("unique_id", r.get("idx", i)))
-    return {"id": rid, "problem": problem, "answer": None if answer is None else str(answer), "solution": sol}
+    rec = {"id": rid, "problem": problem, "answer": None if answer is None else str(answer), "solution": sol}
+    if r.get("level") is not None:   # difficulty level (arith, or any JSONL that has one): per-level summary
+        rec["level"] = r["level"]
+    return rec
 
 
 def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]:
-    """Records `{"id", "problem", "answer", "solution"}` (solution may be None).
+    """Records `{"id", "problem", "answer", "solution"}` (solution may be None; `level` too where the
+    rows have one).
 
     `name_or_path`: a known name (aime24, aime25, math500, amc23, olympiadbench, gsm8k; the local
-    copy under the shared data dir first, else the hub) or a JSONL file with problem/answer fields."""
+    copy under the shared data dir first, else the hub), a generated set (`arith`, `arith:train`,
+    `arith:test:L3`, ...: `hybridize.eval.arith`) or a JSONL file with problem/answer fields."""
+    from . import arith
     from .common import data_file, read_jsonl
 
     key = _ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if Path(name_or_path).is_file():
         rows = read_jsonl(name_or_path)
+    elif arith.is_arith_spec(key):
+        rows = arith.load(key)
     elif key in DATASETS:
         spec = DATASETS[key]
         local = data_file(spec.local)
@@ -268,8 +350,8 @@ def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]
         else:
             rows = _load_hub(spec, name_or_path)
     else:
-        raise ValueError(f"unknown math dataset {name_or_path!r}: give one of {', '.join(DATASETS)} "
-                         "or a JSONL file with 'problem' and 'answer' fields")
+        raise ValueError(f"unknown math dataset {name_or_path!r}: give one of {', '.join(DATASETS)}, "
+                         "arith[:train|test][:L1-6] or a JSONL file with 'problem' and 'answer' fields")
     recs = [_normalise_record(r, i) for i, r in enumerate(rows)]
     bad = [i for i, r in enumerate(recs) if not r["problem"]]
     if bad:
@@ -289,10 +371,10 @@ def _load_hub(spec: MathDataset, name: str) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def make_prompt_text(tokenizer, problem: str, chat: bool | None = None) -> str:
+def make_prompt_text(tokenizer, problem: str, chat: bool | None = None, answer_format: str = "boxed") -> str:
     from .common import build_prompt
 
-    return build_prompt(tokenizer, f"{problem}\n{BOXED_INSTRUCTION}", chat=chat)
+    return build_prompt(tokenizer, f"{problem}\n{ANSWER_FORMATS[check_format(answer_format)]}", chat=chat)
 
 
 # ---- the checker check --------------------------------------------------------------------------
@@ -342,6 +424,9 @@ class MathEvalConfig:
         "help": "fast (static buffers + CUDA graphs) | hf (model.generate) | auto (fast on CUDA)"})
     chat: bool | None = field(default=None, metadata={"help": "use the chat template (default: when the tokenizer has one)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    answer_format: str = field(default="boxed", metadata={
+        "help": "boxed: ask for \\boxed{} and check the last box with math-verify | number: ask 'Answer with "
+                "the number only.' and check the number strictly (is_correct_number)"})
 
 
 def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | None = None,
@@ -353,6 +438,7 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     so a partial run is biased towards the shorter problems. `log(msg)`: progress lines."""
     from .common import default_batch_size, encode, generate, has_chat_template, model_device, write_json, write_jsonl
 
+    fmt = check_format(cfg.answer_format)
     recs = load_math_dataset(cfg.dataset, cfg.limit)
     if not recs:
         raise ValueError(f"{cfg.dataset}: no problems with an answer")
@@ -360,7 +446,7 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     n = 1 if cfg.greedy else (cfg.samples or (DATASETS[key].default_samples if key in DATASETS else 1))
     temperature = 0.0 if cfg.greedy else cfg.temperature
     chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
-    prompts = [encode(tokenizer, make_prompt_text(tokenizer, r["problem"], chat), chat) for r in recs]
+    prompts = [encode(tokenizer, make_prompt_text(tokenizer, r["problem"], chat, fmt), chat) for r in recs]
     bs = cfg.batch_size or default_batch_size(model_device(model), gpu=64, cpu=8)
     gens = generate(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
                     top_p=cfg.top_p, num_samples=n, batch_size=bs, seed=cfg.seed, desc=f"math {cfg.dataset}",
@@ -369,15 +455,15 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     for r, g in zip(recs, gens):
         if any(c is None for c in g):   # not reached before the deadline
             continue
-        correct = [is_correct(c["text"], r["answer"]) for c in g]
+        correct = [grade(c["text"], r["answer"], fmt) for c in g]
         c = sum(correct)
-        rows.append({"id": r["id"], "answer": r["answer"], "n": n, "correct": c, "avg": c / n,
-                     **{f"pass@{k}": pass_at_k(n, c, k) for k in ks},
-                     "extracted": [extract_boxed(x["text"]) for x in g], "is_correct": correct,
+        rows.append({"id": r["id"], "answer": r["answer"], **({"level": r["level"]} if "level" in r else {}),
+                     "n": n, "correct": c, "avg": c / n, **{f"pass@{k}": pass_at_k(n, c, k) for k in ks},
+                     "extracted": [extract_final(x["text"], fmt) for x in g], "is_correct": correct,
                      "num_tokens": [x["num_tokens"] for x in g], "finished": [x["finished"] for x in g],
                      "problem": r["problem"], "completions": [x["text"] for x in g]})
-    summary = summarize(rows, n, ks)
-    summary = {"dataset": cfg.dataset, "problems": len(rows), "problems_requested": len(recs),
+    summary = summarize(rows, n, ks, fmt)
+    summary = {"dataset": cfg.dataset, "answer_format": fmt, "problems": len(rows), "problems_requested": len(recs),
                "partial": len(rows) < len(recs), "samples": n, "temperature": temperature,
                "top_p": cfg.top_p if temperature > 0 else None, "max_new_tokens": cfg.max_new_tokens, **summary}
     if out_dir is not None:
@@ -386,15 +472,26 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     return summary
 
 
-def summarize(rows: Sequence[dict], n: int, ks: Sequence[int]) -> dict:
-    """avg@n, pass@k, format / truncation rates and mean length over per-problem rows (NaN when empty)."""
+def summarize(rows: Sequence[dict], n: int, ks: Sequence[int], answer_format: str = "boxed") -> dict:
+    """avg@n, pass@k, format / truncation rates and mean length over per-problem rows (NaN when empty).
+
+    When rows carry a `level`, `by_level` lists `{"level", "problems", "avg@n", "pass@k"...}` per level."""
     P = len(rows)
     if P == 0:
         nan = float("nan")
         return {f"avg@{n}": nan, **{f"pass@{k}": nan for k in ks}, "format_rate": nan, "mean_tokens": nan,
                 "truncated_rate": nan}
-    return {f"avg@{n}": sum(r["avg"] for r in rows) / P,
-            **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
-            "format_rate": sum(format_ok(c) for r in rows for c in r["completions"]) / (P * n),
-            "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
-            "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}
+    out = {f"avg@{n}": sum(r["avg"] for r in rows) / P,
+           **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
+           "format_rate": sum(answer_format_ok(c, answer_format) for r in rows for c in r["completions"]) / (P * n),
+           "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
+           "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}
+    levels = sorted({r["level"] for r in rows if r.get("level") is not None}, key=lambda v: (str(type(v)), v))
+    if levels:
+        out["by_level"] = []
+        for lv in levels:
+            sub = [r for r in rows if r.get("level") == lv]
+            out["by_level"].append({"level": lv, "problems": len(sub),
+                                    f"avg@{n}": sum(r["avg"] for r in sub) / len(sub),
+                                    **{f"pass@{k}": sum(r[f"pass@{k}"] for r in sub) / len(sub) for k in ks}})
+    return out

@@ -5,6 +5,8 @@ Sources (`load_problems(spec)`):
   shared data folder (`$HYBRIDIZE_DATA_DIR`, else `../shared/data` next to the repository) when present,
   else (GSM8K only) from the hub `openai/gsm8k`; `gsm8k-test` / `math500` / `aime24` ... (held-out sets, the
   evaluation's names) for scoring;
+- generated arithmetic (`hybridize.eval.arith`): `arith:train`, `arith:train:L1-3`, ... (plain `arith` is
+  the test split, as in the evaluation; train on `arith:train`);
 - a JSONL file with `problem` (or `question`) and `answer` fields (extra fields are kept as columns);
 - a hub dataset `owner/name[@config][:split]` with the same fields (GSM8K's `#### N` answers are cut to N).
 
@@ -65,6 +67,7 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 def load_problems(spec: str) -> list[dict]:
     """Records with at least `problem`, `answer`, `id` (see the module docstring for `spec`)."""
+    from hybridize.eval.arith import is_arith_spec
     from hybridize.eval.common import data_file
     from hybridize.eval.math import DATASETS, load_math_dataset
 
@@ -80,12 +83,13 @@ def load_problems(spec: str) -> list[dict]:
             raise UserError(f"{spec}: no local copy ({rel} under HYBRIDIZE_DATA_DIR or ../shared/data); "
                             "give a JSONL file with problem/answer or a hub owner/name[@config][:split]")
         return _from_hub(hub, config, split)
-    if key in DATASETS:  # held-out evaluation sets by the evaluation's names
+    if key in DATASETS or is_arith_spec(key):  # the evaluation's names: held-out sets, generated arith
         return load_math_dataset(key)
     if "/" in spec and not spec.endswith((".jsonl", ".json")):
         return _from_hub(*parse_hub_spec(spec))
     raise UserError(f"unknown prompt set {spec!r}: give one of {', '.join(TRAIN_SETS)}, "
-                    f"{', '.join(DATASETS)}, a JSONL file with problem/answer, or a hub owner/name[@config][:split]")
+                    f"{', '.join(DATASETS)}, arith:train[:L1-6] (generated arithmetic), a JSONL file with "
+                    "problem/answer, or a hub owner/name[@config][:split]")
 
 
 def use_chat(tokenizer, chat: str) -> bool:
