@@ -32,6 +32,10 @@ VARIANTS: dict[str, dict] = {
     "gla_rows512": {"mixer": "gla", "mixer_settings": {}, "batch_tokens": 512},
     "gla_rows256": {"mixer": "gla", "mixer_settings": {}, "batch_tokens": 256},
     "rows256": {"batch_tokens": 256},
+    "lr2x": {"align_lr": 4e-3, "e2e_lr": 6e-4},
+    "lr2x_b1e-3": {"align_lr": 4e-3, "e2e_lr": 1e-3},
+    "a240_b80_lr2x": {"align_steps": 240, "e2e_steps": 80, "align_lr": 4e-3, "e2e_lr": 6e-4},
+    "n2_lr2x": {"align_lr": 4e-3, "e2e_lr": 6e-4, "mixer_settings": {"chunk_size": 16, "num_partitions": 2}},
     "rows512_a120_b40_lr2x": {"batch_tokens": 512, "align_steps": 120, "e2e_steps": 40, "align_lr": 4e-3,
                               "e2e_lr": 6e-4},
 }
