@@ -3,7 +3,7 @@
 The embedded default (SmolLM2-135M-Instruct) and its `5:1` SSE conversion (no calibration: speed only),
 fp32, batch 1. "loaded" starts one busy-looping process per `--load` core for the duration of the
 timing (a user's other work); each cell is the median of `--repeats` forwards (after two warm-ups),
-timed with the model's default thread choice (`hybridize.cpu.threads_for`) and with a fixed count.
+timed with fixed thread counts and with the default choice (`auto`: `hybridize.cpu.pick_threads`).
 Prints a markdown table with the slowdown under load side by side (also written to --out).
 
     python benchmarks/cpu_threads.py --tokens 128 --repeats 5
@@ -22,6 +22,7 @@ import torch
 
 from hybridize.convert.convert import convert_model
 from hybridize.convert.sources import load_model
+from hybridize.cpu import pick_threads
 
 
 def _spin(stop):
@@ -67,7 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128, help="sequence length of the timed forward")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", default="1,2", help="thread counts to time")
+    ap.add_argument("--threads", default="1,2,auto", help="thread counts to time; auto = hybridize.cpu.pick_threads() "
+                                                          "(the default of every training loop), picked under the load")
     ap.add_argument("--load", type=int, default=1, help="busy cores in the loaded runs")
     ap.add_argument("--out", default="benchmarks/results/cpu_threads.md")
     args = ap.parse_args()
@@ -75,22 +77,25 @@ def main() -> None:
     teacher, _ = load_model("default")
     hybrid = convert_model(teacher, "5:1", mixer="sse", mixer_settings={"chunk_size": 16}).eval()
     ids = torch.randint(0, teacher.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    counts = [int(t) for t in args.threads.split(",")]
     rows = []
-    for threads in counts:
+    for threads in args.threads.split(","):
         cell = {}
         for load in (0, args.load):
             with BusyCores(load):
+                n = pick_threads() if threads == "auto" else int(threads)
                 for name, model in (("teacher", teacher), ("hybrid", hybrid)):
-                    cell[(name, load)] = median_forward(model, ids, threads, args.repeats)
+                    cell[(name, load)] = median_forward(model, ids, n, args.repeats)
+                cell[("threads", load)] = n
         rows.append((threads, cell))
         print(f"threads {threads}: " + ", ".join(f"{k[0]}/{'loaded' if k[1] else 'idle'} {v * 1e3:.0f} ms"
-                                                  for k, v in cell.items()), flush=True)
+                                                  for k, v in cell.items() if k[0] != "threads"), flush=True)
     lines = [f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
              f"{args.tokens} tokens, batch 1, fp32, median of {args.repeats}; loaded = {args.load} busy core(s)", "",
              "| threads | teacher idle (ms) | teacher loaded (ms) | teacher slowdown | hybrid idle (ms) "
              "| hybrid loaded (ms) | hybrid slowdown |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for threads, c in rows:
+        if threads == "auto":
+            threads = f"auto ({cell[('threads', 0)]} idle, {cell[('threads', args.load)]} loaded)"
         lines.append(f"| {threads} | {c[('teacher', 0)] * 1e3:.0f} | {c[('teacher', args.load)] * 1e3:.0f} | "
                      f"{c[('teacher', args.load)] / c[('teacher', 0)]:.2f}x | {c[('hybrid', 0)] * 1e3:.0f} | "
                      f"{c[('hybrid', args.load)] * 1e3:.0f} | {c[('hybrid', args.load)] / c[('hybrid', 0)]:.2f}x |")

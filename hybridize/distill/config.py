@@ -182,7 +182,7 @@ class DemoConfig:
                                "pydoc_data)")
     chat_samples: int = _f(2, "teacher answers per chat prompt in the built-in training text")
     chat_tokens: int = _f(160, "longest teacher answer in tokens")
-    chat_batch: int = _f(16, "prompts per generate call")
+    chat_batch: int = _f(48, "prompts per generate call")
     eval_tokens: int = _f(2048, "held-out tokens for perplexity")
     eval_seq_len: int = _f(512, "perplexity window")
     align_steps: int = _f(200, "stage A optimizer steps")
