@@ -36,6 +36,11 @@ VARIANTS: dict[str, dict] = {
     "lr2x_b1e-3": {"align_lr": 4e-3, "e2e_lr": 1e-3},
     "a240_b80_lr2x": {"align_steps": 240, "e2e_steps": 80, "align_lr": 4e-3, "e2e_lr": 6e-4},
     "n2_lr2x": {"align_lr": 4e-3, "e2e_lr": 6e-4, "mixer_settings": {"chunk_size": 16, "num_partitions": 2}},
+    "lr3x": {"align_lr": 6e-3, "e2e_lr": 9e-4},
+    "a300_b80": {"align_steps": 300, "e2e_steps": 80},
+    "a300_b80_lr2x": {"align_steps": 300, "e2e_steps": 80, "align_lr": 4e-3, "e2e_lr": 6e-4},
+    "rows256_a150_b40_lr2x": {"batch_tokens": 256, "align_steps": 150, "e2e_steps": 40, "align_lr": 4e-3,
+                              "e2e_lr": 6e-4},
     "rows512_a120_b40_lr2x": {"batch_tokens": 512, "align_steps": 120, "e2e_steps": 40, "align_lr": 4e-3,
                               "e2e_lr": 6e-4},
 }

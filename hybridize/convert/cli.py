@@ -51,12 +51,24 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that is a file or a non-empty folder (without --overwrite); creates nothing, so a
+    conversion that fails later leaves no empty folder behind."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} is not empty; pass --overwrite or choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _check_settings(config, plan: list[str], settings: dict) -> None:
+    """Type-, range- and build-check the mixer settings before the teacher loads (one line on error)."""
+    from hybridize.convert.convert import split_settings
+    from hybridize.convert.settings import check_buildable, check_settings
+    from hybridize.modeling import resolve_mixer_settings
+
+    per_kind = split_settings(settings, plan)
+    check_settings(per_kind)
+    check_buildable(resolve_mixer_settings(config, plan, per_kind))
 
 
 def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
@@ -82,11 +94,10 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from rich.console import Console
 
     from hybridize.convert.calibrate import calibration_inputs
-    from hybridize.convert.convert import convert_model, split_settings
+    from hybridize.convert.convert import convert_model
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
     from hybridize.convert.sources import describe_source, load_config, load_model
-    from hybridize.modeling import resolve_mixer_settings
 
     console = console or Console()
     tdtype = _torch_dtype(dtype)
@@ -97,8 +108,8 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     plan = parse_plan(layers, config.num_hidden_layers, mixer)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
                                          f"{config.num_hidden_layers} layers)"))
-    resolve_mixer_settings(config, plan, split_settings(settings, plan))  # bad settings fail before loading
-    _prepare_out(out, overwrite)
+    _check_settings(config, plan, settings)  # bad settings fail before loading
+    _check_out(out, overwrite)
     teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
     t_load = time.perf_counter()
     calib = calibration_inputs(teacher, tokenizer) if calibrate else None

@@ -15,11 +15,13 @@ by its alpha inside the model). Which parameters train is explicit (`params`) an
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridize.errors import UserError
 
@@ -32,17 +34,30 @@ from .models import (apply_lora, load_student, load_teacher, lr_scales_outside_m
                      teacher_source_of, trainable_summary)
 
 
+def fp32_packed_sdpa(model: nn.Module, batch: dict):
+    """SDPA backends for one forward: on CUDA in float32 (no autocast) with a packed row, everything but
+    the memory-efficient kernel, which rejects the block-diagonal mask transformers builds for packed
+    rows ("(*bias): last dimension must be contiguous", torch 2.11, H100); elsewhere no change."""
+    ids = batch["input_ids"]
+    packed = batch.get("attention_mask") is None and batch.get("position_ids") is not None
+    fp32 = next(model.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
+    if ids.is_cuda and packed and fp32:
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
 def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
              ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0):
     """(loss, {kl, ce, aux}) of one batch: packed (`position_ids` restarting, no mask) or padded
     (`attention_mask`); both give the same value for the same documents."""
     ids = batch["input_ids"]
-    out = student(**batch, use_cache=False)
+    with fp32_packed_sdpa(student, batch):
+        out = student(**batch, use_cache=False)
     logits = out.logits
     mask = token_mask(batch.get("attention_mask"), ids.shape, ids.device)
     parts, loss = {}, logits.new_zeros((), dtype=torch.float32)
     if kl_weight and teacher is not None:
-        with torch.no_grad():
+        with torch.no_grad(), fp32_packed_sdpa(teacher, batch):
             t_logits = teacher(**batch, use_cache=False).logits
         kl = kl_to_teacher(logits, t_logits, mask, temperature)
         loss = loss + kl_weight * kl

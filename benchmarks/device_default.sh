@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device-side steps that need the embedded default's GGUF (98 MB: it travels in parts, one part per call).
+#   bash benchmarks/device_default.sh $OUT join .parts1      # call 1: keep part 1 on the machine
+#   bash benchmarks/device_default.sh $OUT join .parts2      # call 2: add the rest, check the sha256
+#   bash benchmarks/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/demo_recipes.py),
+#                                                            # one process per variant, side by side on one GPU
+# The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
+set -uo pipefail
+OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
+GGUF=/root/p/smollm2.gguf
+SHA=b179c952
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
+mkdir -p "$OUT" /root/p
+case $STEP in
+  join)
+    cp "$ARG"/gp.* /root/p/
+    if [ -f /root/p/gp.ac ]; then
+      cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
+    else echo "part kept: $(ls /root/p)"; fi ;;
+  recipes)
+    for v in ${ARG//,/ }; do
+      OMP_NUM_THREADS=2 timeout ${RECIPE_TIMEOUT:-540} python3 benchmarks/demo_recipes.py --teacher "$GGUF" \
+        --variants "$v" --out "/root/recipes/$v" > "$OUT/$v.log" 2>&1 &
+    done
+    wait
+    cat /root/recipes/*/recipes.jsonl > "$OUT/recipes.jsonl"
+    grep -h "RESULT\|Error\|error" "$OUT"/*.log | tail -40 ;;
+esac
