@@ -11,6 +11,7 @@ new parameters with NaN before the mixers initialise them).
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 import torch
@@ -74,13 +75,14 @@ def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[st
 def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
                   mixer_settings: dict[str, Any] | None = None, aux_loss_weight: float = 1.0,
                   teacher_source: str = "",
-                  calibration_inputs: list[torch.Tensor] | None = None) -> HybridForCausalLM:
+                  calibration_inputs: list[torch.Tensor] | None = None, seed: int = 0) -> HybridForCausalLM:
     """Convert a loaded teacher (Llama/Qwen2/Qwen3/Mistral ForCausalLM) into a HybridForCausalLM.
 
     `plan`: a list (one kind per layer) or a spelling for `parse_plan` (with `mixer` as default).
     `mixer_settings`: see `split_settings`; `teacher_source`: recorded in the config (e.g. "default").
     `calibration_inputs`: `[1, T]` id tensors; when given, each converted layer's output gain is fitted to
     its teacher layer on them (`hybridize.convert.calibrate`).
+    `seed`: new parameters are drawn from it and their own names (`seed_new_parameters`).
     The hybrid ends on the teacher's device and dtype, in the teacher's train/eval mode."""
     from hybridize.convert.plan import parse_plan
 
@@ -94,6 +96,7 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
     _copy_teacher(teacher, hybrid)
     for i in cfg.mixer_layers:
         hybrid.model.layers[i].self_attn.init_from_attention(teacher.model.layers[i].self_attn)
+        seed_new_parameters(hybrid.model.layers[i].self_attn, f"model.layers.{i}.self_attn", seed)
     _check_initialised(hybrid)
     if getattr(teacher, "generation_config", None) is not None:
         hybrid.generation_config = copy.deepcopy(teacher.generation_config)
@@ -126,6 +129,30 @@ def new_parameter_names(hybrid: HybridForCausalLM) -> list[str]:
         if isinstance(slot, AttentionSlot):
             names += [f"model.layers.{i}.self_attn.{n}" for n in slot.new_parameter_names()]
     return names
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, full parameter name): sha256, so equal in every process and Python."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+def seed_new_parameters(slot: nn.Module, prefix: str, seed: int) -> None:
+    """Redraw each new parameter of `slot` by the mixer's own rule, with the RNG seeded from its name.
+
+    Why: the global random stream at this point depends on every parameter the model built before
+    (a Qwen2 teacher's q/k/v biases shift it), so the same weights loaded as Llama and as Qwen2 got
+    different mixers. The rule (`reset_new_parameters`) sets all new parameters at once, so it runs
+    once per parameter and keeps only that one; the caller's RNG state is left as it was."""
+    params = dict(slot.named_parameters())
+    drawn = {}
+    for name in slot.new_parameter_names():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(parameter_seed(seed, f"{prefix}.{name}"))
+            slot.reset_new_parameters()
+            drawn[name] = params[name].detach().clone()
+    for name, value in drawn.items():
+        params[name].copy_(value)
 
 
 def _poison_new_parameters(hybrid: HybridForCausalLM) -> None:
