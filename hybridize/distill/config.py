@@ -18,11 +18,14 @@ import yaml
 from hybridize.errors import UserError
 
 
-def _f(default, help: str):
-    """A dataclass field with a help string (lists/dicts get a factory)."""
+def _f(default, help: str, min: float | None = None):
+    """A dataclass field with a help string (lists/dicts get a factory); `min`: the smallest value accepted,
+    checked when a recipe or an override sets it (a negative step count must fail at parse time, not train
+    for 0 steps)."""
+    meta = {"help": help} if min is None else {"help": help, "min": min}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 # ---- shared sections ----------------------------------------------------------------------------
@@ -33,24 +36,26 @@ class TrainArgs:
 
     run_dir: str = _f("runs/distill", "output folder: checkpoints/, metrics.jsonl, loss.png, config.yaml, final/")
     seed: int = _f(0, "seed of model init noise, data order and dropout")
-    max_steps: int = _f(100, "optimizer steps")
-    lr: float = _f(1e-3, "peak learning rate")
-    min_lr_ratio: float = _f(0.0, "cosine schedule floor as a fraction of lr")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_steps: int = _f(100, "optimizer steps", min=1)
+    lr: float = _f(1e-3, "peak learning rate", min=0)
+    min_lr_ratio: float = _f(0.0, "cosine schedule floor as a fraction of lr", min=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0)
     adam_betas: list = _f([0.9, 0.95], "AdamW betas")
     scheduler: str = _f("cosine", "learning-rate schedule: cosine | linear | constant")
-    warmup_steps: int = _f(10, "linear warm-up steps")
-    grad_accum: int = _f(1, "micro-batches per optimizer step (per process)")
-    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    warmup_steps: int = _f(10, "linear warm-up steps", min=0)
+    grad_accum: int = _f(1, "micro-batches per optimizer step (per process)", min=1)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)", min=0)
     mixed_precision: str = _f("no", "accelerate autocast: no | bf16 | fp16")
     dtype: str = _f("float32", "dtype the models are loaded in: float32 | bfloat16")
-    save_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)")
-    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
-    log_every: int = _f(1, "write a metrics line every N steps")
-    threads: int = _f(0, "torch CPU threads (0 = the idle cores, re-picked when a step slows down: hybridize/cpu.py)")
+    save_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)", min=0)
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep", min=1)
+    log_every: int = _f(1, "write a metrics line every N steps", min=1)
+    threads: int = _f(0, "torch CPU threads (0 = the idle cores, re-picked when a step slows down: hybridize/cpu.py)",
+                      min=0)
     nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
-    max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none")
+    max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none",
+                          min=0)
     deepspeed: str = _f("", "DeepSpeed JSON config (e.g. recipes/accelerate/ds_zero3.json) for a ONE-process run "
                             "without `accelerate launch` (ZeRO-offload on one GPU, CPU tests); under "
                             "`accelerate launch --config_file ...` leave empty: the launch config decides")
@@ -66,19 +71,19 @@ class DataArgs:
     text_field: str = _f("text", "column holding the text")
     text_template: str = _f("", "Python format string over row columns, e.g. '{problem}\\n{solution}' "
                                 "(overrides text_field)")
-    max_docs: int = _f(0, "use at most this many documents (0 = all)")
-    seq_len: int = _f(256, "packed row length in tokens")
+    max_docs: int = _f(0, "use at most this many documents (0 = all)", min=0)
+    seq_len: int = _f(256, "packed row length in tokens", min=1)
     seq_len_schedule: list = _f([], "context-length schedule [[step, seq_len], ...] (overrides seq_len)")
-    batch_tokens: int = _f(1024, "tokens per micro-batch per process (rows = batch_tokens // seq_len)")
+    batch_tokens: int = _f(1024, "tokens per micro-batch per process (rows = batch_tokens // seq_len)", min=1)
     add_eos: bool = _f(True, "append EOS to every document before packing")
     eval: str = _f("", "held-out text for perplexity (same formats as train; empty = none)")
-    eval_tokens: int = _f(4096, "held-out tokens used for perplexity")
-    eval_every: int = _f(0, "held-out perplexity every N steps (0 = start and end only)")
+    eval_tokens: int = _f(4096, "held-out tokens used for perplexity", min=1)
+    eval_every: int = _f(0, "held-out perplexity every N steps (0 = start and end only)", min=0)
 
 
 @dataclass
 class LoraArgs:
-    r: int = _f(16, "LoRA rank")
+    r: int = _f(16, "LoRA rank", min=1)
     alpha: int = _f(32, "LoRA alpha")
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -100,7 +105,7 @@ class AlignConfig:
     layers: list = _f([], "converted layer indices to train (empty = all)")
     balance_weight: float = _f(1.0, "multiplier on the mixers' auxiliary (SSE balance) losses")
     layers_per_step: int = _f(0, "train only this many layers per step, rotating through them (0 = all): "
-                                 "the losses are layer-local, so this only divides the per-step cost")
+                                 "the losses are layer-local, so this only divides the per-step cost", min=0)
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
     data: DataArgs = field(default_factory=DataArgs)
 
@@ -135,11 +140,11 @@ class SFTStageConfig:
     prompt_field: str = _f("problem", "column with the prompt")
     completion_field: str = _f("solution", "column with the completion (trace)")
     system_prompt: str = _f("", "optional system message")
-    max_examples: int = _f(0, "use at most this many rows (0 = all)")
-    max_length: int = _f(1024, "truncate prompt+completion to this many tokens")
+    max_examples: int = _f(0, "use at most this many rows (0 = all)", min=0)
+    max_length: int = _f(1024, "truncate prompt+completion to this many tokens", min=1)
     params: str = _f("all", "what trains: all | mixer | mixer_new | lora | globs")
     lora: LoraArgs = field(default_factory=LoraArgs)
-    batch_size: int = _f(1, "per-device batch size")
+    batch_size: int = _f(1, "per-device batch size", min=1)
     packing: bool = _f(False, "TRL packing of examples (padding-free, position_ids restart per example)")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/sft", lr=1e-5))
 
@@ -223,6 +228,7 @@ def _build(cls, data: dict[str, Any], where: str):
             kwargs[name] = _build(tp, value, f"{where}{name}.")
         else:
             kwargs[name] = _coerce(value, tp, f"{where}{name}")
+            _check_min(kwargs[name], known[name], f"{where}{name}")
     obj = cls()
     for k, v in kwargs.items():
         if _is_dataclass_type(hints[k]):
@@ -275,6 +281,15 @@ def _coerce(value, tp, where: str):
     except (TypeError, ValueError):
         raise UserError(f"{where}: cannot use {value!r} as {getattr(origin, '__name__', origin)}") from None
     return value
+
+
+def _check_min(value, f: dataclasses.Field, where: str) -> None:
+    """Reject a number below the field's `min` (0 or negative step counts, sizes, rates)."""
+    low = f.metadata.get("min")
+    if low is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not value >= low:  # NaN fails too
+        raise UserError(f"{where} must be >= {low:g}, got {value!r}")
 
 
 def _set_dotted(d: dict, key: str, value) -> None:
