@@ -105,7 +105,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     t0 = time.perf_counter()
     source = describe_source(src)
     config = load_config(src)
-    plan = parse_plan(layers, config.num_hidden_layers, mixer)
+    plan = parse_plan(layers, config.num_hidden_layers, mixer, allow_none=False)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
                                          f"{config.num_hidden_layers} layers)"))
     _check_settings(config, plan, settings)  # bad settings fail before loading
@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Option("default", "--src", help="teacher: 'default' (embedded SmolLM2-135M-Instruct), "
                                 "a local HF folder, a .gguf file, a hub id or an alias like qwen3-1.7b"),
         layers: str = typer.Option("5:1", "--layers", help="layer plan: '5:1', 'sse,swa,sse,swa,attn', "
-                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all', 'none'"),
+                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all'"),
         mixer: str = typer.Option("sse", "--mixer", help="default mixer of the plan"),
         mixer_settings: list[str] = typer.Option(None, "--mixer-settings", help="mixer settings: a JSON object "
                                                  "or key=value / mixer.key=value (repeatable)"),

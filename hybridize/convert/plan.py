@@ -3,15 +3,19 @@
 A plan is a list with one entry per layer: "attn" (keep the teacher's softmax attention) or a mixer
 name from `hybridize.mixers.mixer_names()`. `parse_plan` accepts these spellings (see PLAN_FORMS):
 
-- ratio "5:1": five mixer layers, then one softmax layer, repeating (SSE-H); "0:1" converts nothing,
-  "1:0" converts everything;
+- ratio "5:1": five mixer layers, then one softmax layer, repeating (SSE-H); both parts must be
+  positive ("0:5" and "5:0" are refused: write "none" or "all");
 - repeating pattern "sse,swa,sse,swa,attn" (the SSE paper's 12B recipe); a single name "gla" means
   every layer;
 - explicit "attn=5,11,17": the listed layers keep softmax, every other layer gets the default mixer
   (several groups separated by ";" may name mixers too: "attn=5,11;swa=3"); ranges "0-3" and negative
   indices ("-1" = last layer) are allowed;
 - per layer "0-3:gla,4:attn,5-29:sse": each listed layer gets its kind, unlisted layers keep softmax;
-- "all" (every layer the default mixer) and "none" (nothing converted).
+- "all" (every layer the default mixer) and "none" (nothing converted: only for identity checks through
+  the Python API; `hybridize convert` refuses it, `parse_plan(..., allow_none=False)`).
+
+A plan that converts no layer is refused unless it is spelled "none" (issue 29: "0:5" used to convert
+nothing, silently).
 
 The fifth way of DESIGN.md sec. 3 (a measured choice: keep softmax where replacement hurts most) needs
 a model and data; it belongs to a later step that writes one of these spellings.
@@ -26,7 +30,7 @@ _ATTN_ALIASES = {"attn", "attention", "softmax", "full", "full_attention"}
 
 PLAN_FORMS = ("'5:1' (ratio mixer:softmax, repeating), 'sse,swa,attn' (repeating pattern), "
               "'attn=5,11,17' (these layers softmax, the rest --mixer), "
-              "'0-3:gla,4:attn,5-29:sse' (per layer; unlisted layers stay softmax), 'all', 'none'")
+              "'0-3:gla,4:attn,5-29:sse' (per layer; unlisted layers stay softmax), 'all' (every layer --mixer)")
 
 
 def _known_kinds() -> list[str]:
@@ -69,8 +73,10 @@ def _indices(text: str, num_layers: int, spec: str) -> list[int]:
 
 
 def _ratio(spec: str, n_mix: int, n_attn: int, num_layers: int, mixer: str) -> list[str]:
-    if n_mix + n_attn == 0:
-        raise _bad(spec, "the ratio 0:0 has no layers")
+    if n_mix == 0:
+        raise _bad(spec, "a ratio mixer:softmax with 0 mixer layers converts nothing; both parts must be positive")
+    if n_attn == 0:
+        raise _bad(spec, "both parts of a ratio mixer:softmax must be positive; write 'all' to convert every layer")
     period = [mixer] * n_mix + [ATTN] * n_attn
     return [period[i % len(period)] for i in range(num_layers)]
 
@@ -109,10 +115,21 @@ def _per_layer(spec: str, num_layers: int) -> list[str]:
     return plan
 
 
-def parse_plan(spec: str, num_layers: int, default_mixer: str = "sse") -> list[str]:
+def parse_plan(spec: str, num_layers: int, default_mixer: str = "sse", allow_none: bool = True) -> list[str]:
     """Turn a plan spelling into one kind per layer ("attn" or a mixer name).
 
-    Raises a one-line ValueError naming the accepted forms when `spec` is malformed."""
+    Raises a one-line ValueError naming the accepted forms when `spec` is malformed or converts no layer
+    (the spelling "none" excepted, unless `allow_none` is False: the CLI's case)."""
+    plan = _parse(spec, num_layers, default_mixer)
+    explicit_none = (spec or "").strip().lower() == "none"
+    if all(k == ATTN for k in plan) and not (explicit_none and allow_none):
+        raise _bad(spec, f"it converts none of the {num_layers} layers (every layer stays softmax); name at "
+                         "least one mixer layer")
+    return plan
+
+
+def _parse(spec: str, num_layers: int, default_mixer: str) -> list[str]:
+    """`parse_plan` without the converts-something check."""
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     mixer = default_mixer.strip().lower()

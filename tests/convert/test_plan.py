@@ -17,8 +17,6 @@ def test_ratio_five_to_one_on_30_layers():
 @pytest.mark.parametrize("spec,n,expected", [
     ("2:1", 7, ["gla", "gla", A, "gla", "gla", A, "gla"]),
     ("1:2", 5, ["gla", A, A, "gla", A]),
-    ("0:1", 4, [A] * 4),
-    ("1:0", 3, ["gla"] * 3),
     (" 3 : 1 ", 4, ["gla", "gla", "gla", A]),
 ])
 def test_ratio(spec, n, expected):
@@ -49,6 +47,39 @@ def test_per_layer():
 def test_all_and_none():
     assert parse_plan("all", 3, "deltanet") == ["deltanet"] * 3
     assert parse_plan("NONE", 3, "deltanet") == [A] * 3
+    with pytest.raises(ValueError, match="converts none of the 3 layers"):
+        parse_plan("none", 3, "deltanet", allow_none=False)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("0:5", "converts nothing"),
+    ("5:0", "write 'all'"),
+    ("0:1", "converts nothing"),
+    ("attn", "converts none of the 6 layers"),
+    ("attn=0-5", "converts none of the 6 layers"),
+    ("0-2:attn", "converts none of the 6 layers"),
+])
+def test_plans_with_a_zero_ratio_part_or_no_converted_layer_are_refused(spec, needle):
+    """Issue 29: '0:5' converted nothing and '5:0' was accepted, both with exit 0."""
+    with pytest.raises(ValueError) as e:
+        parse_plan(spec, 6, "sse")
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and PLAN_FORMS in msg
+
+
+@pytest.mark.parametrize("spec", ["0:5", "5:0", "none"])
+def test_convert_cli_refuses_a_plan_that_converts_nothing(tmp_path, spec):
+    from typer.testing import CliRunner
+
+    from hybridize.cli import app
+    from tests.convert.common import tiny_teacher
+
+    tiny_teacher("llama").save_pretrained(tmp_path / "t")
+    res = CliRunner().invoke(app, ["convert", "--src", str(tmp_path / "t"), "--layers", spec,
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and isinstance(res.exception, ValueError), res.output
+    assert "bad layer plan" in str(res.exception) and PLAN_FORMS in str(res.exception)
+    assert not (tmp_path / "o").exists()
 
 
 def test_summary_round_trips():
