@@ -90,10 +90,13 @@ def register(app: typer.Typer) -> None:
                    out: str = typer.Option(..., "--out", "-o", help="output folder (config, safetensors, tokenizer)"),
                    student: str = typer.Option("", "--student", help="the folder the run started from "
                                                                      "(default: `student` in RUN_DIR/config.yaml)"),
-                   dtype: str = typer.Option("", "--dtype", help="float32 | bfloat16 (default: the run's train.dtype)")):
-        """Convert a training checkpoint (plain accelerate or DeepSpeed ZeRO-1/2/3) to a plain HF folder."""
+                   dtype: str = typer.Option("", "--dtype", help="float32 | bfloat16 (default: the run's train.dtype)"),
+                   overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty --out folder that "
+                                                  "is not an earlier export (its contents are deleted)")):
+        """Convert a training checkpoint (plain accelerate or DeepSpeed ZeRO-1/2/3) to a plain HF folder.
+        An existing --out is replaced only when empty, an earlier export, or with --overwrite."""
         from .export import export_checkpoint
-        path = export_checkpoint(checkpoint, out, student=student, dtype=dtype)
+        path = export_checkpoint(checkpoint, out, student=student, dtype=dtype, overwrite=overwrite)
         typer.echo(f"export: {path}")
 
     @app.command("demo")

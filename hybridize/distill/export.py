@@ -15,10 +15,16 @@ checkpoint into it (strictly: every trained tensor must find its place), merges 
 writes config + safetensors + tokenizer with `save_pretrained`; the result loads with
 `AutoModelForCausalLM.from_pretrained(out)` after `import hybridize`. A folder that already is a HF
 checkpoint (TRL's stage C `checkpoint-N/`) is re-saved as is.
+
+`--out` is never half-written and never loses work: the export goes to a hidden sibling folder and is
+renamed into place; an existing `--out` is replaced only when it is empty, an earlier export (it holds
+export.json) or `--overwrite` is given, and never when it holds the current directory, the checkpoint
+or the student folder.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -126,19 +132,76 @@ def rebuild_trained(student: nn.Module, cfg: dict, stage: str) -> tuple[nn.Modul
     return student, student
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, student: str = "", dtype: str = "") -> Path:
-    """Write a plain HF checkpoint of `checkpoint` into `out`; returns `out`."""
+def _inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies somewhere below it (both resolved)."""
+    return path == folder or folder in path.parents
+
+
+def is_export(path: Path) -> bool:
+    """A folder written by `hybridize export` (its export.json names the checkpoint it came from)."""
+    try:
+        return "checkpoint" in json.loads((path / "export.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_out(out: Path, overwrite: bool, keep: dict[str, Path]) -> None:
+    """Refuse an `--out` whose replacement would lose work: a file, a non-empty folder that is not an earlier
+    export (unless `overwrite`), or - even with `overwrite` - a folder holding the current directory or
+    one of `keep` (name -> path: the checkpoint, the student)."""
+    for what, path in {"the current directory": Path.cwd(), **keep}.items():
+        if path and _inside(Path(path).resolve(), out):
+            raise UserError(f"--out {out} holds {what} ({path}): export into a new folder instead")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: choose a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_export(out) and not overwrite:
+        raise UserError(f"--out {out} already exists and is not an earlier export: pass --overwrite to replace it "
+                        f"(its contents are deleted), or choose another folder")
+
+
+def swap_into(staged: Path, out: Path) -> None:
+    """Put the finished `staged` folder at `out` with renames only (the old `out`, if any, is moved aside
+    first and deleted last), so `out` is never half-written."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staged, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, student: str = "", dtype: str = "",
+                      overwrite: bool = False) -> Path:
+    """Write a plain HF checkpoint of `checkpoint` into `out`; returns `out`.
+
+    The export is written to a hidden sibling of `out` and renamed into place when complete. An existing
+    `out` is replaced only when it is empty, an earlier export, or `overwrite` is set (see check_out)."""
+    ckpt, out = resolve_checkpoint(checkpoint), Path(out).resolve()
+    cfg = None if (ckpt / "config.json").is_file() else _run_config(ckpt)
+    src = "" if cfg is None else (student or cfg.get("student") or "")
+    check_out(out, overwrite, {"the checkpoint": ckpt.resolve(), "the student folder": src and Path(src)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = out.with_name(f".{out.name}.export-tmp")
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        info = _write_export(ckpt, cfg, src, dtype, staged)
+        (staged / "export.json").write_text(json.dumps({"checkpoint": str(ckpt), **info}, indent=1))
+        swap_into(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def _write_export(ckpt: Path, cfg: dict | None, src: str, dtype: str, staged: Path) -> dict:
+    """Rebuild the trained model of `ckpt` and save it into `staged`; returns what export.json records."""
     from .align import save_final
     from .models import load_student, torch_dtype
 
-    ckpt, out = resolve_checkpoint(checkpoint), Path(out)
-    if (ckpt / "config.json").is_file():  # already a HF checkpoint (TRL's stage C)
+    if cfg is None:  # already a HF checkpoint (TRL's stage C)
         model, tok = load_student(str(ckpt), dtype or "float32")
-        save_final(model, tok, out)
-        return out
-    cfg = _run_config(ckpt)
+        save_final(model, tok, staged)
+        _check_written(staged)
+        return {"stage": "hf"}
     stage = _stage(cfg)
-    src = student or cfg.get("student") or ""
     if not src:
         raise UserError("the run's config.yaml names no student folder: pass --student <the folder the run started from>")
     model, tok = load_student(src, "float32")
@@ -147,14 +210,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, student: str = ""
     if hasattr(to_save, "merge_and_unload"):  # LoRA: fold the adapters into the weights
         to_save = to_save.merge_and_unload()
     to_save.to(torch_dtype(dtype or (cfg.get("train") or {}).get("dtype", "float32")))
-    save_final(to_save, tok, out)
-    if not (out / "config.json").is_file():
-        raise UserError(f"export failed: nothing written to {out}")
+    save_final(to_save, tok, staged)
+    _check_written(staged)
     for name in _REPORTS:  # keep the record of the teacher next to the weights
         if (Path(src) / name).is_file():
-            shutil.copy(Path(src) / name, out / name)
-    (out / "export.json").write_text(json.dumps({"checkpoint": str(ckpt), "stage": stage, "student": str(src)},
-                                                indent=1))
+            shutil.copy(Path(src) / name, staged / name)
     if tok is None:
-        print(f"warning: {src} has no tokenizer files: {out} has none either")
-    return out
+        print(f"warning: {src} has no tokenizer files: the export has none either")
+    return {"stage": stage, "student": str(src)}
+
+
+def _check_written(staged: Path) -> None:
+    if not (staged / "config.json").is_file():
+        raise UserError(f"export failed: the model could not be saved (nothing written to {staged})")

@@ -40,3 +40,51 @@ def test_zero_where_zero_means_off_still_parses():
     c = load_config(E2EConfig, None, ["train.save_every=0", "train.warmup_steps=0", "train.max_grad_norm=0",
                                       "data.max_docs=0", "train.threads=0", "train.max_steps=1"])
     assert (c.train.save_every, c.train.warmup_steps, c.train.max_steps) == (0, 0, 1)
+
+
+# ---- 1: export -o never loses a folder it did not write ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A 2-step stage B run (checkpoints/step-000002) on a converted tiny hybrid."""
+    from tests.distill.test_scale import e2e_config, make_student_folder, run_e2e
+
+    tmp = tmp_path_factory.mktemp("trained")
+    run_e2e(e2e_config(tmp, "b", make_student_folder(tmp / "student"), params="mixer"))
+    return tmp / "b"
+
+
+def _export(*args):
+    from typer.testing import CliRunner
+
+    from hybridize.cli import app
+    return CliRunner().invoke(app, ["export", *map(str, args)])
+
+
+def test_export_refuses_a_foreign_folder_and_overwrite_replaces_it(trained_run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = _export("-c", trained_run, "-o", out)
+    assert r.exit_code != 0 and "--overwrite" in _one_line(r.exception)
+    assert (out / "notes.txt").read_text() == "mine"
+    r = _export("-c", trained_run, "-o", out, "--overwrite")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert not (out / "notes.txt").exists() and (out / "config.json").is_file() and (out / "export.json").is_file()
+    r = _export("-c", trained_run, "-o", out)  # an earlier export is replaced without asking
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
+
+
+def test_export_never_deletes_a_parent_of_the_cwd_or_of_the_checkpoint(trained_run, tmp_path, monkeypatch):
+    sub = tmp_path / "work" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(sub)
+    r = _export("-c", trained_run, "-o", "..", "--overwrite")
+    assert r.exit_code != 0 and "current directory" in _one_line(r.exception)
+    assert (tmp_path / "work" / "notes.txt").is_file() and sub.is_dir()
+    for out in (trained_run, trained_run.parent, trained_run / "checkpoints" / "step-000002"):
+        r = _export("-c", trained_run, "-o", out, "--overwrite")
+        assert r.exit_code != 0 and "the checkpoint" in _one_line(r.exception)
+    assert (trained_run / "checkpoints" / "step-000002" / "trainer_state.json").is_file()
