@@ -4,6 +4,10 @@ Layout: `<run_dir>/checkpoints/step-000120/` holds accelerate's state (model, op
 objects such as the LR scheduler, every process's RNG states) plus `trainer_state.json` (step, tokens
 seen, ...). A checkpoint is written to `step-000120.tmp/` and renamed only when complete, so a crash while
 saving never leaves a half checkpoint that `--resume` would pick up.
+
+A run folder that already holds a run (checkpoints or metrics.jsonl) is never restarted silently:
+`guard_run_dir` asks for `--resume` (continue) or `--overwrite` (delete the old run's checkpoints and
+metrics first, so pruning and a later `--resume` only ever see the new run's).
 """
 from __future__ import annotations
 
@@ -68,3 +72,37 @@ def load_checkpoint(accelerator, path: str | Path) -> dict:
         raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json)")
     accelerator.load_state(str(path))
     return json.loads(meta.read_text())
+
+
+def run_history(run_dir: str | Path) -> list[str]:
+    """What an earlier run left in `run_dir` that a fresh start would clobber or be confused by."""
+    run_dir = Path(run_dir)
+    found = []
+    root = checkpoint_dir(run_dir)
+    if root.is_dir() and any(root.iterdir()):
+        found.append("checkpoints/")
+    if (run_dir / "metrics.jsonl").is_file():
+        found.append("metrics.jsonl")
+    return found
+
+
+def guard_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """Before a stage starts: refuse to start over in a folder holding an earlier run unless `overwrite`
+    (then that run's checkpoints and metrics are deleted); `resume` continues it instead."""
+    if resume and overwrite:
+        raise UserError("pass either --resume (continue the run) or --overwrite (start over), not both")
+    found = run_history(run_dir)
+    if resume or not found:
+        return
+    if not overwrite:
+        raise UserError(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume to continue, "
+                        f"or --overwrite to start over")
+    clear_run(run_dir)
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete an earlier run's checkpoints, metrics and loss curve (final/ stays until a new one replaces it)."""
+    run_dir = Path(run_dir)
+    shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
+    for name in ("metrics.jsonl", "loss.png"):
+        (run_dir / name).unlink(missing_ok=True)

@@ -18,6 +18,8 @@ from .config import AlignConfig, DemoConfig, E2EConfig, SFTStageConfig, TracesCo
 RECIPE = typer.Option(None, "--recipe", "-r", help="YAML recipe: a path or a name under recipes/ "
                                                    "(e.g. smollm2-135m/align)")
 RESUME = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in train.run_dir")
+OVERWRITE = typer.Option(False, "--overwrite", help="start over in a train.run_dir that holds an earlier run "
+                                                   "(its checkpoints/ and metrics.jsonl are deleted first)")
 SHOW = typer.Option(False, "--show", help="print every setting (key, default, help) and exit")
 OVERRIDES = typer.Argument(None, help="key=value overrides, applied after the recipe (e.g. train.lr=3e-4)",
                            show_default=False)
@@ -38,38 +40,46 @@ def _show(cls, cfg=None) -> None:
         typer.echo(f"{key:28s} {value!r:24s} {help_}")
 
 
+def _start(cfg, resume: bool, overwrite: bool):
+    """Check `cfg`'s run folder before anything loads or is written there (see checkpoint.guard_run_dir)."""
+    from .checkpoint import guard_run_dir
+
+    guard_run_dir(cfg.train.run_dir, resume, overwrite)
+    return cfg
+
+
 def register(app: typer.Typer) -> None:
     distill = typer.Typer(help="Distil a converted model from its teacher: align (A), e2e (B), sft (C), traces.",
                           no_args_is_help=True)
 
     @distill.command("align")
     def align_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
-                  resume: bool = RESUME, show: bool = SHOW):
+                  resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage A, attention transfer: each converted layer matches its teacher attention's output."""
         if show:
             return _show(AlignConfig)
         from .align import run_align
-        r = run_align(load_config(AlignConfig, recipe, overrides), resume=resume)
+        r = run_align(_start(load_config(AlignConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"align: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
 
     @distill.command("e2e")
     def e2e_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
-                resume: bool = RESUME, show: bool = SHOW):
+                resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage B: KL to the teacher's logits + CE on packed long sequences (context schedule, LoRA or full)."""
         if show:
             return _show(E2EConfig)
         from .e2e import run_e2e
-        r = run_e2e(load_config(E2EConfig, recipe, overrides), resume=resume)
+        r = run_e2e(_start(load_config(E2EConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"e2e: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
 
     @distill.command("sft")
     def sft_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
-                resume: bool = RESUME, show: bool = SHOW):
+                resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage C: SFT on reasoning traces (a dataset or `distill traces` output) with TRL's SFTTrainer."""
         if show:
             return _show(SFTStageConfig)
         from .sft import run_sft
-        r = run_sft(load_config(SFTStageConfig, recipe, overrides), resume=resume)
+        r = run_sft(_start(load_config(SFTStageConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"sft: {r.global_step} steps, train loss {r.training_loss:.4g}")
 
     @distill.command("traces")

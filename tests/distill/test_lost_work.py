@@ -88,3 +88,59 @@ def test_export_never_deletes_a_parent_of_the_cwd_or_of_the_checkpoint(trained_r
         r = _export("-c", trained_run, "-o", out, "--overwrite")
         assert r.exit_code != 0 and "the checkpoint" in _one_line(r.exception)
     assert (trained_run / "checkpoints" / "step-000002" / "trainer_state.json").is_file()
+
+
+# ---- 2: distill into a folder holding a run ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A saved tiny teacher, its converted student (both with a tokenizer) and a text file."""
+    from tests.distill.helpers import tiny_llama, write_texts
+    from tests.distill.test_scale import make_student_folder
+
+    tmp = tmp_path_factory.mktemp("folders")
+    make_student_folder(tmp / "student")
+    tiny_llama(0).save_pretrained(tmp / "teacher")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tmp / "student" / name).is_file():
+            (tmp / "teacher" / name).write_bytes((tmp / "student" / name).read_bytes())
+    write_texts(tmp / "texts.jsonl")
+    return tmp
+
+
+def _distill(folders, run_dir, *args, stage="e2e"):
+    """`hybridize distill <stage>` on the tiny folders into `run_dir` (extra args: overrides and flags)."""
+    from typer.testing import CliRunner
+
+    from hybridize.cli import app
+    common = [f"student={folders / 'student'}", f"teacher={folders / 'teacher'}", f"data.train={folders / 'texts.jsonl'}",
+              "data.seq_len=16", "data.batch_tokens=32", "train.progress=false", "train.save_every=1",
+              "train.warmup_steps=1", "train.scheduler=constant", "train.threads=1", f"train.run_dir={run_dir}"]
+    return CliRunner().invoke(app, ["distill", stage, *common, *map(str, args)])
+
+
+def _metric_rows(run_dir):
+    import json
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _steps(run_dir):
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("stage", ["e2e", "align"])
+def test_distill_refuses_to_start_over_in_a_run_folder(folders, tmp_path, stage):
+    run = tmp_path / "run"
+    r = _distill(folders, run, "train.max_steps=3", stage=stage)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    before = (run / "metrics.jsonl").read_text()
+    r = _distill(folders, run, "train.max_steps=2", stage=stage)
+    msg = _one_line(r.exception)
+    assert r.exit_code != 0 and str(run) in msg and "--resume" in msg and "--overwrite" in msg
+    assert (run / "metrics.jsonl").read_text() == before and _steps(run) == ["step-000002", "step-000003"]
+    r = _distill(folders, run, "train.max_steps=2", "--resume", "--overwrite", stage=stage)
+    assert r.exit_code != 0 and "not both" in _one_line(r.exception)
+    r = _distill(folders, run, "train.max_steps=2", "--overwrite", stage=stage)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert _steps(run) == ["step-000001", "step-000002"]  # the old run's step-3 is gone: not kept, not resumed
+    assert [row["step"] for row in _metric_rows(run) if "loss" in row] == [1, 2]
