@@ -28,9 +28,15 @@ types, so sliding-window layers stay sliding) and a `MixerCacheLayer` per mixer 
 mixer's fixed-size `MixerState` plus a token count, so `get_seq_length` / `get_mask_sizes` are right
 even when layer 0 is a mixer. Any other cache handed to the model (a bare DynamicCache, or one built
 from the config by generate/TRL) is adopted: its still-empty layers at mixer positions are replaced.
+
+Outside the package: every saved config.json carries an `auto_map` naming `modeling_hybridize.py`, a
+two-line module written beside it that imports these classes from hybridize, so tools that never
+`import hybridize` (lm-evaluation-harness, TRL scripts) load a checkpoint with
+`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +125,32 @@ def resolve_mixer_settings(source_config: PreTrainedConfig, plan: list[str],
 
 
 # ---------------------------------------------------------------------------------------------
+# loading without `import hybridize`: auto_map + a module that imports it
+# ---------------------------------------------------------------------------------------------
+REMOTE_CODE_FILE = "modeling_hybridize.py"
+AUTO_MAP = {"AutoConfig": "modeling_hybridize.HybridConfig",
+            "AutoModelForCausalLM": "modeling_hybridize.HybridForCausalLM"}
+REMOTE_CODE = '''"""Loads this hybridize checkpoint in tools that only use transformers' Auto classes.
+
+    AutoModelForCausalLM.from_pretrained(this_folder, trust_remote_code=True)
+
+The model code is the `hybridize` package (`pip install hybridize`); this file only imports it, which
+also registers model_type "hybridize" with AutoConfig / AutoModelForCausalLM.
+"""
+from hybridize.modeling import HybridConfig, HybridForCausalLM
+
+__all__ = ["HybridConfig", "HybridForCausalLM"]
+'''
+
+
+def write_remote_code(save_directory: str | os.PathLike) -> None:
+    """Write `modeling_hybridize.py` (what `AUTO_MAP` names) into a checkpoint folder."""
+    os.makedirs(save_directory, exist_ok=True)
+    with open(os.path.join(save_directory, REMOTE_CODE_FILE), "w", encoding="utf-8") as f:
+        f.write(REMOTE_CODE)
+
+
+# ---------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------
 _MIRRORED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
@@ -179,6 +211,20 @@ class HybridConfig(PreTrainedConfig):
     @property
     def mixer_layers(self) -> list[int]:
         return [i for i, k in enumerate(self.layer_plan) if k != ATTN]
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
+        """config.json with `auto_map`, and the module it names beside it (the model's save calls this).
+
+        Why here: convert, distill export, GRPO and TRL checkpoints all save through it, so every
+        checkpoint loads with `trust_remote_code=True` in a process that never imported hybridize."""
+        write_remote_code(save_directory)
+        self.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """No-op. transformers calls it after loading through `auto_map`; a class so marked makes the next
+        save copy hybridize/modeling.py into the folder (it cannot run there) and rewrite `auto_map`."""
 
 
 for _name in _MIRRORED:
@@ -466,6 +512,10 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _is_stateful = True
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """No-op, as `HybridConfig.register_for_auto_class`: the saved `auto_map` is the config's."""
 
     def initialize_weights(self):
         super().initialize_weights()
