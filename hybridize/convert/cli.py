@@ -60,6 +60,15 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {out} is not empty; pass --overwrite or choose another folder")
 
 
+def _teacher_record(src: str) -> dict:
+    """What `src` resolved to, plus what the checkpoint records as its teacher: an absolute path (a name for
+    'default' and hub ids) and a fingerprint of the weight files (`hybridize.convert.fingerprint`)."""
+    from hybridize.convert.fingerprint import fingerprint, recorded_source
+    from hybridize.convert.sources import describe_source
+
+    return {**describe_source(src), "teacher": recorded_source(src), "fingerprint": fingerprint(src)}
+
+
 def _check_settings(config, plan: list[str], settings: dict) -> None:
     """Type-, range- and build-check the mixer settings before the teacher loads (one line on error)."""
     from hybridize.convert.convert import split_settings
@@ -97,13 +106,13 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.convert import convert_model
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
-    from hybridize.convert.sources import describe_source, load_config, load_model
+    from hybridize.convert.sources import load_config, load_model
 
     console = console or Console()
     tdtype = _torch_dtype(dtype)
     out = Path(out)
     t0 = time.perf_counter()
-    source = describe_source(src)
+    source = _teacher_record(src)
     config = load_config(src)
     plan = parse_plan(layers, config.num_hidden_layers, mixer, allow_none=False)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
@@ -113,8 +122,9 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
     t_load = time.perf_counter()
     calib = calibration_inputs(teacher, tokenizer) if calibrate else None
-    hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=str(src),
+    hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=source["teacher"],
                            calibration_inputs=calib).eval()
+    hybrid.config.teacher_fingerprint = source["fingerprint"]  # checked when distillation loads this teacher
     t_conv = time.perf_counter()
     inputs = sample_inputs(tokenizer, teacher.config.vocab_size, n=samples)
     report = conversion_report(teacher, hybrid, inputs, source=source)

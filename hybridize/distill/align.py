@@ -252,4 +252,5 @@ def run_align(cfg: AlignConfig, resume: bool = False):
     if not src:
         raise UserError("no teacher: pass teacher=<source> (the student's config records none)")
     teacher, _ = load_teacher(src, cfg.train.dtype)
+    cfg.teacher = src  # config.yaml records the teacher actually used, not ''
     return align(student, teacher, tok, cfg, resume=resume)

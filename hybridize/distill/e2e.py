@@ -136,4 +136,5 @@ def run_e2e(cfg: E2EConfig, resume: bool = False):
         if not src:
             raise UserError("no teacher: pass teacher=<source>, or teacher=none kl_weight=0 for CE only")
         teacher, _ = load_teacher(src, cfg.train.dtype)
+        cfg.teacher = src  # config.yaml records the teacher actually used, not ''
     return e2e(student, teacher, tok, cfg, resume=resume)[0]

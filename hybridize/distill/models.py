@@ -71,15 +71,22 @@ def load_student(path: str, dtype: str = "float32", device: str | torch.device =
 
 
 def teacher_source_of(student) -> str:
-    """The teacher source recorded in a converted model's config (empty when none)."""
+    """The teacher source recorded in a converted model's config (empty when none).
+
+    A recorded teacher must still resolve and, when the checkpoint records a fingerprint of the teacher's
+    weight files, hold the same weights (issue 29: a relative `--src` once resolved to another model);
+    otherwise one line (UserError) asks for an explicit teacher."""
+    from hybridize.convert.fingerprint import check_recorded_teacher
+
     cfg = student.config
+    folder = Path(getattr(cfg, "_name_or_path", "") or "")
     for key in ("teacher_source", "source", "source_model", "teacher"):
         v = getattr(cfg, key, None)
         if isinstance(v, str) and v:
+            check_recorded_teacher(v, getattr(cfg, "teacher_fingerprint", None), f"student {folder}")
             return v
     # a conversion report next to the checkpoint (hybridize convert --out) names its source
     import json
-    folder = Path(getattr(cfg, "_name_or_path", "") or "")
     for name in ("conversion_report.json", "report.json", "convert_report.json"):
         f = folder / name
         if f.is_file():
@@ -87,8 +94,10 @@ def teacher_source_of(student) -> str:
                 src = json.loads(f.read_text()).get("source", {})
             except (ValueError, AttributeError):
                 continue
-            v = src.get("src") if isinstance(src, dict) else src
+            v = (src.get("teacher") or src.get("src")) if isinstance(src, dict) else src
             if isinstance(v, str) and v:
+                check_recorded_teacher(v, src.get("fingerprint") if isinstance(src, dict) else None,
+                                       f"student {folder}")
                 return v
     return ""
 
