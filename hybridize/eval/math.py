@@ -356,8 +356,30 @@ def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]
     bad = [i for i, r in enumerate(recs) if not r["problem"]]
     if bad:
         raise ValueError(f"{name_or_path}: records {bad[:5]} have no 'problem' (or 'question') field")
-    recs = [r for r in recs if r["answer"] not in (None, "")]
+    recs = keep_answered(recs, name_or_path)
     return recs[:limit] if limit else recs
+
+
+def keep_answered(recs: list[dict], where: str) -> list[dict]:
+    """The records with a non-empty answer. Rows without one cannot be graded, so they are dropped, and
+    said so on stderr (issue 29: they used to vanish silently); when none has one, a one-line UserError
+    names that cause (GRPO used to blame max_prompt_tokens)."""
+    import sys
+
+    from hybridize.errors import UserError
+
+    kept = [r for r in recs if r["answer"] not in (None, "")]
+    dropped = len(recs) - len(kept)
+    if not recs:
+        raise UserError(f"{where} holds no rows; expected JSON objects with 'problem' and 'answer' fields")
+    if not kept:
+        raise UserError(f"{where}: none of its {len(recs)} rows has an 'answer' (or 'final_answer') field, "
+                        "so nothing can be graded; add the reference answers")
+    if dropped:
+        first = next(i for i, r in enumerate(recs) if r["answer"] in (None, ""))
+        print(f"warning: {where}: dropped {dropped} of {len(recs)} rows with no 'answer' (or 'final_answer') "
+              f"field (first: row {first + 1})", file=sys.stderr)
+    return kept
 
 
 def _load_hub(spec: MathDataset, name: str) -> list[dict]:

@@ -19,15 +19,17 @@ from hybridize.eval.math import BOXED_INSTRUCTION
 class DataArgs:
     """Math prompts: where they come from and how they are turned into chat prompts."""
 
-    train: list = _f(["gsm8k"], "prompt sets: gsm8k | math | aime (the ../shared/data copies), a JSONL file "
-                                "with problem/answer, or a hub dataset owner/name[@config][:split]")
+    train: list = _f(["gsm8k"], "prompt sets: gsm8k | math | aime (the ../shared/data copies), generated "
+                                "arithmetic (arith:train, arith:train:L1-3; plain arith is the test split), a "
+                                "JSONL file with problem/answer, or a hub dataset owner/name[@config][:split]")
     limit: int = _f(0, "use at most this many prompts after shuffling and length filtering (0 = all)")
     shuffle_seed: int = _f(0, "seed of the prompt order")
     max_prompt_tokens: int = _f(512, "drop prompts longer than this many tokens (chat template included)")
     instruction: str = _f(BOXED_INSTRUCTION, "appended to every problem (on its own line)")
     system: str = _f("", "system message (empty = none)")
     chat: str = _f("auto", "use the tokenizer's chat template: auto (when it has one) | on | off")
-    eval: str = _f("", "held-out prompts (same forms as train) scored before and after training (empty = none)")
+    eval: str = _f("", "held-out prompts (same forms as train, e.g. gsm8k-test, math500, arith, arith:test:L3) "
+                       "scored before and after training (empty = none)")
     eval_limit: int = _f(64, "held-out prompts scored")
     eval_max_new_tokens: int = _f(0, "generation budget of the held-out scoring (0 = grpo.max_completion_length)")
 

@@ -34,18 +34,18 @@ _ALIASES = {"gsm8k-train": "gsm8k", "math-train": "math", "math_train": "math", 
 
 def _from_jsonl(path: Path) -> list[dict]:
     from hybridize.eval.common import read_jsonl
-    from hybridize.eval.math import _normalise_record
+    from hybridize.eval.math import _normalise_record, keep_answered
 
     rows = read_jsonl(path)
     recs = [{**r, **_normalise_record(r, i)} for i, r in enumerate(rows)]
     bad = [i for i, r in enumerate(recs) if not r["problem"]]
     if bad:
         raise UserError(f"{path}: records {bad[:5]} have no 'problem' (or 'question') field")
-    return [r for r in recs if r["answer"] not in (None, "")]
+    return keep_answered(recs, str(path))
 
 
 def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
-    from hybridize.eval.math import _normalise_record
+    from hybridize.eval.math import _normalise_record, keep_answered
 
     try:
         import datasets
@@ -55,7 +55,7 @@ def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
         raise UserError(f"cannot load hub dataset {name} ({type(e).__name__}); give a local JSONL with "
                         "problem/answer fields or set HYBRIDIZE_DATA_DIR") from e
     recs = [{**dict(r), **_normalise_record(dict(r), i)} for i, r in enumerate(ds)]
-    return [r for r in recs if r["problem"] and r["answer"] not in (None, "")]
+    return keep_answered([r for r in recs if r["problem"]], name)
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
@@ -134,18 +134,33 @@ def build_records(specs: list[str] | str, tokenizer, *, instruction: str, system
         recs += [{**r, "source": spec} for r in load_problems(spec)]
     random.Random(seed).shuffle(recs)
     is_chat = use_chat(tokenizer, chat)
-    out = []
+    out, too_long = [], 0
     for r in recs:
         prompt = make_prompt(r["problem"], instruction, system, is_chat)
         if max_prompt_tokens and prompt_length(tokenizer, prompt, is_chat, template_kwargs) > max_prompt_tokens:
+            too_long += 1
             continue
         out.append({"prompt": prompt, "answer": str(r["answer"]), "problem": r["problem"], "id": str(r["id"]),
                     "source": r["source"]})
         if limit and len(out) >= limit:
             break
-    if not out:
-        raise UserError(f"no prompts left from {specs} (max_prompt_tokens={max_prompt_tokens} too small?)")
+    _report_too_long(too_long, len(out) + too_long, specs, max_prompt_tokens)
     return out
+
+
+def _report_too_long(dropped: int, seen: int, specs: list[str], max_prompt_tokens: int) -> None:
+    """Say how many prompts were dropped for length (stderr), or fail in one line when that left none.
+    Rows without an answer were already dropped, and said so, by the loaders (`keep_answered`)."""
+    import sys
+
+    if dropped and dropped == seen:
+        raise UserError(f"no prompts left from {specs}: all {seen} are longer than data.max_prompt_tokens="
+                        f"{max_prompt_tokens} tokens (chat template included); raise data.max_prompt_tokens")
+    if not seen:
+        raise UserError(f"no prompts in {specs}")
+    if dropped:
+        print(f"warning: dropped {dropped} of {seen} prompts from {specs} longer than data.max_prompt_tokens="
+              f"{max_prompt_tokens} tokens", file=sys.stderr)
 
 
 def to_dataset(records: list[dict]):

@@ -211,7 +211,9 @@ def score_prompts(model, tokenizer, records: list[dict], *, max_new_tokens: int,
             n_tokens += len(row)
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
     target.train(was_training)
-    res = combined_reward(texts, [r["answer"] for r in records], correct=correct, format=format)
+    # the prompts pick each row's answer check (number-only prompts: the strict numeric one), as in training
+    res = combined_reward(texts, [r["answer"] for r in records], correct=correct, format=format,
+                          prompts=[r["prompt"] for r in records])
     return {**res, "n": len(records), "tokens_per_s": n_tokens / t_gen if t_gen > 0 else 0.0,
             "mean_tokens": n_tokens / max(1, len(records)), "greedy": greedy,
             "examples": [{"prompt": str(r["problem"])[:200], "completion": t[:400], "answer": r["answer"]}
