@@ -1,6 +1,8 @@
 """`hybridize` command line: one typer app; each area (convert, distill, eval, rl) adds its commands.
 
 Errors a user can fix (UserError, missing files, bad values) print one line and exit with status 2.
+Before any command runs, telemetry is switched off and `datasets` goes offline unless the command line
+names hub data (`hybridize.offline`).
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ def recipes_cmd():
 
 def main() -> None:
     from hybridize.errors import UserError
+    from hybridize.offline import configure
 
+    configure(sys.argv[1:])
     try:
         app()
     except (UserError, FileNotFoundError, ValueError) as e:
