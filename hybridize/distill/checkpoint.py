@@ -1,9 +1,10 @@
 """Atomic training checkpoints on top of `accelerator.save_state` (works with DeepSpeed unchanged).
 
-Layout: `<run_dir>/checkpoints/step-000120/` holds accelerate's state (model, optimizer, registered
-objects such as the LR scheduler, every process's RNG states) plus `trainer_state.json` (step, tokens
-seen, ...). A checkpoint is written to `step-000120.tmp/` and renamed only when complete, so a crash while
-saving never leaves a half checkpoint that `--resume` would pick up.
+Layout: `<run_dir>/checkpoints/step-000120/` holds accelerate's state (model, optimizer, every process's
+RNG states) plus `scheduler.json` (the LR schedule) and `trainer_state.json` (step, tokens seen, ...);
+`load_checkpoint` reads them back with loaders that cannot run code (never a free unpickle). A checkpoint
+is written to `step-000120.tmp/` and renamed only when complete, so a crash while saving never leaves a
+half checkpoint that `--resume` would pick up.
 
 A run folder that already holds a run (checkpoints or metrics.jsonl) is never restarted silently:
 `guard_run_dir` asks for `--resume` (continue) or `--overwrite` (delete the old run's checkpoints and
@@ -41,8 +42,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(accelerator, run_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Write a complete checkpoint for `step` atomically; prune to the `keep` newest."""
+def save_checkpoint(accelerator, run_dir: str | Path, step: int, state: dict, keep: int = 2,
+                    scheduler=None) -> Path:
+    """Write a complete checkpoint for `step` atomically; prune to the `keep` newest. The LR `scheduler`'s
+    state goes to scheduler.json (plain data: loading it can run no code, unlike a pickle)."""
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f"step-{step:06d}.tmp"
@@ -54,6 +57,8 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, state: dict, ke
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if scheduler is not None:
+            (tmp / SCHEDULER_JSON).write_text(json.dumps(scheduler.state_dict()))
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
         if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
             shutil.rmtree(final)
@@ -64,14 +69,106 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, state: dict, ke
     return final
 
 
-def load_checkpoint(accelerator, path: str | Path) -> dict:
-    """Restore accelerate state from `path`; returns its trainer_state dict."""
+def load_checkpoint(accelerator, path: str | Path, scheduler=None) -> dict:
+    """Restore the prepared models, optimizers, `scheduler`, RNG states and accelerate's step counter from
+    `path`; returns its trainer_state dict.
+
+    Every part goes through a loader that cannot run code: safetensors for weights, JSON for the scheduler
+    and trainer state, `torch.load(weights_only=True)` for optimizer, RNG and grad-scaler states (what
+    `accelerator.load_state` would unpickle freely for registered objects). A part that is not plain data
+    is refused with one line. DeepSpeed checkpoints are read by DeepSpeed's own engine."""
     path = Path(path)
     meta = path / "trainer_state.json"
     if not meta.is_file():
         raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    accelerator.load_state(str(path))
-    return json.loads(meta.read_text())
+    try:
+        state = json.loads(meta.read_text())
+        _load_models_and_optimizers(accelerator, path)
+        if scheduler is not None:
+            scheduler.load_state_dict(_scheduler_state(path))
+        _load_rng_states(accelerator, path)
+    except UserError:
+        raise
+    except Exception as e:  # a damaged or foreign file: one line, no stack trace
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"cannot load checkpoint {path}: {type(e).__name__}: {first}") from None
+    return state
+
+
+SCHEDULER_JSON = "scheduler.json"
+
+
+def safe_torch_load(file: Path, map_location="cpu"):
+    """`torch.load` of plain data only (tensors, numbers, containers, numpy RNG arrays): a pickle that would
+    build any other object - and so could run code - is refused with one line."""
+    import pickle
+
+    import torch
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+    try:
+        with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+            return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = re.search(r"Unsupported global: (?:GLOBAL )?(\S+)", str(e))
+        what = f" (it builds {why.group(1)})" if why else ""
+        raise UserError(f"refusing to load {file}: it is not plain data and could run code when unpickled{what}; "
+                        f"delete that checkpoint or start over with --overwrite") from None
+
+
+def _load_models_and_optimizers(acc, path: Path) -> None:
+    """Weights (safetensors, or a weights-only .bin) and optimizer states of what `acc` prepared."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.DEEPSPEED:  # the engine holds model + optimizer shards
+        for i, model in enumerate(acc._models):
+            model.load_checkpoint(str(path), "pytorch_model" if i == 0 else f"pytorch_model_{i}")
+        return
+    from safetensors.torch import load_model
+
+    for i, model in enumerate(acc._models):
+        suffix = f"_{i}" if i else ""
+        if (path / f"model{suffix}.safetensors").is_file():
+            load_model(model, path / f"model{suffix}.safetensors", device="cpu")
+        else:
+            model.load_state_dict(safe_torch_load(path / f"pytorch_model{suffix}.bin"))
+    for i, opt in enumerate(acc._optimizers):
+        opt.load_state_dict(safe_torch_load(path / (f"optimizer_{i}.bin" if i else "optimizer.bin")))
+    if acc.scaler is not None:
+        acc.scaler.load_state_dict(safe_torch_load(path / "scaler.pt"))
+
+
+def _scheduler_state(path: Path) -> dict:
+    """The LR scheduler's state: scheduler.json, or the weights-only pickle older checkpoints hold."""
+    if (path / SCHEDULER_JSON).is_file():
+        try:
+            return json.loads((path / SCHEDULER_JSON).read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise UserError(f"{path / SCHEDULER_JSON} is not JSON: delete that checkpoint or start over "
+                            f"with --overwrite") from None
+    if (path / "custom_checkpoint_0.pkl").is_file():  # written by accelerate before scheduler.json existed
+        return safe_torch_load(path / "custom_checkpoint_0.pkl")
+    raise UserError(f"{path} holds no LR scheduler state ({SCHEDULER_JSON})")
+
+
+def _load_rng_states(acc, path: Path) -> None:
+    """This process's RNG states and accelerate's step counter (it decides gradient-accumulation syncs)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    file = path / f"random_states_{acc.process_index}.pkl"
+    if not file.is_file():
+        print(f"warning: {file} is missing: random states not restored")
+        return
+    states = safe_torch_load(file)
+    acc.step = int(states.get("step", 0))
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
 def run_history(run_dir: str | Path) -> list[str]:

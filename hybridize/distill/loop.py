@@ -233,7 +233,6 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     sched = make_scheduler(opt, train)
     prepare_deepspeed_config(acc, train, module)
     module, opt = acc.prepare(module, opt)
-    acc.register_for_checkpointing(sched)
     data.rank, data.world, data.grad_accum = acc.process_index, acc.num_processes, train.grad_accum
 
     log = MetricsLog(run_dir / "metrics.jsonl", enabled=acc.is_main_process)
@@ -243,7 +242,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
         if ckpt is None:
             acc.print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
         else:
-            state = load_checkpoint(acc, ckpt)
+            state = load_checkpoint(acc, ckpt, scheduler=sched)
             step, tokens = int(state["step"]), int(state.get("tokens", 0))
             acc.print(f"resumed from {ckpt} (step {step}, {tokens} tokens)")
     if acc.is_main_process and step == 0:
@@ -251,7 +250,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     log.truncate_after(step)
 
     def checkpoint(at: int):
-        save_checkpoint(acc, run_dir, at, {"tokens": tokens}, keep=train.keep_checkpoints)
+        save_checkpoint(acc, run_dir, at, {"tokens": tokens}, keep=train.keep_checkpoints, scheduler=sched)
 
     if eval_fn is not None and step == 0:
         log.write(step=0, **eval_fn(0))

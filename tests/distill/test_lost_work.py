@@ -144,3 +144,40 @@ def test_distill_refuses_to_start_over_in_a_run_folder(folders, tmp_path, stage)
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert _steps(run) == ["step-000001", "step-000002"]  # the old run's step-3 is gone: not kept, not resumed
     assert [row["step"] for row in _metric_rows(run) if "loss" in row] == [1, 2]
+
+
+# ---- 6: resuming never unpickles code -----------------------------------------------------------------
+
+class Payload:
+    """Unpickling this creates the file `marker` (a harmless stand-in for code a checkpoint could run)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("part", ["custom_checkpoint_0.pkl", "scheduler.json", "random_states_0.pkl",
+                                  "optimizer.bin"])
+def test_resume_refuses_a_pickled_payload(folders, tmp_path, part):
+    import shutil
+
+    import torch
+
+    marker = tmp_path / "pwned"
+    torch.save(Payload(marker), tmp_path / "probe.pkl")
+    torch.load(tmp_path / "probe.pkl", weights_only=False)  # the payload works when unpickled freely
+    assert marker.is_file()
+    marker.unlink()
+    run = tmp_path / "run"
+    r = _distill(folders, run, "train.max_steps=2")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = run / "checkpoints" / "step-000002"
+    if part == "custom_checkpoint_0.pkl":  # a checkpoint of the layout accelerate pickles the scheduler in
+        (ckpt / "scheduler.json").unlink(missing_ok=True)
+    shutil.copy(tmp_path / "probe.pkl", ckpt / part)
+    r = _distill(folders, run, "train.max_steps=3", "--resume")
+    msg = _one_line(r.exception)
+    assert r.exit_code != 0 and str(ckpt) in msg, msg
+    assert not marker.exists()
