@@ -16,6 +16,7 @@ from train.mixed_precision, grad accumulation). DeepSpeed clips and steps inside
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -204,7 +205,67 @@ class LoopResult:
 
 
 class NonFiniteLoss(UserError):
-    pass
+    """The loss or the weights went non-finite or diverged: the message names the last good checkpoint."""
+
+
+class DivergenceGuard:
+    """Decides whether the current state may be checkpointed, so that a checkpoint is never a diverged
+    state and "the last good checkpoint" after a NaN really is from before the divergence. A state is
+    refused when a trainable weight is not finite, the largest grew past GROWTH x its size at the start
+    of this run (at least 1), the last gradient norm is not finite, or the mean loss of the last WINDOW
+    steps is SPIKE x above the best such mean. The limits only catch blow-ups: healthy runs are far below."""
+
+    GROWTH, SPIKE, WINDOW = 100.0, 20.0, 16
+
+    def __init__(self, acc, params: list[torch.Tensor]):
+        self.acc, self.params = acc, params
+        self.start = self._largest()
+        self.losses: list[float] = []
+        self.best = float("inf")
+        self.grad_norm: float | None = None
+
+    def _largest(self) -> float:
+        """The largest |weight| over the trainable parameters of every process (nan when any is not finite)."""
+        with torch.no_grad():
+            shards = [getattr(p, "ds_tensor", p) for p in self.params]  # ZeRO-3: this rank's shard
+            peaks = [t.detach().abs().amax().float() for t in shards if t.numel()]
+            top = torch.stack(peaks).max() if peaks else torch.zeros(())  # max propagates nan
+            if self.acc.num_processes > 1:
+                top = self.acc.gather(top.reshape(1).to(self.acc.device)).max()
+        return float(top)
+
+    def note(self, loss: float, grad_norm: float | None) -> None:
+        """Record a finished step's mean loss and gradient norm."""
+        self.grad_norm = grad_norm
+        if math.isfinite(loss):
+            self.losses = (self.losses + [loss])[-self.WINDOW:]
+            if len(self.losses) == self.WINDOW:
+                self.best = min(self.best, sum(self.losses) / self.WINDOW)
+
+    def problem(self) -> str | None:
+        """Why the current state must not be saved, or None when it is healthy."""
+        top = self._largest()
+        if not math.isfinite(top):
+            return "some trainable weights are not finite"
+        if top > self.GROWTH * max(1.0, self.start):
+            return f"the largest trainable weight is {top:.3g} (it was {self.start:.3g} at the start)"
+        if self.grad_norm is not None and not math.isfinite(self.grad_norm):
+            return f"the gradient norm is {self.grad_norm}"
+        recent = sum(self.losses) / max(len(self.losses), 1)
+        if len(self.losses) == self.WINDOW and recent > self.SPIKE * self.best:
+            return (f"the mean loss of the last {self.WINDOW} steps is {recent:.4g}, over {self.SPIKE:g}x its best "
+                    f"{self.best:.4g}")
+        return None
+
+
+def last_good(run_dir: Path) -> str:
+    """The end of a divergence message: which checkpoint to resume from (only healthy states are saved)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return ("no checkpoint was saved before it: lower train.lr or check the data, then rerun with "
+                "--overwrite")
+    return (f"the last good checkpoint, saved before the divergence, is {ckpt}: lower train.lr (a new lr is "
+            f"used on --resume) or check the data, then rerun with --resume")
 
 
 def move(batch: dict, device) -> dict:
@@ -248,8 +309,13 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     if acc.is_main_process and step == 0:
         log.path.unlink(missing_ok=True)
     log.truncate_after(step)
+    guard = DivergenceGuard(acc, params)
 
     def checkpoint(at: int):
+        """Save the state after `at` steps, unless it has diverged (then stop, naming the last good one)."""
+        problem = guard.problem()
+        if problem:
+            raise NonFiniteLoss(f"training diverged by step {at}: {problem}; not saved - {last_good(run_dir)}")
         save_checkpoint(acc, run_dir, at, {"tokens": tokens}, keep=train.keep_checkpoints, scheduler=sched)
 
     if eval_fn is not None and step == 0:
@@ -275,13 +341,10 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                         loss, logs = step_fn(module, batch)
                     if not torch.isfinite(loss.detach()).all():
                         bad = True
-                        if train.nan_policy != "skip":
+                        if train.nan_policy != "skip":  # nothing is saved: this state may have diverged already
                             opt.zero_grad(set_to_none=True)
-                            checkpoint(step)
-                            raise NonFiniteLoss(
-                                f"loss is {loss.item()} at step {step} micro-batch {micro}; the last good state "
-                                f"(step {step}) is saved in {run_dir}/checkpoints: lower train.lr or check the data, "
-                                f"then rerun with --resume")
+                            raise NonFiniteLoss(f"loss is {loss.item()} at step {step} micro-batch {micro}; "
+                                                f"{last_good(run_dir)}")
                         continue
                     acc.backward(loss)
                     losses.append(float(loss.detach()))
@@ -300,9 +363,10 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                 opt.zero_grad(set_to_none=True)
                 acc.print(f"warning: non-finite loss at step {step}: batch skipped ({skipped}/10)")
                 if skipped > 10:
-                    checkpoint(step)
-                    raise NonFiniteLoss(f"more than 10 non-finite losses (last at step {step}); state saved in "
-                                        f"{run_dir}/checkpoints")
+                    checkpoint(step)  # the skipped batches changed nothing: saved unless it diverged before
+                    raise NonFiniteLoss(f"more than 10 non-finite losses (last at step {step}); the state before "
+                                        f"them is saved in {run_dir}/checkpoints: check the data or lower train.lr, "
+                                        f"then rerun with --resume")
             step_tokens = data.tokens_per_step(step)
             tokens += step_tokens
             step += 1
@@ -312,6 +376,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
                 # grad_accum x world micro-batches logs for the same data
                 vals = acc.reduce(torch.tensor([last_loss, *parts.values()], device=acc.device), "mean")
                 last_loss, parts = float(vals[0]), dict(zip(parts, map(float, vals[1:])))
+            guard.note(last_loss, grad_norm)
             tps = speed.add(step_tokens)
             if step % max(train.log_every, 1) == 0 or step == train.max_steps:
                 mem = {"peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)} \

@@ -181,3 +181,52 @@ def test_resume_refuses_a_pickled_payload(folders, tmp_path, part):
     msg = _one_line(r.exception)
     assert r.exit_code != 0 and str(ckpt) in msg, msg
     assert not marker.exists()
+
+
+# ---- 3: the NaN guard names a checkpoint from before the divergence ------------------------------------
+
+def test_huge_lr_stops_naming_a_checkpoint_from_before_the_divergence(tmp_path):
+    """Warm-up makes step 1 an lr-0 step (a healthy checkpoint), then lr 1e3 blows the weights up: the run
+    must stop naming step 1, whose weights are the sane starting ones, and save nothing later."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    from hybridize.distill.e2e import e2e
+    from tests.distill.helpers import ToyTokenizer, tiny_llama, toy_convert, write_texts
+
+    student = toy_convert(tiny_llama(1), layers=(0, 1))
+    start = max(p.detach().abs().max().item() for p in student.parameters())
+    cfg = load_config(E2EConfig, None, {
+        "train": {"run_dir": str(tmp_path / "run"), "max_steps": 20, "lr": 1e4, "warmup_steps": 10,
+                  "scheduler": "constant", "save_every": 1, "progress": False, "threads": 1},
+        "data": {"train": str(write_texts(tmp_path / "t.jsonl")), "seq_len": 24, "batch_tokens": 48}})
+    with pytest.raises(UserError) as e:
+        e2e(student, tiny_llama(0), ToyTokenizer(), cfg)
+    msg = _one_line(e.value)
+    named = re.search(r"(\S+/checkpoints/step-\d+)", msg)
+    assert named and named.group(1).endswith("step-000001"), msg
+    assert _steps(tmp_path / "run") == ["step-000001"]
+    weights = load_file(f"{named.group(1)}/model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert max(w.abs().max().item() for w in weights.values()) <= 2 * start
+
+
+def test_guard_refuses_a_loss_spike_and_a_non_finite_grad_norm():
+    import torch
+
+    from hybridize.distill.loop import DivergenceGuard
+
+    class Acc:
+        num_processes = 1
+
+    guard = DivergenceGuard(Acc(), [torch.ones(3)])
+    for _ in range(DivergenceGuard.WINDOW):
+        guard.note(1.0, 0.5)
+    assert guard.problem() is None
+    guard.note(1.0, float("inf"))
+    assert "gradient norm" in guard.problem()
+    for _ in range(DivergenceGuard.WINDOW):
+        guard.note(1e3, 0.5)
+    assert "mean loss" in guard.problem()
