@@ -16,15 +16,17 @@ refused with one line naming them.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, first_line
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_NAMES = ("default", "smollm2", "smollm2-135m-instruct", "smollm2-135m")
@@ -84,13 +86,48 @@ def _finish(model, tokenizer, dtype, device):
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def unreadable_gguf(path: Path):
+    """Turn the errors of a cut or damaged GGUF file into one line that says so: the readers fail with
+    `struct.error` (cut inside the header) or `cannot reshape array ...` (cut inside a tensor)."""
+    try:
+        yield
+    except (struct.error, ValueError, EOFError, IndexError, OSError) as e:
+        size = path.stat().st_size if path.exists() else 0
+        raise UserError(f"{path} ({size:,} bytes) is a truncated or corrupt GGUF file ({first_line(e)}); "
+                        "download or copy it again") from None
+
+
+@contextlib.contextmanager
+def unreadable_folder(path: Path):
+    """Turn a missing, cut or corrupt weight file or an invalid config.json of a model folder into one line
+    naming the folder and the cause (transformers and safetensors raise OSError / SafetensorError with
+    a stack trace)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise UserError(f"{path}: a weight file is truncated or corrupt ({first_line(e)}); copy or save the "
+                        "model again") from None
+    except (OSError, ValueError) as e:
+        why = first_line(e)
+        if "no file named" in why:
+            raise UserError(f"{path} holds no weight file (model.safetensors or pytorch_model.bin); pass a "
+                            "complete Hugging Face model folder") from None
+        if "config" in why and ("JSON" in why or "json" in why):
+            raise UserError(f"{path}/config.json is not valid JSON; fix it or save the model again") from None
+        raise UserError(f"cannot load the model in {path}: {why}") from None
+
+
 def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     # dequantize=True: otherwise the model stays flagged as quantized and cannot be saved or trained
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with unreadable_gguf(path):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tokenizer
 
 
@@ -116,7 +153,8 @@ def _load_default(dtype, device):
 def _gguf_config(path: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with unreadable_gguf(path):
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _write_dense_cache(model, tokenizer, dense: Path) -> None:
@@ -141,12 +179,15 @@ def _load_local(path: Path, dtype, device):
 
     if not (path / "config.json").exists():
         raise UserError(f"{path} has no config.json; pass a Hugging Face model folder, a .gguf file or 'default'")
-    config = AutoConfig.from_pretrained(path)
+    with unreadable_folder(path):
+        config = AutoConfig.from_pretrained(path)
     _check_family(config, str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    with unreadable_folder(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        with unreadable_folder(path):
+            tokenizer = AutoTokenizer.from_pretrained(path)
     return _finish(model, tokenizer, dtype, device)
 
 
@@ -228,7 +269,8 @@ def load_config(src: str):
     elif kind == "local":
         if not (Path(target) / "config.json").exists():
             raise UserError(f"{target} has no config.json; pass a Hugging Face model folder, a .gguf file or 'default'")
-        config = AutoConfig.from_pretrained(target)
+        with unreadable_folder(Path(target)):
+            config = AutoConfig.from_pretrained(target)
     else:
         try:
             config = AutoConfig.from_pretrained(target)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, check_utf8, first_line, read_text
 
 from hybridize.builtin_text import builtin_texts
 
@@ -58,20 +58,41 @@ def load_rows(source: str, split: str = "train", max_rows: int = 0):
             if path.suffix not in TEXT_SUFFIXES:
                 raise UserError(f"{path}: unknown data format {path.suffix!r}; use one of {sorted(TEXT_SUFFIXES)}")
             kind, files = TEXT_SUFFIXES[path.suffix], [str(path)]
+        files = check_local_files(path, files, kind)
         try:
             ds = datasets.load_dataset(kind, data_files=files, split="train")
         except Exception as e:  # datasets raises many types for malformed files
-            raise UserError(f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+            raise UserError(f"cannot read {path}: {type(e).__name__}: {first_line(e)}") from None
     else:
         name, _, config = source.partition(":")
         try:
             ds = datasets.load_dataset(name, config or None, split=split)
         except Exception as e:
             raise UserError(f"{source!r} is neither a local file nor a loadable hub dataset "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+                            f"({type(e).__name__}: {first_line(e, 160)})") from None
     if max_rows and len(ds) > max_rows:
         ds = ds.select(range(max_rows))
     return ds
+
+
+def _blank(path: Path) -> bool:
+    """Empty, or a small file of whitespace only (a large file is never read here)."""
+    size = path.stat().st_size
+    return size == 0 or (size < 4096 and not path.read_bytes().strip())
+
+
+def check_local_files(source: Path, files: list[str], kind: str) -> list[str]:
+    """The non-empty files of a local source, each checked to be UTF-8 text (parquet excepted), so an empty
+    file or a stray Latin-1 byte is one line naming the file (and line), not a `datasets` stack trace or
+    an IndexError in the error handler (issue 29). Empty files in a folder are skipped."""
+    kept = [f for f in files if not _blank(Path(f))]
+    if not kept:
+        raise UserError(f"{source} is empty: no rows to read" if len(files) == 1 else
+                        f"{source}: all {len(files)} data files are empty")
+    if kind != "parquet":
+        for f in kept:
+            check_utf8(f)
+    return kept
 
 
 def row_texts(ds, text_field: str = "text", template: str = "") -> list[str]:
@@ -258,7 +279,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return rows
-    for i, line in enumerate(p.read_text().splitlines()):
+    for i, line in enumerate(read_text(p).splitlines()):
         if not line.strip():
             continue
         try:

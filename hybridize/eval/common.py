@@ -53,10 +53,16 @@ def data_file(rel: str) -> Path | None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """One dict per non-empty line; bad JSON or bytes that are not UTF-8 -> one line naming file and line."""
+    from hybridize.errors import not_utf8
+
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise not_utf8(path, raw, e, offset=i) from None
             if not line:
                 continue
             try:

@@ -145,7 +145,9 @@ def load_essay_words(source: str | Path | None = None) -> list[str]:
 
                 text = "\n".join(r["text"] for r in read_jsonl(p))
             else:
-                text = p.read_text(encoding="utf-8")
+                from hybridize.errors import read_text
+
+                text = read_text(p)
         else:
             text = _hub_essays(key)
         words = text.split()

@@ -54,7 +54,9 @@ def load_text(source: str) -> str:
         raise ValueError(f"text source {source!r} is not a file (or 'wikitext2', 'python-reference')")
     if p.suffix == ".jsonl":
         return "\n\n".join(r.get("text", "") for r in read_jsonl(p))
-    return p.read_text(encoding="utf-8")
+    from hybridize.errors import read_text
+
+    return read_text(p)
 
 
 def tokenize_budget(tokenizer, text: str, tokens: int) -> torch.Tensor:

@@ -112,6 +112,8 @@ class GRPORunConfig:
 
 def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | None = None) -> GRPORunConfig:
     """Defaults < recipe (a path or a name under recipes/, e.g. `smollm2-135m/grpo`) < overrides."""
+    if recipe:
+        check_recipe(recipe)
     cfg = load_config(GRPORunConfig, recipe, overrides)
     from hybridize.rl.fast_generate import COMPILE_MODES, CUDA_GRAPH_MODES
 
@@ -121,3 +123,12 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")
     return cfg
+
+
+def check_recipe(recipe: str) -> None:
+    """A recipe that is not UTF-8 or not valid YAML stops here with one line naming its file, line and
+    column (the shared loader lets the YAML parser's multi-line error escape as a stack trace)."""
+    from hybridize.distill.config import find_recipe, load_yaml
+    from hybridize.errors import read_yaml
+
+    read_yaml(find_recipe(recipe), load_yaml)
