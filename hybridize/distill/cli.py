@@ -2,8 +2,10 @@
 
 Every stage takes an optional `--recipe` (a YAML file, or a name under `recipes/`, e.g.
 `smollm2-135m/align`) and then `key=value` overrides (dotted for sections: `train.lr=3e-4`,
-`data.seq_len=512`); `--resume` continues the run in `train.run_dir` from its newest complete checkpoint;
-`--show` prints every setting with its default and help. Multi-GPU / DeepSpeed: run the same command
+`data.seq_len=512`); `--resume` continues the run in `train.run_dir` from its newest complete checkpoint
+(with the same settings, except the learning rate, schedule and bookkeeping: see RESUME), `--overwrite`
+starts over in a folder holding an earlier run (without either, such a folder is refused); `--show`
+prints every setting with its default and help. Multi-GPU / DeepSpeed: run the same command
 under `accelerate launch --config_file recipes/accelerate/<file>.yaml -m hybridize.cli distill ...`
 (recipes/accelerate/README.md); `hybridize export` turns any of their checkpoints into a HF folder.
 """
@@ -17,7 +19,12 @@ from .config import AlignConfig, DemoConfig, E2EConfig, SFTStageConfig, TracesCo
 
 RECIPE = typer.Option(None, "--recipe", "-r", help="YAML recipe: a path or a name under recipes/ "
                                                    "(e.g. smollm2-135m/align)")
-RESUME = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in train.run_dir")
+RESUME = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in train.run_dir. "
+                      "Settings must match the run's config.yaml, except train.lr, min_lr_ratio, scheduler, "
+                      "warmup_steps, max_steps, weight_decay, adam_betas, max_grad_norm and bookkeeping (save_every, "
+                      "keep_checkpoints, log_every, threads, progress, max_minutes, nan_policy): those take effect "
+                      "from the resumed step on (sft: only max_steps, max_grad_norm and bookkeeping); any other "
+                      "change is refused")
 OVERWRITE = typer.Option(False, "--overwrite", help="start over in a train.run_dir that holds an earlier run "
                                                    "(its checkpoints/ and metrics.jsonl are deleted first)")
 SHOW = typer.Option(False, "--show", help="print every setting (key, default, help) and exit")
@@ -40,11 +47,17 @@ def _show(cls, cfg=None) -> None:
         typer.echo(f"{key:28s} {value!r:24s} {help_}")
 
 
-def _start(cfg, resume: bool, overwrite: bool):
-    """Check `cfg`'s run folder before anything loads or is written there (see checkpoint.guard_run_dir)."""
-    from .checkpoint import guard_run_dir
+def _start(cfg, resume: bool, overwrite: bool, trainer: str = "loop"):
+    """Check `cfg`'s run folder before anything loads or is written there (config.yaml is rewritten by the
+    stage): no earlier run clobbered (checkpoint.guard_run_dir), no resume with settings it cannot honour."""
+    from pathlib import Path
+
+    from .checkpoint import guard_run_dir, run_history
+    from .config import check_resume_settings
 
     guard_run_dir(cfg.train.run_dir, resume, overwrite)
+    if resume and "checkpoints/" in run_history(cfg.train.run_dir):
+        check_resume_settings(cfg, Path(cfg.train.run_dir) / "config.yaml", trainer)
     return cfg
 
 
@@ -79,7 +92,7 @@ def register(app: typer.Typer) -> None:
         if show:
             return _show(SFTStageConfig)
         from .sft import run_sft
-        r = run_sft(_start(load_config(SFTStageConfig, recipe, overrides), resume, overwrite), resume=resume)
+        r = run_sft(_start(load_config(SFTStageConfig, recipe, overrides), resume, overwrite, "sft"), resume=resume)
         typer.echo(f"sft: {r.global_step} steps, train loss {r.training_loss:.4g}")
 
     @distill.command("traces")

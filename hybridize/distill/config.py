@@ -357,6 +357,46 @@ def save_config(cfg, path: str | Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+#: train.* settings a `--resume` may change, by the stage's trainer: the hand-written loop (align, e2e)
+#: applies them to the restored optimizer and LR schedule (which keeps its position); TRL's trainer (sft)
+#: restores the old lr, betas and weight decay, so there only bookkeeping and the step budget may change
+RESUMABLE = {
+    "loop": ("lr", "min_lr_ratio", "scheduler", "warmup_steps", "max_steps", "weight_decay", "adam_betas",
+             "max_grad_norm", "nan_policy", "save_every", "keep_checkpoints", "log_every", "threads", "progress",
+             "max_minutes"),
+    "sft": ("max_steps", "max_grad_norm", "save_every", "keep_checkpoints", "log_every", "threads", "progress"),
+}
+
+
+def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every setting of `new` whose value differs in `old` (keys `old` lacks - written
+    by an older version - do not count)."""
+    out = []
+    for key, value in new.items():
+        if key not in old:
+            continue
+        if isinstance(value, dict) and isinstance(old[key], dict):
+            out += changed_settings(old[key], value, f"{prefix}{key}.")
+        elif old[key] != value:
+            out.append(f"{prefix}{key}: {str(old[key])[:40]!r} -> {str(value)[:40]!r}")
+    return out
+
+
+def check_resume_settings(cfg, saved: str | Path, trainer: str = "loop") -> None:
+    """On `--resume`: refuse, in one line, settings that differ from the run's `saved` config.yaml and that
+    the restored state would silently ignore or break on (all but RESUMABLE[trainer])."""
+    saved = Path(saved)
+    if not saved.is_file():
+        return
+    old = yaml.safe_load(saved.read_text()) or {}
+    allowed = {f"train.{k}" for k in RESUMABLE[trainer]}
+    fixed = [c for c in changed_settings(old, to_dict(cfg)) if c.split(":")[0] not in allowed]
+    if fixed:
+        raise UserError(f"--resume: settings differ from {saved}: {'; '.join(fixed)}; these cannot change "
+                        f"mid-run: set them back to continue, or pass --overwrite to start over (--resume may "
+                        f"change train.{{{', '.join(RESUMABLE[trainer])}}})")
+
+
 def describe(cls, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(key, default, help) of every setting, nested keys dotted: the CLI prints this as help."""
     rows = []

@@ -121,6 +121,18 @@ def make_scheduler(optimizer, train: TrainArgs):
                          num_training_steps=train.max_steps, **kwargs)
 
 
+def apply_train_settings(sched, train: TrainArgs, base_lrs: list[float]) -> None:
+    """After a resume: the optimizer and LR schedule follow the current train.* (lr, weight decay, betas and
+    the schedule's shape: warm-up, max_steps, floor), not the values the checkpoint restored; the schedule
+    keeps its position. With unchanged settings this reproduces the restored values exactly."""
+    sched.base_lrs = list(base_lrs)
+    groups = sched.optimizer.param_groups
+    for g, base, fn in zip(groups, base_lrs, sched.lr_lambdas):
+        g.update(initial_lr=base, lr=base * fn(sched.last_epoch), weight_decay=train.weight_decay,
+                 betas=tuple(train.adam_betas))
+    sched._last_lr = [g["lr"] for g in groups]
+
+
 def zero_stage(acc) -> int:
     """The DeepSpeed ZeRO stage of an accelerator (0 without DeepSpeed)."""
     plugin = getattr(acc.state, "deepspeed_plugin", None)
@@ -292,6 +304,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     opt = torch.optim.AdamW(param_groups(module, train.lr, lr_scales), lr=train.lr, betas=tuple(train.adam_betas),
                             weight_decay=train.weight_decay)
     sched = make_scheduler(opt, train)
+    base_lrs = [g["initial_lr"] for g in opt.param_groups]  # lr x scale ("lr" is already the warm-up's)
     prepare_deepspeed_config(acc, train, module)
     module, opt = acc.prepare(module, opt)
     data.rank, data.world, data.grad_accum = acc.process_index, acc.num_processes, train.grad_accum
@@ -304,6 +317,7 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
             acc.print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
         else:
             state = load_checkpoint(acc, ckpt, scheduler=sched)
+            apply_train_settings(sched, train, base_lrs)
             step, tokens = int(state["step"]), int(state.get("tokens", 0))
             acc.print(f"resumed from {ckpt} (step {step}, {tokens} tokens)")
     if acc.is_main_process and step == 0:

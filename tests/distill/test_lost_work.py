@@ -230,3 +230,41 @@ def test_guard_refuses_a_loss_spike_and_a_non_finite_grad_norm():
     for _ in range(DivergenceGuard.WINDOW):
         guard.note(1e3, 0.5)
     assert "mean loss" in guard.problem()
+
+
+# ---- 4: --resume honours a new train.lr, refuses settings it cannot change -----------------------------
+
+def test_resume_uses_a_new_lr_and_refuses_other_changes(folders, tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    r = _distill(folders, run, "train.max_steps=2", "train.lr=3e-3")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = _distill(folders, run, "train.max_steps=4", "train.lr=3e-3", "data.seq_len=8", "--resume")
+    msg = _one_line(r.exception)
+    assert r.exit_code != 0 and "data.seq_len" in msg and "--overwrite" in msg and "train.lr" not in msg.split(";")[0]
+    r = _distill(folders, run, "train.max_steps=4", "train.lr=1e-4", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    lrs = {row["step"]: row["lr"] for row in _metric_rows(run) if "lr" in row}
+    assert lrs == {1: 3e-3, 2: 3e-3, 3: pytest.approx(1e-4), 4: pytest.approx(1e-4)}, lrs
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"] == 1e-4
+
+
+def test_resume_with_a_new_cosine_schedule_continues_from_its_position(tmp_path):
+    """The restored schedule takes the new lr and max_steps but keeps its step: after 2 of 4 steps,
+    resuming with max_steps=6 and lr=1e-3 logs lr(3) = 1e-3 * cosine(3 / 6)."""
+    import math
+
+    from hybridize.distill.e2e import e2e
+    from tests.distill.helpers import ToyTokenizer, tiny_llama, toy_convert, write_texts
+
+    def cfg(steps, lr):
+        return load_config(E2EConfig, None, {
+            "train": {"run_dir": str(tmp_path / "run"), "max_steps": steps, "lr": lr, "warmup_steps": 0,
+                      "scheduler": "cosine", "save_every": 1, "progress": False, "threads": 1},
+            "data": {"train": str(write_texts(tmp_path / "t.jsonl")), "seq_len": 24, "batch_tokens": 48}})
+
+    e2e(toy_convert(tiny_llama(1), layers=(0,)), tiny_llama(0), ToyTokenizer(), cfg(4, 3e-3), stop_after=2)
+    e2e(toy_convert(tiny_llama(1), layers=(0,)), tiny_llama(0), ToyTokenizer(), cfg(6, 1e-3), resume=True)
+    lrs = {row["step"]: row["lr"] for row in _metric_rows(tmp_path / "run") if "lr" in row}
+    assert lrs[3] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
