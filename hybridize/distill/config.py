@@ -52,7 +52,8 @@ class TrainArgs:
     log_every: int = _f(1, "write a metrics line every N steps", min=1)
     threads: int = _f(0, "torch CPU threads (0 = the idle cores, re-picked when a step slows down: hybridize/cpu.py)",
                       min=0)
-    nan_policy: str = _f("error", "non-finite loss: error (save and stop) | skip (drop the batch, max 10 times)")
+    nan_policy: str = _f("error", "non-finite loss: error (stop, naming the last checkpoint saved before the "
+                                  "divergence) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
     max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none",
                           min=0)

@@ -3,8 +3,10 @@ LR schedule, atomic checkpoints, exact `--resume`, metrics JSONL, loss-curve PNG
 
 A stage hands over the module to optimise (`module`: what accelerate prepares and checkpoints), a
 `step_fn(module, batch) -> (loss, {name: float})`, and a data object with `batch(step, micro)` and
-`tokens_per_step(step)`. Data are a pure function of the step, and accelerate's checkpoint restores model,
-optimizer, scheduler and RNG states, so a resumed run repeats the uninterrupted one exactly.
+`tokens_per_step(step)`. Data are a pure function of the step, and a checkpoint restores model,
+optimizer, scheduler and RNG states (safe loaders only, checkpoint.load_checkpoint), so a resumed run
+repeats the uninterrupted one exactly - unless train.lr or the schedule changed, which then take effect
+from the resumed step (apply_train_settings). A diverged state is never checkpointed (DivergenceGuard).
 
 DeepSpeed: an `accelerate launch --config_file recipes/accelerate/zero*.yaml` run goes through the same
 calls (`prepare`, `backward`, `save_state`); `train.deepspeed=<ds.json>` does the same in ONE process
