@@ -16,8 +16,11 @@ from pathlib import Path
 
 from hybridize.distill.demo import demo_config, run_demo
 
+#: override sets; "base" is DemoConfig's defaults (since 2026-11-25 those of "a300_b80_lr2x"; the variants
+#: written before then are relative to the earlier defaults A200/B60, lr 2e-3/3e-4, which "old" restores)
 VARIANTS: dict[str, dict] = {
     "base": {},
+    "old": {"align_steps": 200, "e2e_steps": 60, "align_lr": 2e-3, "e2e_lr": 3e-4},
     "rows512": {"batch_tokens": 512},
     "seq512": {"seq_len": 512, "batch_tokens": 512},
     "b_all": {"e2e_params": "all", "e2e_lr": 1e-4},
@@ -39,6 +42,8 @@ VARIANTS: dict[str, dict] = {
     "lr3x": {"align_lr": 6e-3, "e2e_lr": 9e-4},
     "a300_b80": {"align_steps": 300, "e2e_steps": 80},
     "a300_b80_lr2x": {"align_steps": 300, "e2e_steps": 80, "align_lr": 4e-3, "e2e_lr": 6e-4},
+    "a300_b80_lr3x": {"align_steps": 300, "e2e_steps": 80, "align_lr": 6e-3, "e2e_lr": 9e-4},
+    "a260_b70_lr2x": {"align_steps": 260, "e2e_steps": 70, "align_lr": 4e-3, "e2e_lr": 6e-4},
     "rows256_a150_b40_lr2x": {"batch_tokens": 256, "align_steps": 150, "e2e_steps": 40, "align_lr": 4e-3,
                               "e2e_lr": 6e-4},
     "rows512_a120_b40_lr2x": {"batch_tokens": 512, "align_steps": 120, "e2e_steps": 40, "align_lr": 4e-3,

@@ -3,7 +3,7 @@
 #   bash benchmarks/device_default.sh $OUT join .parts1      # call 1: keep part 1 on the machine
 #   bash benchmarks/device_default.sh $OUT join .parts2      # call 2: add the rest, check the sha256
 #   bash benchmarks/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/demo_recipes.py),
-#                                                            # one process per variant, side by side on one GPU
+#                                                            # in turn, in one process
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
@@ -18,11 +18,10 @@ case $STEP in
       cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
     else echo "part kept: $(ls /root/p)"; fi ;;
   recipes)
-    for v in ${ARG//,/ }; do
-      OMP_NUM_THREADS=2 timeout ${RECIPE_TIMEOUT:-540} python3 benchmarks/demo_recipes.py --teacher "$GGUF" \
-        --variants "$v" --out "/root/recipes/$v" > "$OUT/$v.log" 2>&1 &
-    done
-    wait
-    cat /root/recipes/*/recipes.jsonl > "$OUT/recipes.jsonl"
-    grep -h "RESULT\|Error\|error" "$OUT"/*.log | tail -40 ;;
+    # one process runs the variants in turn, on the torch kernels: at the demo's small fp32 shapes Triton gains
+    # nothing, and its first use compiles and autotunes for minutes (8 processes side by side did so at once)
+    HYBRIDIZE_KERNELS=torch timeout ${RECIPE_TIMEOUT:-540} python3 benchmarks/demo_recipes.py --teacher "$GGUF" \
+      --variants "$ARG" --out /root/recipes > "$OUT/recipes.log" 2>&1
+    cp /root/recipes/recipes.jsonl "$OUT/" 2>/dev/null
+    grep -h "RESULT\|Error\|error" "$OUT/recipes.log" | tail -40 ;;
 esac
