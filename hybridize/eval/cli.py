@@ -129,7 +129,8 @@ def niah_cmd(
     batch_size: Optional[int] = typer.Option(None, help="prompts generated together (default 32 on GPU, 4 on CPU)"),
     generation: str = typer.Option("auto", help=GEN_HELP),
     essays: Optional[str] = typer.Option(None, help="haystack: text file, JSONL with 'text', or hub dataset "
-                                                    "(default: shared paul_graham_essays.txt)"),
+                                                    "(default: shared paul_graham_essays.txt; where it is missing, "
+                                                    "the built-in python-reference text)"),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: if present)"),
     seed: int = typer.Option(0, help="seed of keys and values"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -191,7 +192,9 @@ def mqar_cmd(
 @eval_app.command("ppl")
 def ppl_cmd(
     model: List[str] = typer.Option(["default"], "--model", "-m", help=MODEL_HELP + " (repeat to compare)"),
-    text: str = typer.Option("wikitext2", help="'wikitext2' (shared data) or a .txt / .jsonl file"),
+    text: str = typer.Option("wikitext2", help="'wikitext2' (shared data; where it is missing, "
+                                                      "'python-reference'), 'python-reference' (Python's Language "
+                                                      "Reference, built in) or a .txt / .jsonl file"),
     lengths: str = typer.Option("256,512,1k,2k,4k", help="context lengths in tokens"),
     tokens: int = typer.Option(16384, help="tokens scored at every length"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
