@@ -276,3 +276,40 @@ def speed_cmd(
     rows = run_speed(models, cfg, d)
     print_table(rows, COLUMNS, title="speed (decode_speedup: vs the first model)")
     _done(d)
+
+
+# ---- recovery -----------------------------------------------------------------------------------
+
+@eval_app.command("recovery")
+def recovery_cmd(
+    teacher: str = typer.Option(..., "--teacher", help="'default' or the teacher's checkpoint dir"),
+    model: List[str] = typer.Option(..., "--model", "-m", help="NAME=DIR (repeatable)"),
+    out: Path = typer.Option(..., help="output folder: recovery.json, recovery.md, recovery.png"),
+    time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
+    lengths: str = typer.Option("1k,2k,4k,8k", help="S-NIAH prompt lengths"),
+    needle_samples: int = typer.Option(4, help="S-NIAH prompts per length"),
+    arith_samples: int = typer.Option(10, help="arith:test problems per level"),
+    ppl_length: int = typer.Option(1024, help="perplexity context length"),
+    ppl_tokens: int = typer.Option(8192, help="tokens scored per perplexity row"),
+    overwrite: bool = typer.Option(False, help="redo rows already in recovery.json"),
+    generation: str = typer.Option("auto", help=GEN_HELP),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+):
+    """Teacher vs models on a fixed suite (ppl, KL/agreement, S-NIAH, arith): ratio table, JSON and bars."""
+    from .common import load_model, parse_int_list
+    from .recovery import RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
+
+    specs = [parse_model_spec(s) for s in model]
+    cfg = RecoveryConfig(lengths=tuple(parse_int_list(lengths)), needle_samples=needle_samples,
+                         arith_samples=arith_samples, ppl_length=ppl_length, ppl_tokens=ppl_tokens,
+                         time_budget=time_budget, overwrite=overwrite, generation=generation)
+    t, tok = load_model(teacher, dtype=dtype, device=device)
+    check_lengths(t, cfg)
+    models = {"teacher": t}
+    for name, src in specs:
+        m, mtok = load_model(src, dtype=dtype, device=device)
+        check_tokenizer(name, tok, mtok)
+        models[name] = m
+    run_recovery(models, tok, cfg, out, log=lambda s: typer.secho(s, err=True))
+    _done(out)

@@ -1,0 +1,230 @@
+"""`hybridize eval recovery`: how much of the teacher a converted / distilled model recovers, side by side
+(issue 22, part 1). The teacher and every `--model` run on one fixed suite; `recovery.json` is rewritten
+(temp file + `os.replace`) after EACH row, `recovery.md` holds the table and `recovery.png` the bars
+(teacher = 1.0, one bar group per model).
+
+Rows (each tagged with its capability):
+- `ppl:python-reference`: held-out perplexity on the built-in `python-reference` text (Python's Language
+  Reference). No training mix the project ships contains it: the recipes in `hybridize/recipes/` train on
+  the shared data sets, and the demo (`hybridize/distill/demo.py`) trains on stdlib docstrings and the
+  teacher's answers to its chat prompts, keeping the Language Reference held out.
+- `ppl:wikitext2`: wikitext-2 test from ../shared/data; where that is missing the row is written as
+  "skipped: no ../shared/data". Both ppl rows reuse `perplexity.evaluate_ppl` (one context length).
+- `kl:chat` and `agree:chat`: KL(teacher || model), mean per token, and top-1 agreement of the next-token
+  predictions on the PROMPT tokens of `HELDOUT_CHAT_PROMPTS` (chat template applied when the tokenizer has
+  one; no generation, so the row is cheap and deterministic).
+- `niah:s-niah-K:L`: S-NIAH-1/2/3 at each length, generation-scored by `niah.evaluate_niah` on prompts built
+  once by `niah.build_samples` (python-reference haystack when the shared essays are missing).
+- `arith:test`: accuracy (greedy, answer_format=number) by `math.evaluate_math` on `arith:test:n=N`.
+
+Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: model / teacher.
+Perplexity: teacher_ppl / model_ppl. KL (the teacher's own KL is 0): exp(-KL).
+
+Departures from the issue: all models are loaded at once (fine for the small models this targets);
+KL/agreement score prompt tokens, not the teacher's greedy answer; a row whose teacher value is 0 or NaN
+gets ratio NaN.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hybridize.errors import UserError
+
+NIAH_TASKS = ("s-niah-1", "s-niah-2", "s-niah-3")
+
+
+@dataclass
+class RecoveryConfig:
+    lengths: tuple[int, ...] = field(default=(1024, 2048, 4096, 8192), metadata={"help": "S-NIAH prompt lengths"})
+    needle_samples: int = field(default=4, metadata={"help": "S-NIAH prompts per length"})
+    arith_samples: int = field(default=10, metadata={"help": "arith:test problems per level"})
+    ppl_length: int = field(default=1024, metadata={"help": "perplexity context length"})
+    ppl_tokens: int = field(default=8192, metadata={"help": "tokens scored per perplexity row"})
+    arith_max_new_tokens: int = field(default=32, metadata={"help": "answer budget of the arith row"})
+    time_budget: float | None = field(default=None, metadata={"help": "seconds; no row starts after it"})
+    overwrite: bool = field(default=False, metadata={"help": "redo rows already in recovery.json"})
+    generation: str = field(default="auto", metadata={"help": "fast | hf | auto"})
+
+
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    """'NAME=DIR' -> (NAME, DIR); anything else is a UserError."""
+    name, eq, src = spec.partition("=")
+    if not eq or not name.strip() or not src.strip():
+        raise UserError(f"--model {spec!r}: write NAME=DIR (e.g. --model hybrid=runs/q-sse)")
+    return name.strip(), src.strip()
+
+
+def check_tokenizer(name: str, teacher_tok, tok) -> None:
+    probes = ["The capital of France is Paris.", "def f(x):\n    return x ** 2", "1234567 + 89 = ?"]
+    if len(teacher_tok) != len(tok) or any(teacher_tok(p)["input_ids"] != tok(p)["input_ids"] for p in probes):
+        raise UserError(f"--model {name}: its tokenizer differs from the teacher's (vocab {len(tok)} vs "
+                        f"{len(teacher_tok)} or different encodings); recovery needs the same tokenizer")
+
+
+def check_lengths(teacher, cfg: RecoveryConfig) -> None:
+    ctx = getattr(teacher.config, "max_position_embeddings", None)
+    if ctx and max(cfg.lengths) > ctx:
+        raise UserError(f"--lengths {max(cfg.lengths)} is over the teacher's context ({ctx} tokens); use shorter lengths")
+
+
+def row_ids(cfg: RecoveryConfig) -> list[str]:
+    return (["ppl:python-reference", "ppl:wikitext2", "kl:chat", "agree:chat"]
+            + [f"niah:{t}:{L}" for t in NIAH_TASKS for L in cfg.lengths] + ["arith:test"])
+
+
+@torch.no_grad()
+def chat_logprobs(model, tokenizer) -> list[torch.Tensor]:
+    """Log-softmax of the next-token logits over every held-out chat prompt `[T, V]` (fp32, cpu)."""
+    from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
+
+    from .common import build_prompt, encode, has_chat_template, model_device
+
+    chat = has_chat_template(tokenizer)
+    out = []
+    for p in HELDOUT_CHAT_PROMPTS:
+        ids = encode(tokenizer, build_prompt(tokenizer, p, chat=chat), chat)
+        x = torch.tensor([ids], device=model_device(model))
+        out.append(torch.log_softmax(model(input_ids=x).logits[0].float(), -1).cpu())
+    return out
+
+
+def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean per-token KL(teacher || model) in nats, top-1 agreement)."""
+    kl, agree, n = 0.0, 0.0, 0
+    for t, m in zip(teacher_lp, model_lp):
+        kl += (t.exp() * (t - m)).sum(-1).clamp_min(0).sum().item()
+        agree += (t.argmax(-1) == m.argmax(-1)).sum().item()
+        n += t.shape[0]
+    return kl / n, agree / n
+
+
+def ratio(row_id: str, teacher: float, value: float) -> float:
+    if value is None or teacher is None or (isinstance(value, float) and math.isnan(value)):
+        return float("nan")
+    if row_id.startswith("ppl:"):
+        return teacher / value if value > 0 else float("nan")
+    if row_id.startswith("kl:"):
+        return math.exp(-value)
+    return value / teacher if teacher and not math.isnan(teacher) else float("nan")
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Path,
+                 log: Callable[[str], None] = print) -> dict:
+    """`models`: {name: model}, the teacher first under the name 'teacher'. Returns the report dict."""
+    from .common import data_file
+    from .math import MathEvalConfig, evaluate_math
+    from .niah import NiahConfig, build_samples, evaluate_niah
+    from .perplexity import PplConfig, evaluate_ppl
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "recovery.json"
+    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not cfg.overwrite else {}
+    done = {r["row"]: r for r in old.get("rows", []) if set(models) <= set(r.get("values", {})) or r.get("skipped")}
+    deadline = time.time() + cfg.time_budget if cfg.time_budget is not None else None
+    rows: dict[str, dict] = dict(done)
+    report = {"models": list(models), "ratio_rule": "1.0 = parity, higher is better: model/teacher for accuracy and "
+              "agreement, teacher_ppl/model_ppl for perplexity, exp(-KL) for KL", "rows": [], "not_run": []}
+    cache: dict = {}
+
+    def metric(row_id: str, name: str, m):
+        if row_id.startswith("ppl:"):
+            text = row_id.split(":", 1)[1]
+            c = PplConfig(text=text, lengths=(cfg.ppl_length,), tokens=cfg.ppl_tokens)
+            return evaluate_ppl(m, tokenizer, c, progress=False)["rows"][0]["ppl"]
+        if row_id in ("kl:chat", "agree:chat"):
+            if name not in cache:
+                if "teacher_lp" not in cache:
+                    cache["teacher_lp"] = chat_logprobs(models["teacher"], tokenizer)
+                cache[name] = kl_agreement(cache["teacher_lp"], chat_logprobs(m, tokenizer))
+            return cache[name][0 if row_id == "kl:chat" else 1]
+        if row_id.startswith("niah:"):
+            _, task, L = row_id.split(":")
+            nc = NiahConfig(task=task, lengths=(int(L),), depths=(0.5,), samples=cfg.needle_samples,
+                            generation=cfg.generation)
+            key = ("niah", task, L)
+            if key not in cache:
+                cache[key] = build_samples(tokenizer, nc)
+            return evaluate_niah(m, tokenizer, nc, progress=False, samples=cache[key])["accuracy"]
+        mc = MathEvalConfig(dataset=f"arith:test:n={cfg.arith_samples}", greedy=True, answer_format="number",
+                            max_new_tokens=cfg.arith_max_new_tokens, generation=cfg.generation)
+        return evaluate_math(m, tokenizer, mc, progress=False)["avg@1"]
+
+    def write():
+        report["rows"] = [rows[r] for r in row_ids(cfg) if r in rows]
+        _atomic_json(path, report)
+
+    for row_id in row_ids(cfg):
+        if row_id in done:
+            log(f"recovery: {row_id} already in {path}, skipped (--overwrite to redo)")
+            continue
+        if deadline is not None and time.time() >= deadline:
+            report["not_run"].append(row_id)
+            continue
+        capability = row_id.split(":")[0]
+        row = {"row": row_id, "capability": capability}
+        if row_id == "ppl:wikitext2" and data_file("wikitext2/test.txt") is None:
+            row["skipped"] = "skipped: no ../shared/data"
+        else:
+            t0 = time.time()
+            vals = {n: metric(row_id, n, m) for n, m in models.items()}
+            row.update(values=vals, ratios={n: ratio(row_id, vals["teacher"], v) for n, v in vals.items()
+                                            if n != "teacher"}, seconds=round(time.time() - t0, 2))
+        rows[row_id] = row
+        log(f"recovery: {row_id} done")
+        write()
+    write()
+    write_md(out / "recovery.md", report)
+    save_bars(out / "recovery.png", report)
+    return report
+
+
+def write_md(path: Path, report: dict) -> None:
+    names = [n for n in report["models"] if n != "teacher"]
+    lines = ["# recovery", "", f"ratio: {report['ratio_rule']}.", "",
+             "| capability | row | teacher | " + " | ".join(f"{n} | {n} ratio" for n in names) + " |",
+             "| --- | --- | --- | " + " | ".join("--- | ---" for _ in names) + " |"]
+    for r in report["rows"]:
+        if r.get("skipped"):
+            lines.append(f"| {r['capability']} | {r['row']} | {r['skipped']} |" + " |" * (2 * len(names)))
+            continue
+        v, q = r["values"], r["ratios"]
+        lines.append(f"| {r['capability']} | {r['row']} | {v['teacher']:.4g} | "
+                     + " | ".join(f"{v.get(n, float('nan')):.4g} | {q.get(n, float('nan')):.3f}" for n in names) + " |")
+    if report["not_run"]:
+        lines += ["", "not run (time budget): " + ", ".join(report["not_run"])]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def save_bars(path: Path, report: dict) -> None:
+    from .common import plt
+
+    pyplot = plt()
+    names = [n for n in report["models"] if n != "teacher"]
+    rows = [r for r in report["rows"] if not r.get("skipped")]
+    fig, ax = pyplot.subplots(figsize=(max(6, 0.6 * len(rows) * max(1, len(names))), 4))
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        ax.bar([j + i * w for j in range(len(rows))], [r["ratios"].get(n, float("nan")) for r in rows], w, label=n)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="teacher")
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(rows))], [r["row"] for r in rows], rotation=60, ha="right",
+                  fontsize=7)
+    ax.set_ylabel("ratio to teacher (1.0 = parity)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)

@@ -1,0 +1,114 @@
+"""`hybridize eval recovery`: report files and rows, teacher-vs-itself parity (and a perturbed model that is
+not at parity), the time budget + resume, and the one-line errors for bad input."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from hybridize.errors import UserError
+from hybridize.eval.recovery import (RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, row_ids,
+                                     run_recovery)
+
+
+def _cfg(**kw):
+    return RecoveryConfig(**{**dict(lengths=(256,), needle_samples=1, arith_samples=1, ppl_length=64, ppl_tokens=128,
+                                    arith_max_new_tokens=4, generation="hf"), **kw})
+
+
+@pytest.fixture(scope="module")
+def noisy(tiny_model):
+    m = copy.deepcopy(tiny_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return m
+
+
+def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    cfg = _cfg()
+    rep = run_recovery({"teacher": tiny_model, "self": tiny_model, "noisy": noisy}, tiny_tokenizer, cfg, tmp_path,
+                       log=lambda s: None)
+    for f in ("recovery.json", "recovery.md", "recovery.png"):
+        assert (tmp_path / f).is_file()
+    rows = {r["row"]: r for r in json.loads((tmp_path / "recovery.json").read_text())["rows"]}
+    assert list(rows) == row_ids(cfg) and not rep["not_run"]
+    for rid, r in rows.items():
+        if r.get("skipped"):
+            assert rid == "ppl:wikitext2" and "no ../shared/data" in r["skipped"]
+            continue
+        assert r["capability"] == rid.split(":")[0]
+        if r["values"]["teacher"] not in (0, 0.0) and not math.isnan(r["values"]["teacher"]):
+            assert r["ratios"]["self"] == pytest.approx(1.0, abs=1e-5), rid
+    assert rows["kl:chat"]["values"]["self"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["agree:chat"]["values"]["self"] == 1.0
+    assert rows["kl:chat"]["values"]["noisy"] > 1e-3
+    assert rows["ppl:python-reference"]["ratios"]["noisy"] != pytest.approx(1.0, abs=1e-4)
+    md = (tmp_path / "recovery.md").read_text()
+    assert "teacher_ppl/model_ppl" in md and "| ppl | ppl:python-reference |" in md
+
+
+def test_time_budget_then_resume(tmp_path, tiny_model, tiny_tokenizer):
+    cfg = _cfg(time_budget=0.3)
+    ids = row_ids(cfg)
+
+    def slow_log(s):
+        if s.endswith(" done"):
+            time.sleep(0.4)   # the first row uses up the budget
+
+    rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=slow_log)
+    saved = json.loads((tmp_path / "recovery.json").read_text())
+    assert [r["row"] for r in saved["rows"]] == ids[:1]
+    assert saved["not_run"] == ids[1:] == rep["not_run"]
+    assert "not run (time budget)" in (tmp_path / "recovery.md").read_text()
+    first = saved["rows"][0]
+    logs = []
+    rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, _cfg(), tmp_path, log=logs.append)
+    assert [r["row"] for r in rep["rows"]] == ids and not rep["not_run"]
+    assert rep["rows"][0] == first
+    assert any(ids[0] in s and "skipped" in s for s in logs)
+    assert sum(s.endswith(" done") for s in logs) == len(ids) - 1
+
+
+def test_bad_input_lines(tiny_model, tiny_tokenizer):
+    with pytest.raises(UserError, match="NAME=DIR"):
+        parse_model_spec("runs/hybrid")
+    assert parse_model_spec("h=runs/x") == ("h", "runs/x")
+    other = copy.deepcopy(tiny_tokenizer)
+    other.add_tokens(["<|extra|>"])
+    with pytest.raises(UserError, match="tokenizer differs"):
+        check_tokenizer("h", tiny_tokenizer, other)
+    check_tokenizer("h", tiny_tokenizer, tiny_tokenizer)
+    with pytest.raises(UserError, match="over the teacher's context"):
+        check_lengths(tiny_model, _cfg(lengths=(1024, 100_000)))
+
+
+def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
+    import typer
+    from typer.testing import CliRunner
+
+    from hybridize.eval.cli import register
+
+    app = typer.Typer()
+
+    @app.callback()
+    def main():
+        pass
+
+    register(app)
+    base = ["eval", "recovery", "--teacher", str(tiny_model_dir), "--out", str(tmp_path), "--device", "cpu",
+            "--dtype", "float32", "--lengths", "256", "--needle-samples", "1", "--arith-samples", "1",
+            "--ppl-length", "64", "--ppl-tokens", "128", "--generation", "hf"]
+    r = CliRunner().invoke(app, base + ["--model", f"copy={tiny_model_dir}"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert {"recovery.json", "recovery.md", "recovery.png"} <= {p.name for p in tmp_path.iterdir()}
+    r = CliRunner().invoke(app, base + ["--model", str(tiny_model_dir)])
+    assert isinstance(r.exception, UserError) and "NAME=DIR" in str(r.exception)
+    long = [("100000" if a == "256" else a) for a in base]
+    r = CliRunner().invoke(app, long + ["--model", f"c={tiny_model_dir}"])
+    assert isinstance(r.exception, UserError) and "over the teacher's context" in str(r.exception)
