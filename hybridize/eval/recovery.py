@@ -5,9 +5,10 @@
 
 Rows (each tagged with its capability):
 - `ppl:python-reference`: held-out perplexity on the built-in `python-reference` text (Python's Language
-  Reference). No training mix the project ships contains it: the recipes in `hybridize/recipes/` train on
-  the shared data sets, and the demo (`hybridize/distill/demo.py`) trains on stdlib docstrings and the
-  teacher's answers to its chat prompts, keeping the Language Reference held out.
+  Reference). No training mix the project ships contains it: the e2e recipes in `hybridize/recipes/` train on
+  `python-docs` (stdlib docstrings) and name `python-reference` only as their held-out `data.eval`, and the
+  demo (`hybridize/distill/demo.py`) trains on stdlib docstrings and the teacher's answers to its chat
+  prompts, keeping the Language Reference topics as its held-out text.
 - `ppl:wikitext2`: wikitext-2 test from ../shared/data; where that is missing the row is written as
   "skipped: no ../shared/data". Both ppl rows reuse `perplexity.evaluate_ppl` (one context length).
 - `kl:chat` and `agree:chat`: KL(teacher || model), mean per token, and top-1 agreement of the next-token

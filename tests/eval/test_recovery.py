@@ -112,3 +112,15 @@ def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
     long = [("100000" if a == "256" else a) for a in base]
     r = CliRunner().invoke(app, long + ["--model", f"c={tiny_model_dir}"])
     assert isinstance(r.exception, UserError) and "over the teacher's context" in str(r.exception)
+
+
+def test_wikitext_row_skipped_without_shared_data(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    import hybridize.eval.common as common
+
+    monkeypatch.setattr(common, "data_file", lambda rel: None)
+    cfg = _cfg(lengths=(256,))
+    cfg_rows = ["ppl:python-reference", "ppl:wikitext2"]
+    monkeypatch.setattr("hybridize.eval.recovery.row_ids", lambda c: cfg_rows)
+    rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    assert rep["rows"][1]["skipped"] == "skipped: no ../shared/data"
+    assert "skipped: no ../shared/data" in (tmp_path / "recovery.md").read_text()
