@@ -23,7 +23,8 @@ Perplexity: teacher_ppl / model_ppl. KL (the teacher's own KL is 0): exp(-KL).
 
 Departures from the issue: all models are loaded at once (fine for the small models this targets);
 KL/agreement score prompt tokens, not the teacher's greedy answer; a row whose teacher value is 0 or NaN
-gets ratio NaN.
+gets ratio NaN; S-NIAH puts the needle at depth 0.5 only (`--needle-samples` prompts per length, no depth
+sweep); the arith row asks 'Answer with the number only.' with a short budget (greedy) rather than \\boxed{}.
 """
 from __future__ import annotations
 
