@@ -4,6 +4,7 @@
 #   bash benchmarks/device_default.sh $OUT join .parts2      # call 2: add the rest, check the sha256
 #   bash benchmarks/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/demo_recipes.py),
 #                                                            # in turn, in one process
+#   bash benchmarks/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
@@ -24,4 +25,11 @@ case $STEP in
       --variants "$ARG" --out /root/recipes > "$OUT/recipes.log" 2>&1
     cp /root/recipes/recipes.jsonl "$OUT/" 2>/dev/null
     grep -h "RESULT\|Error\|error" "$OUT/recipes.log" | tail -40 ;;
+  recovery)
+    # the demo's student (default recipe, torch kernels), then the recovery report against the teacher;
+    # ARG = extra eval-recovery options
+    HYBRIDIZE_KERNELS=torch python3 -m hybridize.cli demo teacher="$GGUF" out=/root/demo > "$OUT/demo.log" 2>&1
+    grep -A8 "| model" "$OUT/demo.log"
+    HYBRIDIZE_KERNELS=torch python3 -m hybridize.cli eval recovery --teacher "$GGUF" -m demo=/root/demo/student \
+      --out "$OUT/recovery" --generation hf $ARG 2>&1 | tee "$OUT/recovery.log" | tail -40 ;;
 esac

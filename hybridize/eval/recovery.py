@@ -160,7 +160,10 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                             generation=cfg.generation)
             key = ("niah", task, L)
             if key not in cache:
-                cache[key] = build_samples(tokenizer, nc)
+                try:
+                    cache[key] = build_samples(tokenizer, nc)
+                except ValueError as e:   # a length shorter than the prompt without haystack
+                    raise UserError(f"{row_id}: {e}; use longer --lengths") from None
             return evaluate_niah(m, tokenizer, nc, progress=False, samples=cache[key])["accuracy"]
         mc = MathEvalConfig(dataset=f"arith:test:n={cfg.arith_samples}", greedy=True, answer_format="number",
                             max_new_tokens=cfg.arith_max_new_tokens, generation=cfg.generation)

@@ -16,7 +16,7 @@ from hybridize.eval.recovery import (RecoveryConfig, check_lengths, check_tokeni
 
 
 def _cfg(**kw):
-    return RecoveryConfig(**{**dict(lengths=(256,), needle_samples=1, arith_samples=1, ppl_length=64, ppl_tokens=128,
+    return RecoveryConfig(**{**dict(lengths=(512,), needle_samples=1, arith_samples=1, ppl_length=64, ppl_tokens=128,
                                     arith_max_new_tokens=4, generation="hf"), **kw})
 
 
@@ -102,14 +102,14 @@ def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
 
     register(app)
     base = ["eval", "recovery", "--teacher", str(tiny_model_dir), "--out", str(tmp_path), "--device", "cpu",
-            "--dtype", "float32", "--lengths", "256", "--needle-samples", "1", "--arith-samples", "1",
+            "--dtype", "float32", "--lengths", "512", "--needle-samples", "1", "--arith-samples", "1",
             "--ppl-length", "64", "--ppl-tokens", "128", "--generation", "hf"]
     r = CliRunner().invoke(app, base + ["--model", f"copy={tiny_model_dir}"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert {"recovery.json", "recovery.md", "recovery.png"} <= {p.name for p in tmp_path.iterdir()}
     r = CliRunner().invoke(app, base + ["--model", str(tiny_model_dir)])
     assert isinstance(r.exception, UserError) and "NAME=DIR" in str(r.exception)
-    long = [("100000" if a == "256" else a) for a in base]
+    long = [("100000" if a == "512" else a) for a in base]
     r = CliRunner().invoke(app, long + ["--model", f"c={tiny_model_dir}"])
     assert isinstance(r.exception, UserError) and "over the teacher's context" in str(r.exception)
 
@@ -118,9 +118,15 @@ def test_wikitext_row_skipped_without_shared_data(tmp_path, tiny_model, tiny_tok
     import hybridize.eval.common as common
 
     monkeypatch.setattr(common, "data_file", lambda rel: None)
-    cfg = _cfg(lengths=(256,))
+    cfg = _cfg(lengths=(512,))
     cfg_rows = ["ppl:python-reference", "ppl:wikitext2"]
     monkeypatch.setattr("hybridize.eval.recovery.row_ids", lambda c: cfg_rows)
     rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
     assert rep["rows"][1]["skipped"] == "skipped: no ../shared/data"
     assert "skipped: no ../shared/data" in (tmp_path / "recovery.md").read_text()
+
+
+def test_length_shorter_than_the_prompt_is_one_line(tmp_path, tiny_model, tiny_tokenizer):
+    cfg = _cfg(lengths=(16,))
+    with pytest.raises(UserError, match="too short.*use longer --lengths"):
+        run_recovery({"teacher": tiny_model, "self": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
