@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, read_yaml
 
 
 def _f(default, help: str, min: float | None = None):
@@ -340,7 +340,7 @@ def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | No
     data: dict = {}
     if recipe:
         path = find_recipe(recipe)
-        loaded = load_yaml(path.read_text()) or {}
+        loaded = read_yaml(path, load_yaml) or {}
         if not isinstance(loaded, dict):
             raise UserError(f"recipe {path} must be a YAML mapping")
         data = loaded

@@ -95,3 +95,18 @@ def test_cli_align_then_e2e_on_saved_hybrid(app, tmp_path):
     r = CliRunner().invoke(app, ["distill", "e2e", f"student={tmp_path / 'a' / 'final'}",
                                  f"train.run_dir={tmp_path / 'b'}", "params=mixer", "--resume", *common])
     assert r.exit_code == 0 and "3 steps" in r.output  # already done: resumes at step 3 and stops
+
+
+def test_malformed_recipe_is_one_line(tmp_path):
+    """A recipe that is not valid YAML stops with the file, line and column, no traceback, exit 2."""
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1e-3\n  max_steps: 4\n")
+    with pytest.raises(UserError, match=r"bad\.yaml, line \d+, column \d+: not valid YAML"):
+        load_config(AlignConfig, str(bad))
+    r = subprocess.run([sys.executable, "-m", "hybridize.cli", "distill", "align", "-r", str(bad), "student=x"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "not valid YAML" in r.stderr + r.stdout
