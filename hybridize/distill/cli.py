@@ -27,7 +27,7 @@ RESUME = typer.Option(False, "--resume", help="continue from the newest complete
                       "change is refused")
 OVERWRITE = typer.Option(False, "--overwrite", help="start over in a train.run_dir that holds an earlier run "
                                                    "(its checkpoints/ and metrics.jsonl are deleted first)")
-SHOW = typer.Option(False, "--show", help="print every setting (key, default, help) and exit")
+SHOW = typer.Option(False, "--show", help="print every setting (key, its value after the recipe and overrides, help) and exit")
 OVERRIDES = typer.Argument(None, help="key=value overrides, applied after the recipe (e.g. train.lr=3e-4)",
                            show_default=False)
 
@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
                   resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage A, attention transfer: each converted layer matches its teacher attention's output."""
         if show:
-            return _show(AlignConfig)
+            return _show(AlignConfig, load_config(AlignConfig, recipe, overrides))
         from .align import run_align
         r = run_align(_start(load_config(AlignConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"align: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
                 resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage B: KL to the teacher's logits + CE on packed long sequences (context schedule, LoRA or full)."""
         if show:
-            return _show(E2EConfig)
+            return _show(E2EConfig, load_config(E2EConfig, recipe, overrides))
         from .e2e import run_e2e
         r = run_e2e(_start(load_config(E2EConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"e2e: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
                 resume: bool = RESUME, overwrite: bool = OVERWRITE, show: bool = SHOW):
         """Stage C: SFT on reasoning traces (a dataset or `distill traces` output) with TRL's SFTTrainer."""
         if show:
-            return _show(SFTStageConfig)
+            return _show(SFTStageConfig, load_config(SFTStageConfig, recipe, overrides))
         from .sft import run_sft
         r = run_sft(_start(load_config(SFTStageConfig, recipe, overrides), resume, overwrite, "sft"), resume=resume)
         typer.echo(f"sft: {r.global_step} steps, train loss {r.training_loss:.4g}")
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
                    show: bool = SHOW):
         """The teacher writes completions for prompts (JSONL; rerun to continue an interrupted file)."""
         if show:
-            return _show(TracesConfig)
+            return _show(TracesConfig, load_config(TracesConfig, recipe, overrides))
         from .traces import run_traces
         path = run_traces(load_config(TracesConfig, recipe, overrides))
         typer.echo(f"traces: {path}")

@@ -66,13 +66,16 @@ class TrainArgs:
 class DataArgs:
     """Where training text comes from and how it is packed."""
 
-    train: str = _f("", "local .jsonl/.json/.txt/.parquet file or folder, or a hub dataset name "
-                        "(empty: ../shared/data/general_text when present)")
+    train: typing.Union[str, list] = _f("", "local .jsonl/.json/.txt/.parquet file or folder, or a hub dataset "
+                                            "name, or a list of them (YAML list, or data.train=[a,b]); empty: "
+                                            "../shared/data/general_text when present")
     split: str = _f("train", "dataset split (hub datasets)")
     text_field: str = _f("text", "column holding the text")
     text_template: str = _f("", "Python format string over row columns, e.g. '{problem}\\n{solution}' "
                                 "(overrides text_field)")
-    max_docs: int = _f(0, "use at most this many documents (0 = all)", min=0)
+    max_docs: int = _f(0, "use at most this many documents (0 = all; per source)", min=0)
+    txt_document: str = _f("line", "what one document of a local .txt file is: line | paragraph | file | "
+                                   "wikitext (whole articles, split at ' = Title = ' headings)")
     seq_len: int = _f(256, "packed row length in tokens", min=1)
     seq_len_schedule: list = _f([], "context-length schedule [[step, seq_len], ...] (overrides seq_len)")
     batch_tokens: int = _f(1024, "tokens per micro-batch per process (rows = batch_tokens // seq_len)", min=1)

@@ -14,6 +14,7 @@ Order: for a given row length the rows are shuffled by `seed`, `epoch` and sched
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,9 @@ def shared_data(rel: str) -> Path | None:
     return None
 
 
-def load_rows(source: str, split: str = "train", max_rows: int = 0):
-    """Rows of a local file/folder or a hub dataset, as a `datasets.Dataset`."""
+def load_rows(source: str, split: str = "train", max_rows: int = 0, sample_by: str = "line"):
+    """Rows of a local file/folder or a hub dataset, as a `datasets.Dataset`. `sample_by` (text files only):
+    one row per "line", "paragraph" (blank-line separated) or "document" (the whole file)."""
     import datasets
 
     if not source:
@@ -60,7 +62,8 @@ def load_rows(source: str, split: str = "train", max_rows: int = 0):
             kind, files = TEXT_SUFFIXES[path.suffix], [str(path)]
         files = check_local_files(path, files, kind)
         try:
-            ds = datasets.load_dataset(kind, data_files=files, split="train")
+            extra = {"sample_by": sample_by} if kind == "text" else {}
+            ds = datasets.load_dataset(kind, data_files=files, split="train", **extra)
         except Exception as e:  # datasets raises many types for malformed files
             raise UserError(f"cannot read {path}: {type(e).__name__}: {first_line(e)}") from None
     else:
@@ -121,14 +124,50 @@ def row_texts(ds, text_field: str = "text", template: str = "") -> list[str]:
     return texts
 
 
-def load_texts(source: str, text_field: str = "text", template: str = "", split: str = "train",
-               max_docs: int = 0) -> list[str]:
+TXT_DOCUMENTS = ("line", "paragraph", "file", "wikitext")
+# a wikitext article starts at a top-level heading line " = Title = " (sections are " = = Section = = ")
+_WIKITEXT_ARTICLE = re.compile(r"\n(?= = [^=].* = \n)")
+
+
+def wikitext_articles(text: str) -> list[str]:
+    """Split a raw wikitext-2/103 file into whole articles (one document per top-level heading)."""
+    return [a.strip("\n") for a in _WIKITEXT_ARTICLE.split("\n" + text) if a.strip()]
+
+
+def load_texts(source: str | list, text_field: str = "text", template: str = "", split: str = "train",
+               max_docs: int = 0, txt_document: str = "line") -> list[str]:
     """Documents of a built-in text (`python-docs`, `python-reference`: see hybridize.builtin_text), a local file or
-    folder, or a hub dataset."""
+    folder, or a hub dataset; a list of sources is read in turn (`max_docs` applies to each).
+
+    `txt_document` says what one document of a local text file is: a "line" (the `datasets` default), a
+    "paragraph", the whole "file", or a "wikitext" article (whole articles keep long-range structure for a
+    long-context stage; lines would cut them into paragraphs)."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise UserError("data.train is an empty list: name at least one source")
+        return [t for s in source for t in load_texts(s, text_field, template, split, max_docs, txt_document)]
     builtin = builtin_texts(source)
     if builtin is not None:
         return builtin[:max_docs] if max_docs else builtin
-    return row_texts(load_rows(source, split, max_docs), text_field, template)
+    if txt_document not in TXT_DOCUMENTS:
+        raise UserError(f"data.txt_document={txt_document!r}: use one of {', '.join(TXT_DOCUMENTS)}")
+    sample_by = {"line": "line", "paragraph": "paragraph"}.get(txt_document, "document")
+    texts = row_texts(load_rows(source, split, 0 if txt_document == "wikitext" else max_docs, sample_by),
+                      text_field, template)
+    if txt_document == "wikitext" and _lines_or_whole_file(source):  # join, then split at the titles
+        texts = wikitext_articles("".join(t if t.endswith("\n") else t + "\n" for t in texts))
+        texts = texts[:max_docs] if max_docs else texts
+    return texts
+
+
+def _lines_or_whole_file(source: str) -> bool:
+    """A local text file (read whole) or a hub dataset (wikitext's rows are lines); a local .jsonl / .parquet
+    row is a document already."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return True
+    files = sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+    return bool(files) and TEXT_SUFFIXES.get(files[0].suffix) == "text"
 
 
 def tokenize_docs(tokenizer, texts: list[str], add_eos: bool = True) -> list[list[int]]:
@@ -307,7 +346,7 @@ def default_train_source() -> str:
 def build_data(args, tokenizer, seed: int, grad_accum: int = 1) -> PackedData:
     """PackedData from a DataArgs section."""
     texts = load_texts(args.train or default_train_source(), args.text_field, args.text_template, args.split,
-                       args.max_docs)
+                       args.max_docs, args.txt_document)
     docs = tokenize_docs(tokenizer, texts, args.add_eos)
     return PackedData(docs, seq_len=args.seq_len, schedule=args.seq_len_schedule, batch_tokens=args.batch_tokens,
                       grad_accum=grad_accum, seed=seed)
