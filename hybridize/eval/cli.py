@@ -288,6 +288,7 @@ def recovery_cmd(
     time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
     lengths: str = typer.Option("1k,2k,4k,8k", help="S-NIAH prompt lengths"),
     needle_samples: int = typer.Option(4, help="S-NIAH prompts per length"),
+    niah_tasks: str = typer.Option("s-niah-1,s-niah-2,s-niah-3", help="S-NIAH tasks (comma list)"),
     arith_samples: int = typer.Option(10, help="arith:test problems per level"),
     ppl_length: int = typer.Option(1024, help="perplexity context length"),
     ppl_tokens: int = typer.Option(8192, help="tokens scored per perplexity row"),
@@ -298,10 +299,16 @@ def recovery_cmd(
 ):
     """Teacher vs models on a fixed suite (ppl, KL/agreement, S-NIAH, arith): ratio table, JSON and bars."""
     from .common import load_model, parse_int_list
-    from .recovery import RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
+    from hybridize.errors import UserError
+
+    from .recovery import NIAH_TASKS, RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
 
     specs = [parse_model_spec(s) for s in model]
-    cfg = RecoveryConfig(lengths=tuple(parse_int_list(lengths)), needle_samples=needle_samples,
+    tasks = tuple(t.strip().lower() for t in niah_tasks.split(",") if t.strip())
+    bad = [t for t in tasks if t not in NIAH_TASKS]
+    if bad:
+        raise UserError(f"--niah-tasks {','.join(bad)}: use some of {','.join(NIAH_TASKS)}")
+    cfg = RecoveryConfig(lengths=tuple(parse_int_list(lengths)), needle_samples=needle_samples, niah_tasks=tasks,
                          arith_samples=arith_samples, ppl_length=ppl_length, ppl_tokens=ppl_tokens,
                          time_budget=time_budget, overwrite=overwrite, generation=generation)
     t, tok = load_model(teacher, dtype=dtype, device=device)

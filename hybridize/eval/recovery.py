@@ -54,6 +54,7 @@ class RecoveryConfig:
     time_budget: float | None = field(default=None, metadata={"help": "seconds; no row starts after it"})
     overwrite: bool = field(default=False, metadata={"help": "redo rows already in recovery.json"})
     generation: str = field(default="auto", metadata={"help": "fast | hf | auto"})
+    niah_tasks: tuple[str, ...] = field(default=NIAH_TASKS, metadata={"help": "S-NIAH tasks to run"})
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
@@ -79,7 +80,7 @@ def check_lengths(teacher, cfg: RecoveryConfig) -> None:
 
 def row_ids(cfg: RecoveryConfig) -> list[str]:
     return (["ppl:python-reference", "ppl:wikitext2", "kl:chat", "agree:chat"]
-            + [f"niah:{t}:{L}" for t in NIAH_TASKS for L in cfg.lengths] + ["arith:test"])
+            + [f"niah:{t}:{L}" for t in cfg.niah_tasks for L in cfg.lengths] + ["arith:test"])
 
 
 @torch.no_grad()
@@ -136,7 +137,8 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recovery.json"
     old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not cfg.overwrite else {}
-    done = {r["row"]: r for r in old.get("rows", []) if set(models) <= set(r.get("values", {})) or r.get("skipped")}
+    earlier = {r["row"]: r for r in old.get("rows", [])}
+    done = {k: r for k, r in earlier.items() if set(models) <= set(r.get("values", {})) or r.get("skipped")}
     deadline = time.time() + cfg.time_budget if cfg.time_budget is not None else None
     rows: dict[str, dict] = dict(done)
     report = {"models": list(models), "ratio_rule": "1.0 = parity, higher is better: model/teacher for accuracy and "
@@ -186,7 +188,8 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
             row["skipped"] = "skipped: no ../shared/data"
         else:
             t0 = time.time()
-            vals = {n: metric(row_id, n, m) for n, m in models.items()}
+            vals = dict(earlier.get(row_id, {}).get("values", {}))  # a model added later: only it runs
+            vals.update({n: metric(row_id, n, m) for n, m in models.items() if n not in vals})
             row.update(values=vals, ratios={n: ratio(row_id, vals["teacher"], v) for n, v in vals.items()
                                             if n != "teacher"}, seconds=round(time.time() - t0, 2))
         rows[row_id] = row

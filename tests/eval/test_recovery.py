@@ -109,6 +109,8 @@ def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
     assert {"recovery.json", "recovery.md", "recovery.png"} <= {p.name for p in tmp_path.iterdir()}
     r = CliRunner().invoke(app, base + ["--model", str(tiny_model_dir)])
     assert isinstance(r.exception, UserError) and "NAME=DIR" in str(r.exception)
+    r = CliRunner().invoke(app, base + ["--model", f"c={tiny_model_dir}", "--niah-tasks", "s-niah-1,s-niah-9"])
+    assert isinstance(r.exception, UserError) and "--niah-tasks s-niah-9" in str(r.exception)
     long = [("100000" if a == "512" else a) for a in base]
     r = CliRunner().invoke(app, long + ["--model", f"c={tiny_model_dir}"])
     assert isinstance(r.exception, UserError) and "over the teacher's context" in str(r.exception)
@@ -130,3 +132,19 @@ def test_length_shorter_than_the_prompt_is_one_line(tmp_path, tiny_model, tiny_t
     cfg = _cfg(lengths=(16,))
     with pytest.raises(UserError, match="too short.*use longer --lengths"):
         run_recovery({"teacher": tiny_model, "self": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+
+
+def test_a_model_added_later_runs_alone(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    """Resuming with one more --model computes only that model's values: the teacher's and the first model's
+    are kept (a stand-in teacher in the second run would change them if they were recomputed)."""
+    cfg = _cfg(niah_tasks=("s-niah-1",))
+    assert [r for r in row_ids(cfg) if r.startswith("niah:")] == ["niah:s-niah-1:512"]
+    first = run_recovery({"teacher": tiny_model, "a": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    logs = []
+    second = run_recovery({"teacher": noisy, "a": noisy, "b": noisy}, tiny_tokenizer, cfg, tmp_path, log=logs.append)
+    for r1, r2 in zip(first["rows"], second["rows"]):
+        if r1.get("skipped"):
+            continue
+        assert {k: r2["values"][k] for k in ("teacher", "a")} == r1["values"], r1["row"]
+        assert "b" in r2["values"] and "b" in r2["ratios"]
+    assert second["rows"][0]["values"]["b"] != first["rows"][0]["values"]["a"]  # b (noisy) really ran
