@@ -1,0 +1,161 @@
+"""Issue 22, part 4: the embedded default converted three ways, each trained under the same budget, then
+compared with the teacher by `hybridize eval recovery`. Every step is a `hybridize` command (what a user
+would type), run in turn; state lives in `--work`, a step whose output exists is skipped, so the phases can
+be spread over several 10-minute device calls on a warm machine:
+
+    python benchmarks/recovery_variants.py --teacher T select            # hybridize select --keep 5
+    python benchmarks/recovery_variants.py --teacher T train fixed       # convert 5:1 + stage A + stage B
+    python benchmarks/recovery_variants.py --teacher T train select      # convert <selected> + A + B
+    python benchmarks/recovery_variants.py --teacher T long select       # + long-context stage -> select_long
+    python benchmarks/recovery_variants.py --teacher T eval --recovery-args "--needle-samples 24 ..."
+
+Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
+select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long). Stages A and B
+use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
+(general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
+evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
+(`train.max_minutes`) as a guard; the times each step took go to `<work>/steps.jsonl`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("fixed", "select", "select_long")
+
+
+def args_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("phase", choices=["select", "train", "long", "eval"])
+    p.add_argument("variant", nargs="?", choices=VARIANTS[:2], help="train/long: which variant")
+    p.add_argument("--teacher", default="default")
+    p.add_argument("--work", default="/root/rv")
+    p.add_argument("--data", default="../shared/data", help="folder with general_text/ and wikitext2/")
+    p.add_argument("--keep", type=int, default=5, help="softmax layers (5 = the 5:1 plan's count on 30 layers)")
+    p.add_argument("--select-args", default="", help="extra `hybridize select` options")
+    p.add_argument("--recovery-args", default="", help="extra `hybridize eval recovery` options")
+    p.add_argument("--align-steps", type=int, default=200)
+    p.add_argument("--e2e-steps", type=int, default=150)
+    p.add_argument("--long-steps", type=int, default=90)
+    p.add_argument("--minutes", type=float, default=3.0, help="wall-clock cap of each training step")
+    p.add_argument("--kernels", default="torch", help="HYBRIDIZE_KERNELS for every step (torch: no Triton "
+                                                      "compile/autotune time inside the budget)")
+    return p
+
+
+def hyb(args: list[str], log: Path, env: dict) -> float:
+    """Run `hybridize ARGS`, output to `log`; one line on failure (the log's tail) and exit."""
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        r = subprocess.run([sys.executable, "-m", "hybridize.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                           env=env)
+    took = time.perf_counter() - t0
+    if r.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        sys.exit(f"step failed ({log}):\n" + "\n".join(tail))
+    return took
+
+
+def record(work: Path, **row) -> None:
+    with (work / "steps.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def training_text(data: Path) -> list[str]:
+    srcs = [data / "general_text" / "wiki_demo.jsonl", data / "general_text" / "c4_demo.jsonl",
+            data / "wikitext2" / "valid.txt"]
+    missing = [str(s) for s in srcs if not s.is_file()]
+    if missing:
+        sys.exit(f"training text missing: {', '.join(missing)} (pass --data)")
+    return [str(s) for s in srcs]
+
+
+def step(work: Path, env: dict, name: str, done: Path, args: list[str]) -> None:
+    if done.exists():
+        print(f"{name}: {done} exists, skipped", flush=True)
+        return
+    took = hyb(args, work / "logs" / f"{name}.log", env)
+    record(work, step=name, seconds=round(took, 1))
+
+
+def plan_of(a, work: Path, variant: str) -> str:
+    if variant == "fixed":
+        return "5:1"
+    plan = work / "select" / "plan.txt"
+    if not plan.is_file():
+        sys.exit(f"{plan} is missing: run the `select` phase first")
+    return plan.read_text().strip()
+
+
+def run_train(a, work: Path, env: dict, variant: str) -> None:
+    text = "[" + ",".join(training_text(Path(a.data))) + "]"
+    common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
+              "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
+              "train.mixed_precision=bf16"]
+    v = work / variant
+    step(work, env, f"{variant}-convert", v / "converted" / "config.json",
+         ["convert", "--src", a.teacher, "--layers", plan_of(a, work, variant), "--mixer", "sse",
+          "--out", str(v / "converted"), "--overwrite"])
+    step(work, env, f"{variant}-align", v / "align" / "final" / "config.json",
+         ["distill", "align", "-r", "smollm2-135m/align", f"student={v / 'converted'}",
+          f"train.run_dir={v / 'align'}", f"train.max_steps={a.align_steps}", "data.seq_len=1024",
+          "data.batch_tokens=8192", "--overwrite", *common])
+    step(work, env, f"{variant}-e2e", v / "e2e" / "final" / "config.json",
+         ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
+          f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", "train.grad_accum=1",
+          "data.seq_len_schedule=[]", "data.seq_len=2048", "data.batch_tokens=16384", "--overwrite", *common])
+
+
+def run_long(a, work: Path, env: dict, variant: str) -> None:
+    src = work / variant / "e2e" / "final"
+    if not src.is_dir():
+        sys.exit(f"{src} is missing: run `train {variant}` first")
+    n = a.long_steps
+    step(work, env, f"{variant}_long", work / f"{variant}_long" / "long" / "final" / "config.json",
+         ["distill", "e2e", "-r", "smollm2-135m/long", f"student={src}", f"teacher={a.teacher}",
+          f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",
+          f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
+          f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", "train.progress=false",
+          "train.save_every=0", f"train.max_minutes={a.minutes}", "--overwrite"])
+
+
+def final_dirs(work: Path) -> dict[str, Path]:
+    out = {}
+    for v in VARIANTS:
+        d = work / v / ("long" if v.endswith("_long") else "e2e") / "final"
+        if (d / "config.json").is_file():
+            out[v] = d
+    return out
+
+
+def main(argv=None):
+    a = args_parser().parse_args(argv)
+    work = Path(a.work)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HYBRIDIZE_KERNELS": a.kernels, "PYTHONUNBUFFERED": "1"}
+    if a.phase == "select":
+        step(work, env, "select", work / "select" / "plan.txt",
+             ["select", "--src", a.teacher, "--keep", str(a.keep), "--mixer", "sse", "--out", str(work / "select"),
+              *a.select_args.split()])
+    elif a.phase in ("train", "long"):
+        if a.variant is None:
+            sys.exit(f"{a.phase}: name the variant ({', '.join(VARIANTS[:2])})")
+        (run_train if a.phase == "train" else run_long)(a, work, env, a.variant)
+    else:
+        models = final_dirs(work)
+        if not models:
+            sys.exit(f"no trained variant under {work}")
+        took = hyb(["eval", "recovery", "--teacher", a.teacher, *[x for k, d in models.items() for x in ("--model", f"{k}={d}")],
+                    "--out", str(work / "recovery"), *a.recovery_args.split()], work / "logs" / "recovery.log", env)
+        record(work, step="recovery", seconds=round(took, 1), models=list(models))
+        print((work / "recovery" / "recovery.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
