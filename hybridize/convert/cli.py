@@ -69,17 +69,6 @@ def _teacher_record(src: str) -> dict:
     return {**describe_source(src), "teacher": recorded_source(src), "fingerprint": fingerprint(src)}
 
 
-def _check_settings(config, plan: list[str], settings: dict) -> None:
-    """Type-, range- and build-check the mixer settings before the teacher loads (one line on error)."""
-    from hybridize.convert.convert import split_settings
-    from hybridize.convert.settings import check_buildable, check_settings
-    from hybridize.modeling import resolve_mixer_settings
-
-    per_kind = split_settings(settings, plan)
-    check_settings(per_kind)
-    check_buildable(resolve_mixer_settings(config, plan, per_kind))
-
-
 def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
     """Greedy continuation of `prompt` (through the chat template when the tokenizer has one)."""
     import torch
@@ -106,6 +95,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.convert import convert_model
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
+    from hybridize.convert.settings import check_user_settings
     from hybridize.convert.sources import load_config, load_model
 
     console = console or Console()
@@ -117,7 +107,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     plan = parse_plan(layers, config.num_hidden_layers, mixer, allow_none=False)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
                                          f"{config.num_hidden_layers} layers)"))
-    _check_settings(config, plan, settings)  # bad settings fail before loading
+    check_user_settings(config, plan, settings)  # bad settings fail before loading
     _check_out(out, overwrite)
     teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
     t_load = time.perf_counter()

@@ -64,7 +64,11 @@ def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[st
     check_family(src)
     if len(plan) != src.num_hidden_layers:
         raise ValueError(f"the plan has {len(plan)} entries but the teacher has {src.num_hidden_layers} layers")
-    settings = resolve_mixer_settings(src, plan, split_settings(mixer_settings, plan))
+    from hybridize.convert.settings import check_settings
+
+    per_kind = split_settings(mixer_settings, plan)
+    check_settings(per_kind)  # every route that converts (demo, library calls) type-checks the settings
+    settings = resolve_mixer_settings(src, plan, per_kind)
     cfg = HybridConfig(source_config=src, layer_plan=list(plan), mixer_settings=settings,
                        aux_loss_weight=aux_loss_weight, teacher_source=teacher_source)
     cfg._attn_implementation = teacher_config._attn_implementation

@@ -94,6 +94,25 @@ def check_settings(per_kind: dict[str, dict]) -> None:
             check_value(kind, key, value, types_[key])
 
 
+def check_user_settings(config, plan: list[str], settings: dict | None) -> None:
+    """Type-, range- and build-check user `settings` (as `convert.split_settings` takes them) for `plan` on a
+    teacher `config`: needs no weights, so every command that converts (convert, demo) runs it before the
+    teacher loads."""
+    from hybridize.convert.convert import split_settings
+    from hybridize.modeling import resolve_mixer_settings
+
+    per_kind = split_settings(settings, plan)
+    check_settings(per_kind)
+    check_buildable(resolve_mixer_settings(config, plan, per_kind))
+
+
+def check_mixer_settings(kind: str, settings: dict | None, **common) -> None:
+    """The same checks for a mixer built without a teacher (`eval mqar`: `build_mixer(kind, settings,
+    **common)`)."""
+    check_settings({kind: dict(settings or {})})
+    check_buildable({kind: {**common, **(settings or {})}})
+
+
 def check_buildable(resolved: dict[str, dict]) -> None:
     """Build one mixer of each kind from its full settings on the meta device (no memory, no teacher), so
     the mixer's own checks (e.g. `top_k <= num_partitions`) fail before the teacher loads."""

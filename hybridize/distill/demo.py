@@ -146,6 +146,18 @@ def _set_threads(cfg: DemoConfig, device: torch.device) -> int:
     return torch.get_num_threads()
 
 
+def check_plan_and_settings(cfg: DemoConfig) -> None:
+    """The layer plan and mixer settings checked on the teacher's config alone, as `hybridize convert` does:
+    a bad value costs one line before the teacher loads and writes its answers (minutes), not after."""
+    from hybridize.convert.plan import parse_plan
+    from hybridize.convert.settings import check_user_settings
+    from hybridize.convert.sources import load_config as load_model_config
+
+    config = load_model_config(cfg.teacher)
+    plan = parse_plan(cfg.layers, config.num_hidden_layers, cfg.mixer)
+    check_user_settings(config, plan, cfg.mixer_settings or None)
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     from hybridize.convert.calibrate import calibration_inputs
     from hybridize.convert.convert import convert_model
@@ -154,6 +166,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     from .e2e import e2e
     from .models import load_teacher
 
+    check_plan_and_settings(cfg)
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -216,10 +216,23 @@ def train_mqar(mixer: str, cfg: MqarConfig, progress: bool = True) -> dict:
             "train_s": time.perf_counter() - t0, "steps": cfg.steps}
 
 
+def check_mqar_settings(cfg: MqarConfig) -> None:
+    """Type-, range- and build-check `cfg.mixer_settings` for every mixer before any trains (as `hybridize
+    convert` checks `--mixer-settings`): `use_rope="false"` or `chunk_size=0` is one line, not a truthy
+    string or a ZeroDivisionError after the first mixers trained."""
+    from hybridize.convert.settings import check_mixer_settings
+
+    for name in cfg.mixers:
+        if name != "attention":
+            check_mixer_settings(name, cfg.mixer_settings, hidden_size=cfg.d_model, num_heads=cfg.heads,
+                                 num_kv_heads=cfg.heads, head_dim=cfg.d_model // cfg.heads)
+
+
 def run_mqar(cfg: MqarConfig, out_dir: str | Path | None = None, progress: bool = True) -> list[dict]:
     """Train and test every mixer of `cfg.mixers`; writes mqar.csv / mqar.json under `out_dir`."""
     from .common import write_csv, write_json
 
+    check_mqar_settings(cfg)
     rows = [train_mqar(m, cfg, progress) for m in cfg.mixers]
     if out_dir is not None:
         write_csv(Path(out_dir) / "mqar.csv", rows)

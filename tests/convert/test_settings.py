@@ -68,3 +68,12 @@ def test_convert_checks_settings_before_the_teacher_loads(teacher_dir, tmp_path,
     assert isinstance(res.exception, UserError), res.output
     assert needle in str(res.exception) and "\n" not in str(res.exception)
     assert not out.exists()
+
+
+def test_convert_model_type_checks_settings_on_every_route():
+    """The library entry (`convert_model`, used by demo and scripts) refuses a wrongly typed setting too,
+    instead of storing the truthy string "false"."""
+    from hybridize.convert.convert import convert_model
+
+    with pytest.raises(UserError, match='sse.use_rope must be a JSON bool'):
+        convert_model(tiny_teacher("llama"), "all", mixer="sse", mixer_settings={"use_rope": "false"})

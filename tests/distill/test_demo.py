@@ -79,3 +79,28 @@ def test_demo_config_rejects_stage_keys():
 
     with pytest.raises(UserError, match="unknown setting"):
         demo_config(["train.lr=3e-4"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ('mixer_settings={"use_rope": "false"}', 'sse.use_rope must be a JSON bool (true or false), got the string'),
+    ("mixer_settings.chunk_size=0", "sse.chunk_size is a size or count and must be an integer >= 1, got 0"),
+    ("mixer_settings.num_partitions=-1", "sse.num_partitions is a size or count"),
+    ("mixer_settings.top_k=9", "mixer 'sse' rejects its settings"),
+])
+def test_demo_checks_mixer_settings_before_the_teacher_loads(tmp_path, teacher_dir, monkeypatch, override, needle):
+    """`hybridize demo` runs the checks of `convert --mixer-settings` (issue 29) before it loads the teacher
+    and writes its answers: one line, nothing written."""
+    from typer.testing import CliRunner
+
+    import hybridize.distill.models as models
+    from hybridize.cli import app
+    from hybridize.errors import UserError
+
+    monkeypatch.setattr(models, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded"))
+    out = tmp_path / "demo"
+    r = CliRunner().invoke(app, ["demo", f"out={out}", f"teacher={teacher_dir}", "layers=2:1", "mixer=sse",
+                                 "device=cpu", override])
+    assert isinstance(r.exception, UserError), r.output
+    assert needle in str(r.exception) and "\n" not in str(r.exception)
+    assert not out.exists()
+

@@ -51,3 +51,24 @@ def test_run_mqar_smoke_with_mixers(tmp_path):
     assert [r["mixer"] for r in rows] == ["gla", "deltanet"] and all(0 <= r["accuracy"] <= 1 for r in rows)
     assert (tmp_path / "mqar.csv").exists() and (tmp_path / "mqar.json").exists()
     assert parse_settings(["a=1", "b=x", "c=[1,2]"]) == {"a": 1, "b": "x", "c": [1, 2]}
+
+
+@pytest.mark.parametrize("setting,needle", [
+    ('use_rope="false"', 'gla.use_rope must be a JSON bool (true or false), got the string "false"'),
+    ("chunk_size=0", "gla.chunk_size is a size or count and must be an integer >= 1, got 0"),
+    ("chunk_size=-4", "gla.chunk_size is a size or count"),
+])
+def test_mqar_checks_mixer_settings_before_training(tmp_path, monkeypatch, setting, needle):
+    """`eval mqar -s` goes through the checks of `convert --mixer-settings` (issue 29): one line before any
+    mixer trains, not a truthy string or a ZeroDivisionError in a forward."""
+    from typer.testing import CliRunner
+
+    import hybridize.eval.mqar as mqar
+    from hybridize.cli import app
+    from hybridize.errors import UserError
+
+    monkeypatch.setattr(mqar, "train_mqar", lambda *a, **k: pytest.fail("trained with bad settings"))
+    r = CliRunner().invoke(app, ["eval", "mqar", "--mixers", "attention,gla", "--steps", "1", "--device", "cpu",
+                                 "-s", setting, "--out", str(tmp_path / "o")])
+    assert isinstance(r.exception, UserError), r.output
+    assert needle in str(r.exception) and "\n" not in str(r.exception)
