@@ -87,8 +87,9 @@ def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> s
 
 def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dtype: str = "float32",
                 device: str = "cpu", samples: int = 3, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16,
-                overwrite: bool = False, console=None, calibrate: bool = True) -> dict:
-    """The whole `convert` command; returns the report dict (also written to OUT/report.json)."""
+                overwrite: bool = False, console=None, calibrate: bool = True, seed: int = 0) -> dict:
+    """The whole `convert` command; returns the report dict (also written to OUT/report.json, which records
+    `seed`: the new mixer parameters are drawn from it and their names, `convert.seed_new_parameters`)."""
     from rich.console import Console
 
     from hybridize.convert.calibrate import calibration_inputs
@@ -113,7 +114,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     t_load = time.perf_counter()
     calib = calibration_inputs(teacher, tokenizer) if calibrate else None
     hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=source["teacher"],
-                           calibration_inputs=calib).eval()
+                           calibration_inputs=calib, seed=seed).eval()
     hybrid.config.teacher_fingerprint = source["fingerprint"]  # checked when distillation loads this teacher
     t_conv = time.perf_counter()
     inputs = sample_inputs(tokenizer, teacher.config.vocab_size, n=samples)
@@ -123,7 +124,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     t_save = time.perf_counter()
-    report.update(plan_spec=layers, plan_summary=plan_summary(plan), default_mixer=mixer, dtype=dtype,
+    report.update(plan_spec=layers, plan_summary=plan_summary(plan), default_mixer=mixer, dtype=dtype, seed=seed,
                   timings_s={"load": t_load - t0, "convert": t_conv - t_load, "report": t_rep - t_conv,
                              "save": t_save - t_rep})
     if prompt and tokenizer is not None:
@@ -161,10 +162,12 @@ def register(app: typer.Typer) -> None:
         calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate",
                                        help="fit each converted layer's output gain to its teacher layer on "
                                             "teacher-generated text (hybridize.convert.calibrate)"),
+        seed: int = typer.Option(0, "--seed", help="seed of the new mixer parameters (each drawn from the seed "
+                                 "and its name, so a rerun converts bit-identically); recorded in report.json"),
     ) -> None:
         """Convert a pretrained decoder into a hybrid checkpoint and print a conversion report."""
         run_convert(src, layers, mixer, out, parse_settings(mixer_settings), dtype, device, samples, prompt,
-                    max_new_tokens, overwrite, calibrate=calibrate)
+                    max_new_tokens, overwrite, calibrate=calibrate, seed=seed)
 
     if any(getattr(c, "name", None) == "generate" for c in app.registered_commands):
         return

@@ -191,7 +191,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     with timer("convert"):
         print("[demo] calibrating the converted layers' output gains on 3 teacher-written samples")
         student = convert_model(teacher, cfg.layers, mixer=cfg.mixer, mixer_settings=cfg.mixer_settings or None,
-                                teacher_source=cfg.teacher, calibration_inputs=calibration_inputs(teacher, tok))
+                                teacher_source=cfg.teacher, calibration_inputs=calibration_inputs(teacher, tok),
+                                seed=cfg.seed)
         plan = list(student.config.layer_plan)
         print(f"[demo] plan: {plan.count(cfg.mixer)} {cfg.mixer} + {plan.count('attn')} softmax layers: "
               + "".join("A" if k == "attn" else "m" for k in plan))

@@ -85,3 +85,34 @@ def test_conversion_leaves_the_callers_rng_alone_after_the_build():
     with torch.no_grad():
         seed_new_parameters(slot, "model.layers.0.self_attn", seed=0)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_convert_cli_takes_the_seed_and_records_it(tmp_path):
+    """`hybridize convert --seed N` draws the new parameters from N (a rerun is bit-identical, another seed
+    differs) and report.json records it; without --seed it is 0, as the library's default."""
+    import json
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from hybridize.cli import app
+
+    from .common import tiny_teacher, tiny_tokenizer
+
+    tiny_teacher("llama").save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+
+    def convert(name, *seed):
+        r = CliRunner().invoke(app, ["convert", "--src", str(tmp_path / "t"), "--layers", "2:1", "--mixer", "sse",
+                                     "--out", str(tmp_path / name), "--prompt", "", "--no-calibrate", "--samples",
+                                     "1", *seed])
+        assert r.exit_code == 0, r.output + repr(r.exception)
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        return report["seed"], load_file(tmp_path / name / "model.safetensors")
+
+    seed_a, a = convert("a", "--seed", "7")
+    seed_b, b = convert("b", "--seed", "7")
+    seed_c, c = convert("c")
+    assert (seed_a, seed_b, seed_c) == (7, 7, 0)
+    assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)

@@ -104,3 +104,25 @@ def test_demo_checks_mixer_settings_before_the_teacher_loads(tmp_path, teacher_d
     assert needle in str(r.exception) and "\n" not in str(r.exception)
     assert not out.exists()
 
+
+def test_demo_seed_reaches_the_conversion(tmp_path, teacher_dir, monkeypatch):
+    """`hybridize demo seed=N` also draws the converted layers' new parameters from N (convert's `seed`),
+    not always from 0."""
+    import hybridize.convert.convert as convert
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(*a, **k):
+        seen.update(k)
+        raise Stop
+
+    monkeypatch.setattr(convert, "convert_model", spy)
+    held = tmp_path / "held.txt"
+    held.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    with pytest.raises(Stop):
+        _run(tmp_path, teacher_dir, seed=5, train_text=str(write_texts(tmp_path / "train.jsonl")),
+             heldout_text=str(held))
+    assert seen["seed"] == 5
