@@ -29,7 +29,7 @@ from .loop import run_loop, teacher_dtype
 from .metrics import perplexity
 from .loop import make_accelerator, save_final_model
 from .models import converted_layers, decoder_layers, mixer_of, load_student, load_teacher, select_trainable, \
-    teacher_source_of, trainable_summary
+    check_run_teacher, teacher_source_of, trainable_summary
 
 
 class _Stop(Exception):
@@ -251,6 +251,7 @@ def run_align(cfg: AlignConfig, resume: bool = False):
     src = cfg.teacher or teacher_source_of(student)
     if not src:
         raise UserError("no teacher: pass teacher=<source> (the student's config records none)")
+    recorded = check_run_teacher(cfg.train.run_dir, src, resume)  # the run's teacher on --resume
     teacher, _ = load_teacher(src, cfg.train.dtype)
-    cfg.teacher = src  # config.yaml records the teacher actually used, not ''
+    cfg.teacher = recorded  # config.yaml records the teacher actually used (absolute), not ''
     return align(student, teacher, tok, cfg, resume=resume)

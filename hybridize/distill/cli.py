@@ -24,7 +24,8 @@ RESUME = typer.Option(False, "--resume", help="continue from the newest complete
                       "warmup_steps, max_steps, weight_decay, adam_betas, max_grad_norm and bookkeeping (save_every, "
                       "keep_checkpoints, log_every, threads, progress, max_minutes, nan_policy): those take effect "
                       "from the resumed step on (sft: only max_steps, max_grad_norm and bookkeeping); any other "
-                      "change is refused")
+                      "change is refused, and so is a teacher whose weights differ from those the run started "
+                      "with (RUN_DIR/teacher.json)")
 OVERWRITE = typer.Option(False, "--overwrite", help="start over in a train.run_dir that holds an earlier run "
                                                    "(its checkpoints/ and metrics.jsonl are deleted first)")
 SHOW = typer.Option(False, "--show", help="print every setting (key, its value after the recipe and overrides, help) and exit")

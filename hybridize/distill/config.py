@@ -372,6 +372,12 @@ RESUMABLE = {
 }
 
 
+def _short(value, limit: int = 60) -> str:
+    """A value for a one-line message: long ones keep their end (where two paths differ)."""
+    text = str(value)
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
 def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
     """`key: old -> new` for every setting of `new` whose value differs in `old` (keys `old` lacks - written
     by an older version - do not count)."""
@@ -382,8 +388,33 @@ def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict) and isinstance(old[key], dict):
             out += changed_settings(old[key], value, f"{prefix}{key}.")
         elif old[key] != value:
-            out.append(f"{prefix}{key}: {str(old[key])[:40]!r} -> {str(value)[:40]!r}")
+            out.append(f"{prefix}{key}: {_short(old[key])!r} -> {_short(value)!r}")
     return out
+
+
+def _resume_teacher(old: str, new: str, student: str) -> str:
+    """The teacher setting `new` as config.yaml records it (`run_align` / `run_e2e` store the source they
+    loaded, resolved), for comparing with the run's `old` one: empty stands for the teacher the student's
+    config.json records, and a path is made absolute (`teacher=./t` from the run's folder is the same
+    teacher). Whether its weights are still those the run started with is checked when it is about to load
+    (`models.check_run_teacher`)."""
+    import json
+
+    from hybridize.convert.fingerprint import recorded_source
+
+    if new == old:
+        return new
+    if new == "":
+        try:
+            new = json.loads((Path(student) / "config.json").read_text()).get("teacher_source") or ""
+        except (OSError, ValueError, AttributeError):
+            return old  # no readable record: the stage itself says so
+        if not new:
+            return old
+    try:
+        return recorded_source(new)
+    except UserError:
+        return new
 
 
 def check_resume_settings(cfg, saved: str | Path, trainer: str = "loop") -> None:
@@ -393,8 +424,11 @@ def check_resume_settings(cfg, saved: str | Path, trainer: str = "loop") -> None
     if not saved.is_file():
         return
     old = yaml.safe_load(saved.read_text()) or {}
+    new = to_dict(cfg)
+    if "teacher" in new and isinstance(old.get("teacher"), str):
+        new["teacher"] = _resume_teacher(old["teacher"], new["teacher"], str(new.get("student", "")))
     allowed = {f"train.{k}" for k in RESUMABLE[trainer]}
-    fixed = [c for c in changed_settings(old, to_dict(cfg)) if c.split(":")[0] not in allowed]
+    fixed = [c for c in changed_settings(old, new) if c.split(":")[0] not in allowed]
     if fixed:
         raise UserError(f"--resume: settings differ from {saved}: {'; '.join(fixed)}; these cannot change "
                         f"mid-run: set them back to continue, or pass --overwrite to start over (--resume may "

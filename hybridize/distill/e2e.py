@@ -30,8 +30,8 @@ from .data import build_data, build_heldout
 from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
 from .loop import make_accelerator, run_loop, save_final_model, teacher_dtype, zero_stage
 from .metrics import perplexity
-from .models import (apply_lora, load_student, load_teacher, lr_scales_outside_mixers, select_trainable,
-                     teacher_source_of, trainable_summary)
+from .models import (apply_lora, check_run_teacher, load_student, load_teacher, lr_scales_outside_mixers,
+                     select_trainable, teacher_source_of, trainable_summary)
 
 
 def fp32_packed_sdpa(model: nn.Module, batch: dict):
@@ -135,6 +135,7 @@ def run_e2e(cfg: E2EConfig, resume: bool = False):
         src = cfg.teacher or teacher_source_of(student)
         if not src:
             raise UserError("no teacher: pass teacher=<source>, or teacher=none kl_weight=0 for CE only")
+        recorded = check_run_teacher(cfg.train.run_dir, src, resume)  # the run's teacher on --resume
         teacher, _ = load_teacher(src, cfg.train.dtype)
-        cfg.teacher = src  # config.yaml records the teacher actually used, not ''
+        cfg.teacher = recorded  # config.yaml records the teacher actually used (absolute), not ''
     return e2e(student, teacher, tok, cfg, resume=resume)[0]

@@ -102,6 +102,40 @@ def teacher_source_of(student) -> str:
     return ""
 
 
+RUN_TEACHER = "teacher.json"
+
+
+def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
+    """Before a stage loads its teacher: on `resume`, stop with one line when `src` holds other weights than
+    the teacher the run started with (the fingerprint in `<run_dir>/teacher.json`); on a fresh start, record
+    it there. Returns the source as config.yaml records it (an absolute path; names stay names).
+
+    Why (issue 29): a resumed run that silently switched teachers (another folder of that name, a folder
+    whose weights were replaced) trains its remaining steps towards another model."""
+    import json
+    import os
+
+    from hybridize.convert.fingerprint import fingerprint, recorded_source
+
+    record = {"teacher": recorded_source(src), "fingerprint": fingerprint(src)}
+    path = Path(run_dir) / RUN_TEACHER
+    if resume and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        if old.get("fingerprint") and record["fingerprint"] and old["fingerprint"] != record["fingerprint"]:
+            raise UserError(f"--resume: teacher {src!r} holds different weights than the teacher {run_dir} started "
+                            f"with ({old.get('teacher', '?')}, fingerprint {old['fingerprint'][:19]}... != "
+                            f"{record['fingerprint'][:19]}...); pass that teacher, or --overwrite to start over")
+        return record["teacher"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RUN_TEACHER}.{os.getpid()}.tmp")  # every process of a launch writes the same record
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return record["teacher"]
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """Unwrap DDP/DeepSpeed (`.module`) and PEFT (`get_base_model`)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):

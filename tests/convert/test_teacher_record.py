@@ -95,3 +95,57 @@ def test_a_recorded_teacher_that_no_longer_resolves_is_one_line(converted, tmp_p
     with pytest.raises(UserError) as e:
         teacher_source_of(model)
     assert "does not resolve" in str(e.value) and "teacher=" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- --resume continues with the teacher the run started with, and only with it ---------------------------
+
+def _distill_e2e(tmp_path: Path, *args):
+    """`hybridize distill e2e` of the converted student into tmp_path/run (cwd: tmp_path)."""
+    from hybridize.cli import app
+    from tests.distill.helpers import write_texts
+
+    common = ["student=student", f"data.train={write_texts(tmp_path / 'texts.jsonl')}", "data.seq_len=16",
+              "data.batch_tokens=32", "train.progress=false", "train.save_every=1", "train.warmup_steps=0",
+              "train.threads=1", "train.run_dir=run"]
+    return CliRunner().invoke(app, ["distill", "e2e", *common, *args])
+
+
+def _one_line(res) -> str:
+    assert isinstance(res.exception, UserError), res.output + repr(res.exception)
+    assert "\n" not in str(res.exception)
+    return str(res.exception)
+
+
+def test_resume_continues_with_the_recorded_teacher_and_refuses_another(converted, tmp_path):
+    """A run started on the student's recorded teacher resumes without naming it (config.yaml holds it
+    resolved, which once read as a changed setting), or naming it by a relative path; a run resumed with
+    another teacher is refused."""
+    _, teacher = converted
+    assert _distill_e2e(tmp_path, "train.max_steps=1").exit_code == 0
+    r = _distill_e2e(tmp_path, "train.max_steps=2", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    record = json.loads((tmp_path / "run" / "teacher.json").read_text())
+    assert record["teacher"] == str(teacher.resolve()) and record["fingerprint"].startswith("sha256:")
+    r = _distill_e2e(tmp_path, "train.max_steps=3", "teacher=teacher", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    _save_teacher(tmp_path / "other", seed=1)
+    msg = _one_line(_distill_e2e(tmp_path, "train.max_steps=4", "teacher=other", "--resume"))
+    assert msg.startswith("--resume: settings differ") and "teacher: '" in msg and "/other'" in msg
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())[-1] == "step-000003"
+
+
+def test_resume_refuses_a_teacher_folder_that_now_holds_other_weights(converted, tmp_path):
+    """Same name, other weights: the run's teacher.json fingerprint stops the resume before the teacher loads."""
+    from hybridize.distill import models
+
+    _, teacher = converted
+    assert _distill_e2e(tmp_path, "train.max_steps=1", "teacher=teacher").exit_code == 0
+    _save_teacher(teacher, seed=1)
+    loaded = []
+    real = models.load_teacher
+    models.load_teacher = lambda *a, **k: loaded.append(a) or real(*a, **k)
+    try:
+        msg = _one_line(_distill_e2e(tmp_path, "train.max_steps=2", "teacher=teacher", "--resume"))
+    finally:
+        models.load_teacher = real
+    assert "different weights" in msg and "--overwrite" in msg and not loaded
