@@ -10,7 +10,7 @@ be spread over several 10-minute device calls on a warm machine:
     python benchmarks/recovery_variants.py --teacher T eval --recovery-args "--needle-samples 24 ..."
 
 Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
-select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long). Stages A and B
+select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it. Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("fixed", "select", "select_long")
+VARIANTS = ("fixed", "select", "fixed_long", "select_long")
 
 
 def args_parser():
