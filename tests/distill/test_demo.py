@@ -126,3 +126,18 @@ def test_demo_seed_reaches_the_conversion(tmp_path, teacher_dir, monkeypatch):
         _run(tmp_path, teacher_dir, seed=5, train_text=str(write_texts(tmp_path / "train.jsonl")),
              heldout_text=str(held))
     assert seen["seed"] == 5
+
+
+@pytest.mark.parametrize("override,key", [
+    ("align_steps=-5", "align_steps"), ("e2e_steps=0", "e2e_steps"), ("seq_len=0", "seq_len"),
+    ("batch_tokens=-1", "batch_tokens"), ("align_lr=-1e-3", "align_lr"), ("chat_batch=0", "chat_batch"),
+    ("eval_seq_len=0", "eval_seq_len"),
+])
+def test_demo_counts_fail_at_parse_time(override, key):
+    """As the stages' train.max_steps=-5 (issue 29): a demo step count or size below its minimum is one line
+    when the settings are read, not after the teacher wrote its answers and stage A ran."""
+    from hybridize.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        demo_config([override])
+    assert str(e.value).startswith(f"{key} must be >=") and "\n" not in str(e.value)
