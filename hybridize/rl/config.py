@@ -22,16 +22,17 @@ class DataArgs:
     train: list = _f(["gsm8k"], "prompt sets: gsm8k | math | aime (the ../shared/data copies), generated "
                                 "arithmetic (arith:train, arith:train:L1-3; plain arith is the test split), a "
                                 "JSONL file with problem/answer, or a hub dataset owner/name[@config][:split]")
-    limit: int = _f(0, "use at most this many prompts after shuffling and length filtering (0 = all)")
+    limit: int = _f(0, "use at most this many prompts after shuffling and length filtering (0 = all)", min=0)
     shuffle_seed: int = _f(0, "seed of the prompt order")
-    max_prompt_tokens: int = _f(512, "drop prompts longer than this many tokens (chat template included)")
+    max_prompt_tokens: int = _f(512, "drop prompts longer than this many tokens (chat template included)", min=1)
     instruction: str = _f(BOXED_INSTRUCTION, "appended to every problem (on its own line)")
     system: str = _f("", "system message (empty = none)")
     chat: str = _f("auto", "use the tokenizer's chat template: auto (when it has one) | on | off")
     eval: str = _f("", "held-out prompts (same forms as train, e.g. gsm8k-test, math500, arith, arith:test:L3) "
                        "scored before and after training (empty = none)")
-    eval_limit: int = _f(64, "held-out prompts scored")
-    eval_max_new_tokens: int = _f(0, "generation budget of the held-out scoring (0 = grpo.max_completion_length)")
+    eval_limit: int = _f(64, "held-out prompts scored", min=0)
+    eval_max_new_tokens: int = _f(0, "generation budget of the held-out scoring (0 = grpo.max_completion_length)",
+                                  min=0)
 
 
 @dataclass
@@ -45,7 +46,7 @@ class RewardArgs:
 @dataclass
 class LoraArgs:
     enabled: bool = _f(False, "train LoRA adapters (peft) instead of all weights")
-    r: int = _f(16, "LoRA rank")
+    r: int = _f(16, "LoRA rank", min=1)
     alpha: int = _f(32, "LoRA alpha")
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -57,26 +58,26 @@ class LoraArgs:
 class GRPOArgs:
     """TRL GRPOConfig fields (same names); `extra` holds any other GRPOConfig field."""
 
-    num_generations: int = _f(8, "completions per prompt (the group; SSE paper: 8)")
-    max_completion_length: int = _f(512, "generation budget per completion, tokens")
+    num_generations: int = _f(8, "completions per prompt (the group; SSE paper: 8)", min=2)
+    max_completion_length: int = _f(512, "generation budget per completion, tokens", min=1)
     per_device_train_batch_size: int = _f(8, "completions per device per micro-batch (a multiple of the group "
-                                             "across devices and accumulation)")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    steps_per_generation: int = _f(0, "optimizer steps per generation batch (0 = TRL default)")
-    num_iterations: int = _f(1, "PPO-style epochs per generation batch (mu)")
-    learning_rate: float = _f(1e-6, "peak learning rate")
+                                             "across devices and accumulation)", min=1)
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", min=1)
+    steps_per_generation: int = _f(0, "optimizer steps per generation batch (0 = TRL default)", min=0)
+    num_iterations: int = _f(1, "PPO-style epochs per generation batch (mu)", min=1)
+    learning_rate: float = _f(1e-6, "peak learning rate", min=0)
     lr_scheduler_type: str = _f("constant", "transformers scheduler name")
-    warmup_steps: int = _f(0, "linear warm-up steps")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "gradient clipping norm")
-    max_steps: int = _f(100, "optimizer steps")
+    warmup_steps: int = _f(0, "linear warm-up steps", min=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm", min=0)
+    max_steps: int = _f(100, "optimizer steps (a value <= 0 would make TRL train whole epochs instead)", min=1)
     beta: float = _f(0.0, "KL coefficient to the reference model (0 = no reference model)")
     epsilon: float = _f(0.2, "PPO clip range")
     loss_type: str = _f("", "TRL loss type (empty = TRL default)")
     scale_rewards: str = _f("group", "advantage scaling: group | batch | none")
     temperature: float = _f(1.0, "rollout sampling temperature")
     top_p: float = _f(1.0, "rollout nucleus p")
-    top_k: int = _f(0, "rollout top-k (0 = off)")
+    top_k: int = _f(0, "rollout top-k (0 = off)", min=0)
     gradient_checkpointing: bool = _f(True, "recompute activations in the backward (TRL default)")
     extra: dict = _f({}, "any other GRPOConfig field, e.g. {chat_template_kwargs: {enable_thinking: false}}")
 
@@ -99,10 +100,10 @@ class GRPORunConfig:
     decode_gemm: str = _f("auto", "linear layers in the fast path's decode steps: auto (per weight shape the faster "
                                   "of cuBLAS and our Triton weight-streaming GEMM, timed on first use; CUDA, "
                                   "16-bit) | torch (cuBLAS)")
-    save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)")
-    save_total_limit: int = _f(2, "checkpoints kept")
-    logging_steps: int = _f(1, "metrics line every N optimizer steps")
-    threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)", min=0)
+    save_total_limit: int = _f(2, "checkpoints kept", min=1)
+    logging_steps: int = _f(1, "metrics line every N optimizer steps", min=1)
+    threads: int = _f(0, "torch CPU threads (0 = leave as is)", min=0)
     progress: bool = _f(True, "progress bar")
     data: DataArgs = field(default_factory=DataArgs)
     rewards: RewardArgs = field(default_factory=RewardArgs)

@@ -23,3 +23,24 @@ def test_good_recipe_still_loads():
     from hybridize.rl.config import load_grpo_config
 
     assert load_grpo_config("smollm2-135m/grpo").grpo.max_steps > 0
+
+
+@pytest.mark.parametrize("override,key", [
+    ("grpo.max_steps=-5", "grpo.max_steps"),          # TRL would train whole epochs instead
+    ("grpo.max_steps=0", "grpo.max_steps"),
+    ("grpo.num_generations=1", "grpo.num_generations"),
+    ("grpo.per_device_train_batch_size=0", "grpo.per_device_train_batch_size"),
+    ("grpo.max_completion_length=0", "grpo.max_completion_length"),
+    ("grpo.learning_rate=-1e-6", "grpo.learning_rate"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),
+    ("lora.r=0", "lora.r"),
+])
+def test_grpo_counts_fail_at_parse_time(override, key):
+    """As distill's train.max_steps=-5 (issue 29): a GRPO step count or size below its minimum is one line
+    when the settings are read; grpo.max_steps=-5 used to make TRL silently train by epochs."""
+    from hybridize.errors import UserError
+    from hybridize.rl.config import load_grpo_config
+
+    with pytest.raises(UserError) as e:
+        load_grpo_config(None, [override])
+    assert str(e.value).startswith(f"{key} must be >=") and "\n" not in str(e.value)
