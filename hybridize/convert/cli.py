@@ -100,6 +100,12 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.sources import load_config, load_model
 
     console = console or Console()
+    from hybridize.convert.report import SAMPLE_TEXTS
+
+    if not 1 <= samples <= len(SAMPLE_TEXTS):  # checked before minutes of work, not after the save
+        raise ValueError(f"--samples {samples}: choose 1 to {len(SAMPLE_TEXTS)} (the built-in sample texts)")
+    if prompt and max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1 (or --prompt '' to skip the check)")
     tdtype = _torch_dtype(dtype)
     out = Path(out)
     t0 = time.perf_counter()

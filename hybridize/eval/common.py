@@ -132,6 +132,8 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
             raise ValueError(f"cannot read {part!r} as an integer (use e.g. '512,1k,4k')") from None
     if not out:
         raise ValueError(f"empty list {text!r}; give comma-separated integers such as '1k,2k'")
+    if min(out) < 1:  # lengths and batch sizes: a 0 ended in a ZeroDivisionError
+        raise ValueError(f"{text!r}: every value must be a positive integer, got {min(out)}")
     return out
 
 

@@ -217,11 +217,19 @@ def train_mqar(mixer: str, cfg: MqarConfig, progress: bool = True) -> dict:
 
 
 def check_mqar_settings(cfg: MqarConfig) -> None:
-    """Type-, range- and build-check `cfg.mixer_settings` for every mixer before any trains (as `hybridize
-    convert` checks `--mixer-settings`): `use_rope="false"` or `chunk_size=0` is one line, not a truthy
-    string or a ZeroDivisionError after the first mixers trained."""
+    """Sizes and counts, then `cfg.mixer_settings` type-, range- and build-checked for every mixer, before any
+    trains (as `hybridize convert` checks `--mixer-settings`): `use_rope="false"`, `chunk_size=0` or
+    `steps=0` is one line, not a truthy string or a ZeroDivisionError after the first mixers trained."""
     from hybridize.convert.settings import check_mixer_settings
+    from hybridize.errors import UserError
 
+    for key in ("vocab", "d_model", "layers", "heads", "steps", "batch_size", "test_size", "num_kv", "seq_len"):
+        if getattr(cfg, key) < 1:  # steps=0 or heads=0 ended in a ZeroDivisionError
+            raise UserError(f"mqar {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.d_model % cfg.heads:
+        raise UserError(f"mqar d_model {cfg.d_model} must be a multiple of heads {cfg.heads}")
+    if not cfg.lr >= 0:
+        raise UserError(f"mqar lr must be >= 0, got {cfg.lr}")
     for name in cfg.mixers:
         if name != "attention":
             check_mixer_settings(name, cfg.mixer_settings, hidden_size=cfg.d_model, num_heads=cfg.heads,

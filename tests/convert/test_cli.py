@@ -115,3 +115,19 @@ def test_convert_embedded_default(tmp_path):
     gen = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert gen.shape[1] == ids.input_ids.shape[1] + 3
     assert torch.isfinite(model(**ids).logits).all()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--samples", "0"], "--samples 0: choose 1 to 3"),          # was "max() arg is an empty sequence"
+    (["--samples", "9"], "--samples 9: choose 1 to 3"),          # was silently 3
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1 must be >= 1"),  # failed after the checkpoint was saved
+])
+def test_convert_report_options_checked_before_anything_loads(teacher_dir, tmp_path, monkeypatch, args, needle):
+    import hybridize.convert.sources as sources
+
+    monkeypatch.setattr(sources, "load_model", lambda *a, **k: pytest.fail("the teacher loaded"))
+    out = tmp_path / "o"
+    r = CliRunner().invoke(_app(), ["convert", "--src", str(teacher_dir), "--out", str(out), "--layers", "2:1",
+                                    "--no-calibrate", *args])
+    assert isinstance(r.exception, ValueError) and needle in str(r.exception), r.output + repr(r.exception)
+    assert not out.exists()

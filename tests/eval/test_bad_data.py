@@ -82,3 +82,21 @@ def test_eval_ppl_non_utf8_text_names_file_and_line(tmp_path):
     q.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n\xfe\n")
     with pytest.raises(UserError, match="t.jsonl, line 2, column 1"):
         load_text(str(q))
+
+
+@pytest.mark.parametrize("text", ["0", "1k,0", "-512"])
+def test_a_length_or_batch_size_below_one_is_one_line(text):
+    """`eval ppl --lengths 0` (and every other length / batch-size list) ended in a ZeroDivisionError."""
+    from hybridize.eval.common import parse_int_list
+
+    with pytest.raises(ValueError, match="every value must be a positive integer") as e:
+        parse_int_list(text)
+    assert "\n" not in str(e.value)
+
+
+def test_eval_ppl_length_zero_is_one_line(tmp_path, monkeypatch, capsys):
+    from tests.convert.test_bad_files import run_main
+
+    line = run_main(monkeypatch, capsys, ["eval", "ppl", "--model", str(tmp_path / "none"), "--lengths", "0",
+                                          "--text", "python-reference", "--out", str(tmp_path / "p")])
+    assert "every value must be a positive integer" in line

@@ -57,6 +57,9 @@ def test_run_mqar_smoke_with_mixers(tmp_path):
     ('use_rope="false"', 'gla.use_rope must be a JSON bool (true or false), got the string "false"'),
     ("chunk_size=0", "gla.chunk_size is a size or count and must be an integer >= 1, got 0"),
     ("chunk_size=-4", "gla.chunk_size is a size or count"),
+    ("--steps=0", "mqar steps must be >= 1, got 0"),          # ZeroDivisionError in the LR schedule before
+    ("--heads=0", "mqar heads must be >= 1, got 0"),          # ZeroDivisionError in the head size before
+    ("--heads=3", "mqar d_model 64 must be a multiple of heads 3"),
 ])
 def test_mqar_checks_mixer_settings_before_training(tmp_path, monkeypatch, setting, needle):
     """`eval mqar -s` goes through the checks of `convert --mixer-settings` (issue 29): one line before any
@@ -68,7 +71,8 @@ def test_mqar_checks_mixer_settings_before_training(tmp_path, monkeypatch, setti
     from hybridize.errors import UserError
 
     monkeypatch.setattr(mqar, "train_mqar", lambda *a, **k: pytest.fail("trained with bad settings"))
+    extra = [setting] if setting.startswith("--") else ["-s", setting]
     r = CliRunner().invoke(app, ["eval", "mqar", "--mixers", "attention,gla", "--steps", "1", "--device", "cpu",
-                                 "-s", setting, "--out", str(tmp_path / "o")])
+                                 *extra, "--out", str(tmp_path / "o")])
     assert isinstance(r.exception, UserError), r.output
     assert needle in str(r.exception) and "\n" not in str(r.exception)
