@@ -106,9 +106,10 @@ RUN_TEACHER = "teacher.json"
 
 
 def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
-    """Before a stage loads its teacher: on `resume`, stop with one line when `src` holds other weights than
-    the teacher the run started with (the fingerprint in `<run_dir>/teacher.json`); on a fresh start, record
-    it there. Returns the source as config.yaml records it (an absolute path; names stay names).
+    """Before a stage loads its teacher: on `resume` from a checkpoint, stop with one line when `src` holds
+    other weights than the teacher the run started with (the fingerprint in `<run_dir>/teacher.json`);
+    otherwise (a fresh start, or nothing to resume) record it there. Returns the source as config.yaml
+    records it (an absolute path; names stay names).
 
     Why (issue 29): a resumed run that silently switched teachers (another folder of that name, a folder
     whose weights were replaced) trains its remaining steps towards another model."""
@@ -117,9 +118,11 @@ def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
 
     from hybridize.convert.fingerprint import fingerprint, recorded_source
 
+    from .checkpoint import latest_checkpoint
+
     record = {"teacher": recorded_source(src), "fingerprint": fingerprint(src)}
     path = Path(run_dir) / RUN_TEACHER
-    if resume and path.is_file():
+    if resume and path.is_file() and latest_checkpoint(run_dir) is not None:  # no checkpoint: starts at step 0
         try:
             old = json.loads(path.read_text())
         except ValueError:

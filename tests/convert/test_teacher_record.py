@@ -149,3 +149,14 @@ def test_resume_refuses_a_teacher_folder_that_now_holds_other_weights(converted,
     finally:
         models.load_teacher = real
     assert "different weights" in msg and "--overwrite" in msg and not loaded
+
+
+def test_resume_with_nothing_to_resume_records_the_new_teacher(converted, tmp_path):
+    """A run that stopped before its first checkpoint resumes from step 0: any teacher may start it."""
+    from hybridize.distill.models import check_run_teacher
+
+    _, teacher = converted
+    other = _save_teacher(tmp_path / "other", seed=1)
+    check_run_teacher(tmp_path / "run", str(teacher), resume=False)
+    assert check_run_teacher(tmp_path / "run", str(other), resume=True) == str(other.resolve())
+    assert json.loads((tmp_path / "run" / "teacher.json").read_text())["teacher"] == str(other.resolve())
