@@ -110,3 +110,14 @@ def test_malformed_recipe_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert "not valid YAML" in r.stderr + r.stdout
+
+
+def test_demo_show_prints_the_overrides_its_help_suggests(app):
+    """`hybridize demo --help` suggests `align_steps=100 out=runs/demo2`; `--show` prints them applied
+    (issue 25: the help suggested a setting the demo refused, and --show ignored overrides)."""
+    r = CliRunner().invoke(app, ["demo", "--help"])
+    assert "align_steps=100" in r.output
+    r = CliRunner().invoke(app, ["demo", "--show", "align_steps=100", "out=runs/demo2"])
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line.split()[1] for line in r.output.splitlines() if line.strip()}
+    assert rows["align_steps"] == "100" and rows["out"] == "'runs/demo2'"
