@@ -69,6 +69,13 @@ def _teacher_record(src: str) -> dict:
     return {**describe_source(src), "teacher": recorded_source(src), "fingerprint": fingerprint(src)}
 
 
+def _check_settings(config, plan: list[str], settings: dict) -> None:
+    """The old name of `hybridize.convert.settings.check_user_settings` (kept for callers of it)."""
+    from hybridize.convert.settings import check_user_settings
+
+    check_user_settings(config, plan, settings)
+
+
 def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
     """Greedy continuation of `prompt` (through the chat template when the tokenizer has one)."""
     import torch
