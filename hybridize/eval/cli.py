@@ -48,6 +48,14 @@ def _out(out: Optional[Path], *parts: str) -> Path:
     return out if out is not None else Path("runs/eval").joinpath(*[slug(p) for p in parts])
 
 
+def _at_least_one(**values: Optional[int]) -> None:
+    """One line, before any model loads, for a count or size below 1 (`--trials 0` ended in a reshape error,
+    `--samples 0` wrote an empty table with exit 0); None means "the default"."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def _done(path: Path) -> None:
     typer.secho(f"results written to {path}/", fg=typer.colors.GREEN, err=True)
 
@@ -86,6 +94,7 @@ def math_cmd(
     from .math import (ANSWER_FORMATS, DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math,
                        load_math_dataset)
 
+    _at_least_one(samples=samples, max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size)
     if check_checker:
         names = [*DATASETS, "arith"] if dataset == "all" else [dataset]
         rows = []
@@ -142,6 +151,7 @@ def niah_cmd(
     from .niah import NiahConfig, evaluate_niah, get_task
 
     get_task(task)
+    _at_least_one(samples=samples, max_new_tokens=max_new_tokens, batch_size=batch_size)
     cfg = NiahConfig(task=task, lengths=tuple(parse_int_list(lengths)), depths=tuple(parse_float_list(depths)),
                      samples=samples, max_new_tokens=max_new_tokens, batch_size=batch_size, essays=essays,
                      chat=chat, seed=seed, generation=generation)
@@ -238,6 +248,7 @@ def kv_probe_cmd(
     from .common import parse_int_list
     from .kv_probe import ProbeConfig, run_probe
 
+    _at_least_one(dim=dim, length=length, trials=trials)
     cfg = ProbeConfig(dim=dim, length=length, lengths=tuple(parse_int_list(lengths)), trials=trials,
                       methods=tuple(x.strip() for x in methods.split(",") if x.strip()), decay=decay, seed=seed)
     d = _out(out, "kv_probe")
@@ -264,6 +275,7 @@ def speed_cmd(
     from .common import parse_int_list, print_table
     from .speed import COLUMNS, SpeedConfig, run_speed
 
+    _at_least_one(decode_tokens=decode_tokens, repeats=repeats)
     cfg = SpeedConfig(lengths=tuple(parse_int_list(lengths)), batch_sizes=tuple(parse_int_list(batch_sizes)),
                       decode_tokens=decode_tokens, repeats=repeats, decode=decode)
     models = {}

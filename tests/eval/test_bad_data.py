@@ -100,3 +100,20 @@ def test_eval_ppl_length_zero_is_one_line(tmp_path, monkeypatch, capsys):
     line = run_main(monkeypatch, capsys, ["eval", "ppl", "--model", str(tmp_path / "none"), "--lengths", "0",
                                           "--text", "python-reference", "--out", str(tmp_path / "p")])
     assert "every value must be a positive integer" in line
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["kv-probe", "--trials", "0"], "--trials must be >= 1, got 0"),        # a reshape RuntimeError before
+    (["kv-probe", "--dim", "0"], "--dim must be >= 1, got 0"),
+    (["niah", "--samples", "0"], "--samples must be >= 1, got 0"),          # an empty table with exit 0 before
+    (["niah", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["math", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["speed", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+])
+def test_eval_counts_below_one_are_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys, args, needle):
+    import hybridize.eval.common as common
+    from tests.convert.test_bad_files import run_main
+
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    line = run_main(monkeypatch, capsys, ["eval", *args, "--out", str(tmp_path / "o")])
+    assert needle in line
