@@ -5,6 +5,7 @@
 #   bash benchmarks/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/demo_recipes.py),
 #                                                            # in turn, in one process
 #   bash benchmarks/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
+#   bash benchmarks/device_default.sh $OUT select "--greedy"   # hybridize select --keep 5 on cuda (ARG: more options)
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
@@ -32,4 +33,14 @@ case $STEP in
     grep -A8 "| model" "$OUT/demo.log"
     HYBRIDIZE_KERNELS=torch python3 -m hybridize.cli eval recovery --teacher "$GGUF" -m demo=/root/demo/student \
       --out "$OUT/recovery" --generation hf $ARG 2>&1 | tee "$OUT/recovery.log" | tail -40 ;;
+  select)
+    # measured layer selection on the embedded default (its GGUF, the same weights as --src default), defaults of
+    # `hybridize select` (target: under 5 minutes on one H100, the teacher's load included); torch kernels as above.
+    # A rerun resumes from /root/select (same machine); the timings per phase are in select.json.
+    t0=$(date +%s)
+    HYBRIDIZE_KERNELS=torch python3 -m hybridize.cli select --src "$GGUF" --keep 5 --mixer sse --device cuda \
+      --out /root/select $ARG > "$OUT/select.log" 2>&1
+    echo "select: exit $?, $(( $(date +%s) - t0 )) s wall" | tee -a "$OUT/select.log"
+    cp /root/select/select.json /root/select/select.md /root/select/select.png /root/select/plan.txt "$OUT/" 2>/dev/null
+    grep -v "it/s\]" "$OUT/select.log" | tail -45 ;;
 esac

@@ -23,6 +23,7 @@ app = typer.Typer(
 # each module defines `register(app: typer.Typer) -> None`
 AREAS = (
     "hybridize.convert.cli",
+    "hybridize.convert.select.cli",
     "hybridize.eval.cli",
     "hybridize.distill.cli",
     "hybridize.rl.cli",

@@ -103,6 +103,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.convert import convert_model
     from hybridize.convert.plan import parse_plan, plan_summary, plan_table
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
+    from hybridize.convert.select.plan_file import is_plan_file, plan_from_file
     from hybridize.convert.settings import check_user_settings
     from hybridize.convert.sources import load_config, load_model
 
@@ -118,6 +119,8 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     t0 = time.perf_counter()
     source = _teacher_record(src)
     config = load_config(src)
+    if is_plan_file(layers):  # OUT/plan.txt or OUT/select.json of `hybridize select`, checked against this teacher
+        layers = plan_from_file(layers, config.num_hidden_layers, source["fingerprint"], src)
     plan = parse_plan(layers, config.num_hidden_layers, mixer, allow_none=False)
     console.print(plan_table(plan, title=f"layer plan {layers!r} for {src} ({config.model_type}, "
                                          f"{config.num_hidden_layers} layers)"))
@@ -162,7 +165,8 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Option("default", "--src", help="teacher: 'default' (embedded SmolLM2-135M-Instruct), "
                                 "a local HF folder, a .gguf file, a hub id or an alias like qwen3-1.7b"),
         layers: str = typer.Option("5:1", "--layers", help="layer plan: '5:1', 'sse,swa,sse,swa,attn', "
-                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all'"),
+                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all', or the plan.txt / "
+                                   "select.json of `hybridize select` (checked against this teacher)"),
         mixer: str = typer.Option("sse", "--mixer", help="default mixer of the plan"),
         mixer_settings: list[str] = typer.Option(None, "--mixer-settings", help="mixer settings: a JSON object "
                                                  "or key=value / mixer.key=value (repeatable)"),
