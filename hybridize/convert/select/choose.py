@@ -58,7 +58,8 @@ def greedy_choice(cost: Callable[[list[int]], float], single: dict[int, float], 
             c = next(i for i in sorted(single, key=lambda i: (-single[i], i)) if i not in kept)
             trials = {c: cost(kept + [c])}
         best = min(trials, key=lambda c: (trials[c], c))
-        step = {"step": len(steps) + 1, "layer": best, "kl": trials[best], "tried": {str(c): v for c, v in trials.items()}}
+        step = {"step": len(steps) + 1, "layer": best, "kl": trials[best],
+                "tried": {str(c): v for c, v in trials.items()}}
         steps.append(step)
         on_step(step)
     return sorted(s["layer"] for s in steps)

@@ -88,6 +88,8 @@ def print_summary(record: dict, src: str, out: Path) -> None:
                       "[bold red]kept[/]" if r["keep"] else "")
     console = Console()
     console.print(table)
+    times = ", ".join(f"{k} {v:.1f}" for k, v in record.get("timings_s", {}).items())
     console.print(f"wrote {out}/plan.txt ({record['plan']}), select.json, select.md, select.png")
+    console.print(f"seconds: {times}")
     console.print(f"next: hybridize convert --src {src} --layers {record['plan']} --mixer {record['mixer']} "
                   f"--out runs/{Path(out).name}-{record['mixer']}", soft_wrap=True, highlight=False)

@@ -76,7 +76,8 @@ def check_config(cfg: SelectConfig, num_layers: int, context: int | None) -> Non
 def _check_positive(cfg: SelectConfig) -> None:
     for name, value, low in (("--steps", cfg.steps, 0), ("--tokens", cfg.tokens, 1), ("--seq-len", cfg.seq_len, 2),
                              ("--align-seq-len", cfg.align_seq_len, 2), ("--needle-samples", cfg.needle_samples, 0),
-                             ("--greedy-tokens", cfg.greedy_tokens, 1), ("--greedy-candidates", cfg.greedy_candidates, 1)):
+                             ("--greedy-tokens", cfg.greedy_tokens, 1),
+                             ("--greedy-candidates", cfg.greedy_candidates, 1)):
         if value < low:
             raise UserError(f"{name} {value} must be >= {low}")
     if not cfg.lr > 0:

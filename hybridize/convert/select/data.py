@@ -1,10 +1,12 @@
 """The text `hybridize select` measures on: the first `tokens` tokens of the training text (whole documents,
-joined by EOS) become the KL rows, the documents after them feed the alignment (`PackedData`, as stage A).
+joined by EOS) become the KL rows, the documents after them the alignment rows (`align_data`).
 
 Only training text: the default `python-docs` (standard-library docstrings) is what the recipes train on;
 evaluation text is refused in `config.check_config`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -53,16 +55,35 @@ def kl_batches(stream: torch.Tensor, seq_len: int, batch_tokens: int = 8192) -> 
             for i in range(0, n, per)]
 
 
-def align_data(docs: list[list[int]], seq_len: int, batch_tokens: int, seed: int):
-    """The alignment batches: stage A's packing (`hybridize.distill.data.PackedData`, positions restarting at
-    every document), one micro-batch per step."""
-    from hybridize.distill.data import PackedData
+@dataclass
+class AlignRows:
+    """Alignment batches as a pure function of the step: `per_step` rows `[R, seq_len]` of contiguous text
+    (documents joined by EOS), in a fresh `seed`-ed order each epoch."""
 
-    total = sum(len(d) for d in docs)
-    if total < seq_len:
-        raise UserError(f"only {total} tokens left for alignment: less than one --align-seq-len {seq_len} row; "
-                        "lower --tokens or --align-seq-len")
-    return PackedData(docs, seq_len=seq_len, batch_tokens=batch_tokens, seed=seed)
+    rows: torch.Tensor
+    per_step: int
+    seed: int
+
+    def batch(self, step: int, micro: int = 0) -> dict:
+        n = self.rows.shape[0]
+        picks = []
+        for k in range(step * self.per_step, (step + 1) * self.per_step):
+            epoch, i = divmod(k, n)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            picks.append(int(torch.randperm(n, generator=g)[i]))
+        return {"input_ids": self.rows[picks]}
+
+
+def align_data(docs: list[list[int]], seq_len: int, batch_tokens: int, seed: int) -> AlignRows:
+    """The alignment rows. Departure from stage A's packing (`hybridize.distill.data.PackedData`): no position
+    reset at document starts, so the mixers take the batch as it is, no varlen path (faster), and teacher and
+    mixers still see the same context."""
+    stream = torch.tensor([t for d in docs for t in d], dtype=torch.long)
+    n = stream.numel() // seq_len
+    if n == 0:
+        raise UserError(f"only {stream.numel()} tokens left for alignment: less than one --align-seq-len {seq_len} "
+                        "row; lower --tokens or --align-seq-len")
+    return AlignRows(stream[: n * seq_len].view(n, seq_len), max(1, batch_tokens // seq_len), seed)
 
 
 def kl_stream(tokenizer, source: str, kl_tokens: int) -> torch.Tensor:

@@ -87,7 +87,7 @@ def run_select(src: str, cfg: SelectConfig, out: str | Path, log=print, progress
     s = Session(teacher, tokenizer, cfg, record, out, device, log, progress)
     measure(s)
     kept = greedy(s) if cfg.greedy else rank_kept(s)
-    record.data["timings_s"] = {**record.data.get("timings_s", {}), "last_run": round(time.perf_counter() - t0, 1)}
+    record.data["timings_s"] = {**record.data.get("timings_s", {}), "this_run": round(time.perf_counter() - t0, 1)}
     finish(s, kept)
     return record.data
 
