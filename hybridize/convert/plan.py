@@ -18,7 +18,8 @@ A plan that converts no layer is refused unless it is spelled "none" (issue 29: 
 nothing, silently).
 
 The fifth way of DESIGN.md sec. 3 (a measured choice: keep softmax where replacement hurts most) needs
-a model and data; it belongs to a later step that writes one of these spellings.
+a model and data: `hybridize select` (`hybridize.convert.select`) measures it and writes the explicit
+spelling ("attn=3,9,15,21,27") to a plan.txt, which `hybridize convert --layers` also takes as a path.
 """
 from __future__ import annotations
 

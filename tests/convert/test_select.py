@@ -249,9 +249,9 @@ def _convert(src, layers, out):
                                        "--no-calibrate", "--prompt", "", "--samples", "1"])
 
 
-@pytest.mark.parametrize("name", ["plan.txt", "select.json"])
+@pytest.mark.parametrize("name", ["plan.txt", "select.json", ""])
 def test_convert_takes_the_selection_file(kl_run, kl_dir, tmp_path, name):
-    r = _convert(kl_dir, kl_run[0] / name, tmp_path / "h")
+    r = _convert(kl_dir, kl_run[0] / name if name else kl_run[0], tmp_path / "h")
     assert r.exit_code == 0, r.output + repr(r.exception)
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["layer_plan"] == ["sse", "sse", "attn", "sse"]
@@ -267,3 +267,11 @@ def test_convert_refuses_a_selection_of_another_model(kl_run, tmp_path):
             assert "hybridize select --src" in str(r.exception) and not (tmp_path / "h").exists()
     r = _convert(other, tmp_path / "missing.txt", tmp_path / "h")
     assert isinstance(r.exception, UserError) and "no such plan file" in str(r.exception)
+    lone = tmp_path / "lone" / "plan.txt"  # no select.json beside it: only parse_plan's range check
+    lone.parent.mkdir()
+    shutil.copy(kl_run[0] / "plan.txt", lone)
+    assert _convert(other, lone, tmp_path / "h").exit_code == 0
+    assert _convert(three, lone.parent, tmp_path / "h2").exit_code == 0  # attn=2 exists in 3 layers too
+    lone.write_text("attn=3\n")
+    r = _convert(three, lone, tmp_path / "h3")
+    assert isinstance(r.exception, ValueError) and "out of range for a model with 3 layers" in str(r.exception)

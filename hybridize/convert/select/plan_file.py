@@ -1,4 +1,5 @@
-"""`hybridize convert --layers FILE`: a plan written by `hybridize select` (OUT/plan.txt or OUT/select.json).
+"""`hybridize convert --layers FILE`: a plan written by `hybridize select` (OUT/plan.txt, OUT/select.json, or
+the folder OUT itself).
 
 The file's plan is used only for the model it was measured on: select.json records the teacher's layer
 count and weight fingerprint (`hybridize.convert.fingerprint`), and a plan.txt is checked against the
@@ -15,13 +16,16 @@ SUFFIXES = (".txt", ".json")
 
 
 def is_plan_file(layers: str) -> bool:
-    """A path ending in .txt or .json (no plan spelling does)."""
-    return Path(layers.strip()).suffix.lower() in SUFFIXES
+    """A path ending in .txt or .json, or a folder holding a plan.txt (no plan spelling is either)."""
+    p = Path(layers.strip()).expanduser()
+    return p.suffix.lower() in SUFFIXES or (p / "plan.txt").is_file()
 
 
 def plan_from_file(layers: str, num_layers: int, fingerprint: str | None, src: str) -> str:
     """The plan spelling in FILE (`layers`), after checking it was measured on this teacher."""
     path = Path(layers.strip()).expanduser()
+    if path.is_dir():  # the --out folder of `hybridize select`
+        path = path / "plan.txt"
     if not path.is_file():
         raise UserError(f"--layers {layers}: no such plan file (write a plan like attn=5,11,17 or the path of a "
                         "`hybridize select` plan.txt / select.json)")
