@@ -165,8 +165,8 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Option("default", "--src", help="teacher: 'default' (embedded SmolLM2-135M-Instruct), "
                                 "a local HF folder, a .gguf file, a hub id or an alias like qwen3-1.7b"),
         layers: str = typer.Option("5:1", "--layers", help="layer plan: '5:1', 'sse,swa,sse,swa,attn', "
-                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all', or the plan.txt / "
-                                   "select.json of `hybridize select` (checked against this teacher)"),
+                                   "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all', or the --out folder / "
+                                   "plan.txt / select.json of `hybridize select` (checked against this teacher)"),
         mixer: str = typer.Option("sse", "--mixer", help="default mixer of the plan"),
         mixer_settings: list[str] = typer.Option(None, "--mixer-settings", help="mixer settings: a JSON object "
                                                  "or key=value / mixer.key=value (repeatable)"),

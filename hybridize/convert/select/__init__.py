@@ -11,8 +11,9 @@ Criteria (`--criterion`; a higher score keeps softmax):
   `--greedy` refines this: starting from all layers converted, keep softmax one layer at a time, each time
   the candidate whose return lowers the hybrid's KL most (`choose.py`).
 - `needle`: the same one-layer-converted models, scored by the increase of the teacher-forced negative
-  log-likelihood of the answer on S-NIAH prompts (`needle.py`): the cost in needle recall. Measured along
-  with `kl` whenever `--needle-samples` > 0, so the table shows both.
+  log-likelihood of the answer on S-NIAH prompts (`needle.py`): the cost in needle recall, read as the
+  answer's NLL rather than greedy-generation accuracy (continuous, and one forward per prompt). Measured
+  along with `kl` whenever `--needle-samples` > 0, so the table shows both.
 - `retrieval`: no conversion: the teacher's attention on S-NIAH prompts; a layer scores by the attention mass
   its most retrieving head puts on the needle's value tokens from the positions that copy the answer
   (`retrieval.py`).
