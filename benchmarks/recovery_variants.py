@@ -42,7 +42,7 @@ def args_parser():
     p.add_argument("--align-steps", type=int, default=200)
     p.add_argument("--e2e-steps", type=int, default=150)
     p.add_argument("--long-steps", type=int, default=90)
-    p.add_argument("--minutes", type=float, default=3.0, help="wall-clock cap of each training step")
+    p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes no final/: size the steps instead)")
     p.add_argument("--kernels", default="torch", help="HYBRIDIZE_KERNELS for every step (torch: no Triton "
                                                       "compile/autotune time inside the budget)")
     return p
