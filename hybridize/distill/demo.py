@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from hybridize.cpu import ThreadGuard, pick_threads
-from hybridize.errors import UserError
+from hybridize.errors import UserError, read_text
 
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
 from .data import heldout_ids, load_texts, read_jsonl
@@ -114,7 +114,7 @@ def heldout_text(cfg: DemoConfig) -> tuple[list[str], str]:
     if not cfg.heldout_text:
         return language_reference_topics(), "Python Language Reference topics (pydoc_data)"
     src = cfg.heldout_text
-    texts = [Path(src).read_text()] if src.endswith(".txt") else load_texts(src)
+    texts = [read_text(src)] if src.endswith(".txt") else load_texts(src)  # not UTF-8: file and line named
     return texts, src
 
 

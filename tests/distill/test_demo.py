@@ -141,3 +141,18 @@ def test_demo_counts_fail_at_parse_time(override, key):
     with pytest.raises(UserError) as e:
         demo_config([override])
     assert str(e.value).startswith(f"{key} must be >=") and "\n" not in str(e.value)
+
+
+def test_demo_non_utf8_heldout_text_names_file_and_line(tmp_path):
+    """A held-out .txt that is not UTF-8 is one line naming the file and line (issue 29: a bare codec message
+    from `Path.read_text`)."""
+    from hybridize.distill.demo import heldout_text
+    from hybridize.errors import UserError
+
+    held = tmp_path / "held.txt"
+    held.write_bytes(b"fine\ncaf\xe9\n")
+    with pytest.raises(UserError) as e:
+        heldout_text(demo_config([f"heldout_text={held}"]))
+    assert str(e.value).startswith(f"{held}, line 2, column 4: not UTF-8 text (byte 0xe9)")
+    held.write_text("caf\u00e9\n", encoding="utf-8")
+    assert heldout_text(demo_config([f"heldout_text={held}"]))[0] == ["caf\u00e9\n"]
