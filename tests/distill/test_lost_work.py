@@ -146,6 +146,21 @@ def test_distill_refuses_to_start_over_in_a_run_folder(folders, tmp_path, stage)
     assert [row["step"] for row in _metric_rows(run) if "loss" in row] == [1, 2]
 
 
+def test_distill_sft_refuses_to_start_over_in_a_run_folder(tmp_path):
+    """Stage C (TRL's checkpoint-N layout) is guarded as A and B: refused before the student loads, nothing
+    of the old run touched."""
+    from typer.testing import CliRunner
+
+    from hybridize.cli import app
+    run = tmp_path / "run"
+    (run / "checkpoints" / "checkpoint-4").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    r = CliRunner().invoke(app, ["distill", "sft", f"student={tmp_path / 'nowhere'}", f"train.run_dir={run}"])
+    msg = _one_line(r.exception)
+    assert r.exit_code != 0 and str(run) in msg and "--resume" in msg and "--overwrite" in msg
+    assert (run / "checkpoints" / "checkpoint-4").is_dir() and (run / "metrics.jsonl").read_text().startswith("{")
+
+
 # ---- 6: resuming never unpickles code -----------------------------------------------------------------
 
 class Payload:
