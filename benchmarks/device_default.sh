@@ -6,6 +6,12 @@
 #                                                            # in turn, in one process
 #   bash benchmarks/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
 #   bash benchmarks/device_default.sh $OUT select "--greedy"   # hybridize select --keep 5 on cuda (ARG: more options)
+#   bash benchmarks/device_default.sh $OUT unpack .c1        # a carried folder: its wheels into /tmp/site, its
+#                                                            # GGUF parts (gp.*) joined once all three are there,
+#                                                            # its data.tar.xz into /root/data
+#   bash benchmarks/device_default.sh $OUT variants "select train:fixed train:select long:select"
+#                                                            # benchmarks/recovery_variants.py phases in turn,
+#                                                            # no step started after VARIANTS_SECONDS (300) s
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
@@ -19,6 +25,29 @@ case $STEP in
     if [ -f /root/p/gp.ac ]; then
       cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
     else echo "part kept: $(ls /root/p)"; fi ;;
+  unpack)
+    ls "$ARG"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site "$ARG"/*.whl && echo "wheels: $(ls /tmp/site | grep -c dist-info) in /tmp/site"
+    ls "$ARG"/gp.* >/dev/null 2>&1 && cp "$ARG"/gp.* /root/p/
+    if [ -f /root/p/gp.aa ] && [ -f /root/p/gp.ab ] && [ -f /root/p/gp.ac ] && [ ! -f "$GGUF" ]; then
+      cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
+    fi
+    [ -f "$ARG"/data.tar.xz ] && mkdir -p /root/data && tar -C /root/data -xJf "$ARG"/data.tar.xz && ls /root/data/data ;;
+  variants)
+    # issue 22 part 4: each phase is `python3 benchmarks/recovery_variants.py PHASE [VARIANT]`, state in /root/rv
+    deadline=$(( $(date +%s) + ${VARIANTS_SECONDS:-300} ))
+    for ph in $ARG; do
+      echo "== $(date +%T) $ph" | tee -a "$OUT/variants.log"
+      python3 benchmarks/recovery_variants.py ${ph%%:*} $( [ "$ph" != "${ph#*:}" ] && echo "${ph#*:}" ) \
+        --teacher "$GGUF" --work /root/rv --data /root/data/data --deadline $deadline \
+        ${VARIANTS_ARGS:-} >> "$OUT/variants.log" 2>&1
+      rc=$?; [ $rc -ne 0 ] && { echo "phase $ph: exit $rc" | tee -a "$OUT/variants.log"; break; }
+    done
+    # the small outputs in one file (at most 8 files come back): select/, recovery/, steps.jsonl, logs,
+    # each run's metrics.jsonl and report.json
+    (cd /root/rv && tar czf "$OUT/rv.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+      --exclude='checkpoint*' --exclude='tokenizer*' . )
+    tail -25 "$OUT/variants.log"; for l in /root/rv/logs/*.log; do echo "-- $l"; grep -v "it/s\]\|s/it\]" "$l" | tail -4; done ;;
   recipes)
     # one process runs the variants in turn, on the torch kernels: at the demo's small fp32 shapes Triton gains
     # nothing, and its first use compiles and autotunes for minutes (8 processes side by side did so at once)

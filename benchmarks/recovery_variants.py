@@ -43,6 +43,9 @@ def args_parser():
     p.add_argument("--e2e-steps", type=int, default=150)
     p.add_argument("--long-steps", type=int, default=90)
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes no final/: size the steps instead)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
+                        "of a device call; 0 = none")
     p.add_argument("--kernels", default="torch", help="HYBRIDIZE_KERNELS for every step (torch: no Triton "
                                                       "compile/autotune time inside the budget)")
     return p
@@ -76,10 +79,16 @@ def training_text(data: Path) -> list[str]:
     return [str(s) for s in srcs]
 
 
+DEADLINE = 0.0  # set from --deadline in main()
+
+
 def step(work: Path, env: dict, name: str, done: Path, args: list[str]) -> None:
     if done.exists():
         print(f"{name}: {done} exists, skipped", flush=True)
         return
+    if DEADLINE and time.time() > DEADLINE:
+        print(f"{name}: past the deadline, not started", flush=True)
+        sys.exit(3)
     took = hyb(args, work / "logs" / f"{name}.log", env)
     record(work, step=name, seconds=round(took, 1))
 
@@ -135,7 +144,9 @@ def final_dirs(work: Path) -> dict[str, Path]:
 
 
 def main(argv=None):
+    global DEADLINE
     a = args_parser().parse_args(argv)
+    DEADLINE = a.deadline
     work = Path(a.work)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HYBRIDIZE_KERNELS": a.kernels, "PYTHONUNBUFFERED": "1"}
