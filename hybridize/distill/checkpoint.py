@@ -76,7 +76,8 @@ def load_checkpoint(accelerator, path: str | Path, scheduler=None) -> dict:
     Every part goes through a loader that cannot run code: safetensors for weights, JSON for the scheduler
     and trainer state, `torch.load(weights_only=True)` for optimizer, RNG and grad-scaler states (what
     `accelerator.load_state` would unpickle freely for registered objects). A part that is not plain data
-    is refused with one line. DeepSpeed checkpoints are read by DeepSpeed's own engine."""
+    is refused with one line. DeepSpeed checkpoints are read by DeepSpeed's own engine, which unpickles
+    freely: `check_deepspeed_pickles` opens every pickle in the folder safely first."""
     path = Path(path)
     meta = path / "trainer_state.json"
     if not meta.is_file():
@@ -98,22 +99,55 @@ def load_checkpoint(accelerator, path: str | Path, scheduler=None) -> dict:
 SCHEDULER_JSON = "scheduler.json"
 
 
-def safe_torch_load(file: Path, map_location="cpu"):
-    """`torch.load` of plain data only (tensors, numbers, containers, numpy RNG arrays): a pickle that would
-    build any other object - and so could run code - is refused with one line."""
+def safe_torch_load(file: Path, map_location="cpu", extra_globals=(), mmap: bool = False):
+    """`torch.load` of plain data only (tensors, numbers, containers, numpy RNG arrays, and the classes of
+    `extra_globals`): a pickle that would build any other object - and so could run code - is refused with
+    one line."""
     import pickle
 
     import torch
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
     try:
-        with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
-            return torch.load(file, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals([*TORCH_SAFE_GLOBALS, *extra_globals]):
+            return torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         why = re.search(r"Unsupported global: (?:GLOBAL )?(\S+)", str(e))
         what = f" (it builds {why.group(1)})" if why else ""
-        raise UserError(f"refusing to load {file}: it is not plain data and could run code when unpickled{what}; "
-                        f"delete that checkpoint or start over with --overwrite") from None
+        raise UserError(f"refusing to load {file}: it holds pickled objects other than tensors and plain data"
+                        f"{what}, which could run code when unpickled, so nothing was loaded; delete that "
+                        f"checkpoint (or start the run over with --overwrite)") from None
+
+
+def check_deepspeed_pickles(folder: str | Path) -> None:
+    """Before DeepSpeed's own loaders (`load_checkpoint`, `zero_to_fp32`: `torch.load(weights_only=False)`)
+    read `folder`: open every pickle below it (by suffix, torch's zip format or a pickle header) with
+    `safe_torch_load`, memory-mapped so tensors are not read; the first that is not plain data is refused.
+    Besides accelerate's numpy RNG classes, only the plain-data classes real ZeRO-2/3 `*optim_states.pt`
+    hold are allowed: the ZeRO stage enum, the fp32 partitions' fragment addresses (a dataclass of ints)
+    and the loss scaler. None defines __reduce__/__setstate__: unpickling one only sets plain attributes."""
+    import zipfile
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    seen = set()
+    for root, dirs, files in os.walk(folder, followlinks=True):  # DeepSpeed follows a linked tag folder too
+        if os.path.realpath(root) in seen:  # a symlink loop
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(root))
+        for file in sorted(Path(root) / name for name in files):
+            suffix = file.suffix.lower()
+            if not file.is_file() or suffix in (".safetensors", ".json", ".py", ".txt", ".yaml"):
+                continue
+            with open(file, "rb") as f:
+                head = f.read(1)
+            is_zip = zipfile.is_zipfile(file)
+            if is_zip or suffix in (".pt", ".pth", ".bin", ".pkl", ".ckpt") or head == b"\x80":
+                safe_torch_load(file, extra_globals=allowed, mmap=is_zip)
 
 
 def _load_models_and_optimizers(acc, path: Path) -> None:
@@ -121,6 +155,7 @@ def _load_models_and_optimizers(acc, path: Path) -> None:
     from accelerate.utils import DistributedType
 
     if acc.distributed_type == DistributedType.DEEPSPEED:  # the engine holds model + optimizer shards
+        check_deepspeed_pickles(path)  # DeepSpeed's loader unpickles freely
         for i, model in enumerate(acc._models):
             model.load_checkpoint(str(path), "pytorch_model" if i == 0 else f"pytorch_model_{i}")
         return

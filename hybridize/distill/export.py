@@ -7,7 +7,8 @@ LayerAligner with the converted layers' adapters (stage A). Its weights are eith
 - plain accelerate: `model.safetensors` (or `pytorch_model.bin`), the unwrapped module's state dict, or
 - DeepSpeed (any ZeRO stage, any number of ranks): `pytorch_model/*model_states.pt` plus the optimizer
   shards, merged into full fp32 weights with DeepSpeed's `zero_to_fp32` utilities (fp32 master weights,
-  not the bf16 copies the ranks computed with).
+  not the bf16 copies the ranks computed with); every pickle in the checkpoint is first opened with a
+  weights-only loader (`check_deepspeed_pickles`), since `zero_to_fp32` unpickles freely.
 
 Export rebuilds the module the stage trained around the run's starting student (`student` in
 `<run_dir>/config.yaml`, the folder written by `hybridize convert` / a previous stage), loads the
@@ -34,7 +35,7 @@ import yaml
 
 from hybridize.errors import UserError
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import check_deepspeed_pickles, latest_checkpoint
 
 # files next to a converted checkpoint that record its teacher (see models.teacher_source_of)
 _REPORTS = ("conversion_report.json", "report.json", "convert_report.json")
@@ -71,6 +72,7 @@ def checkpoint_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         except ImportError:
             raise UserError(f"{ckpt} is a DeepSpeed checkpoint: pip install deepspeed to export it") from None
+        check_deepspeed_pickles(ckpt)  # zero_to_fp32 unpickles freely: refuse anything but plain data first
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag))
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file
