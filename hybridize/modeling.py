@@ -1,7 +1,8 @@
 """The hybrid Hugging Face model: a teacher family's decoder with some attention layers swapped for mixers.
 
-`HybridConfig` (model_type "hybridize") carries the teacher's config (`source_config`, a full
-LlamaConfig / Qwen2Config / Qwen3Config / MistralConfig), the per-layer plan ("attn" or a mixer name)
+`HybridConfig` (model_type "hybridize") carries the teacher's config (`source_config`, the full config of
+a family in `hybridize.families`' table: Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, Granite,
+Qwen3-MoE), the per-layer plan ("attn" or a mixer name)
 and the resolved settings of every mixer in the plan. `HybridForCausalLM` builds the teacher family's
 base model (`AutoModel.from_config(source_config)`, so `model.embed_tokens`, `model.layers.N...`,
 `model.norm`) plus `lm_head`, and replaces `model.layers[i].self_attn` by an *attention slot* for each
@@ -54,45 +55,30 @@ from transformers.configuration_utils import SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from hybridize import mixers
+from hybridize import families, mixers
 from hybridize.mixers.base import Mixer, MixerState
 
 MODEL_TYPE = "hybridize"
 ATTN = "attn"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 MIXER_LAYER_TYPE = "hybridize_mixer"
 # MixerConfig fields that come from the teacher's shapes; a user setting may not change them
-TEACHER_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "rms_norm_eps")
+TEACHER_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "qk_norm_scope",
+                  "qk_norm_offset", "attn_scale", "rms_norm_eps")
 
 
 # ---------------------------------------------------------------------------------------------
 # settings derived from the teacher config
 # ---------------------------------------------------------------------------------------------
 def check_family(source_config: PreTrainedConfig) -> str:
-    mt = getattr(source_config, "model_type", None)
-    if mt not in SUPPORTED_FAMILIES:
-        raise ValueError(f"unsupported model family {mt!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
-    return mt
+    """The teacher's model type when the family table converts it; else `families.UnsupportedFamily` (a
+    UserError and ValueError) with one line naming what is missing."""
+    return families.family_of(source_config).model_type
 
 
 def mixer_common_settings(source_config: PreTrainedConfig) -> dict[str, Any]:
-    """MixerConfig fields fixed by the teacher: widths, GQA, Qwen2 q/k/v biases, Qwen3 q/k norms."""
-    mt = check_family(source_config)
-    heads = source_config.num_attention_heads
-    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // heads
-    bias = bool(getattr(source_config, "attention_bias", False))
-    if bias and mt != "qwen2":
-        # Llama/Qwen3 attention_bias=True also puts a bias on o_proj, which mixers do not have
-        raise ValueError(f"{mt} teachers with attention_bias=True (o_proj bias) are not supported")
-    return dict(
-        hidden_size=source_config.hidden_size,
-        num_heads=heads,
-        num_kv_heads=getattr(source_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        qkv_bias=mt == "qwen2",  # Qwen2 attention always has q/k/v biases, whatever the config says
-        qk_norm=mt == "qwen3",
-        rms_norm_eps=float(source_config.rms_norm_eps),
-    )
+    """MixerConfig fields fixed by the teacher: widths, GQA, q/k/v biases, q/k norm kind, logit scale
+    (`hybridize.families.Family.mixer_fields`)."""
+    return families.family_of(source_config).mixer_fields(source_config)
 
 
 #: Mixer settings that differ when a mixer *replaces a teacher's attention* rather than being trained from
@@ -155,7 +141,7 @@ def write_remote_code(save_directory: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------
 _MIRRORED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
              "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
-             "sliding_window", "initializer_range", "hidden_act", "tie_word_embeddings",
+             "sliding_window", "layer_types", "initializer_range", "hidden_act", "tie_word_embeddings",
              "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -534,7 +520,9 @@ def _any_loaded(slot: nn.Module) -> bool:
 
 
 class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
-    """A converted decoder. Parameter names are the teacher's (`model.*`, `lm_head`) plus mixer parameters."""
+    """A converted decoder. Parameter names are the teacher's (`model.*`, `lm_head`) plus mixer parameters
+    (a fused `qkv_proj` of a converted layer is held split, as the mixer's q/k/v_proj). The family's entry
+    (`self.family`) places the slots and gives the LM head's logits transform (Granite, Gemma)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -544,9 +532,11 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         # one config object for the outer and inner model: attn_implementation etc. stay in sync
         config.source_config = self.model.config
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.family = families.family_of(config.source_config)
+        layers = getattr(self.model, self.family.layers)
         for i in config.mixer_layers:
             kind = config.layer_plan[i]
-            self.model.layers[i].self_attn = build_slot(kind, config.mixer_settings[kind], i)
+            setattr(layers[i], self.family.attention, build_slot(kind, config.mixer_settings[kind], i))
         self.model.register_forward_pre_hook(_MixerInputs(config), with_kwargs=True)
         self.post_init()
 
@@ -582,7 +572,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                              **kwargs)
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep, :])
+        logits = self.family.finish_logits(self.config.source_config, self.lm_head(hidden[:, keep, :]))
         aux = [s.last_aux_loss for s in slots if s.last_aux_loss is not None]
         aux_loss = torch.stack([a.float() for a in aux]).sum() if aux else None
         loss = None

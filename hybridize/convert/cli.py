@@ -105,7 +105,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
     from hybridize.convert.select.plan_file import is_plan_file, plan_from_file
     from hybridize.convert.settings import check_user_settings
-    from hybridize.convert.sources import load_config, load_model
+    from hybridize.convert.sources import family_source_note, load_config, load_model
 
     console = console or Console()
     from hybridize.convert.report import SAMPLE_TEXTS
@@ -117,6 +117,9 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     tdtype = _torch_dtype(dtype)
     out = Path(out)
     t0 = time.perf_counter()
+    note = family_source_note(src)
+    if note:  # `--src Qwen`: say which checkpoint the family name stands for, before any download
+        console.print(note)
     source = _teacher_record(src)
     config = load_config(src)
     if is_plan_file(layers):  # OUT/plan.txt or OUT/select.json of `hybridize select`, checked against this teacher
@@ -163,7 +166,8 @@ def register(app: typer.Typer) -> None:
     def convert(
         out: Path = typer.Option(..., "--out", help="folder for the checkpoint, tokenizer and report.json"),
         src: str = typer.Option("default", "--src", help="teacher: 'default' (embedded SmolLM2-135M-Instruct), "
-                                "a local HF folder, a .gguf file, a hub id or an alias like qwen3-1.7b"),
+                                "a local HF folder, a .gguf file, a hub id, an alias like qwen3-1.7b or a family "
+                                "name (Qwen, llama, gemma, phi, olmo, granite: its default checkpoint)"),
         layers: str = typer.Option("5:1", "--layers", help="layer plan: '5:1', 'sse,swa,sse,swa,attn', "
                                    "'attn=5,11,17', '0-3:gla,4:attn,5-29:sse', 'all', or the --out folder / "
                                    "plan.txt / select.json of `hybridize select` (checked against this teacher)"),
@@ -198,8 +202,11 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device"),
     ) -> None:
         """Greedy generation from a model (chat template applied when the tokenizer has one)."""
-        from hybridize.convert.sources import load_model
+        from hybridize.convert.sources import family_source_note, load_model
 
+        note = family_source_note(model)
+        if note:
+            typer.secho(note, err=True, dim=True)
         m, tok = load_model(model, dtype=_torch_dtype(dtype), device=device)
         if tok is None:
             raise ValueError(f"{model} has no tokenizer files")

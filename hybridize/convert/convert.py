@@ -1,10 +1,10 @@
 """Teacher -> hybrid: build the hybrid from the teacher's config, copy every teacher tensor, init the mixers.
 
-Mapping (DESIGN.md sec. 3): every teacher tensor is copied by name (embeddings, norms, MLPs, lm_head,
-the softmax layers, and q/k/v/o (+ Qwen2 biases, Qwen3 q/k norms) of converted layers, which the
-mixers hold under the teacher's names, GQA widths kept); then each converted layer's
-`mixer.init_from_attention(teacher_layer.self_attn)` applies the mixer's stated rule to its new
-parameters. A teacher tensor with no place in the hybrid is an error (a mixer silently dropping a
+Mapping (DESIGN.md sec. 3): every teacher tensor is copied by name (embeddings, norms, MLPs or experts,
+lm_head, the softmax layers), and each converted layer's attention tensors go through its family's entry
+(`hybridize.families`: `Family.mixer_state`), which puts them under the mixer's names - q/k/v/o, biases,
+q/k norms; a fused `qkv_proj` (Phi-3) split into q/k/v - GQA widths kept; then each converted layer's
+`mixer.init_from_attention(those tensors)` applies the mixer's stated rule to its new parameters. A teacher tensor with no place in the hybrid is an error (a mixer silently dropping a
 teacher weight would be a bug), and so is a new parameter a mixer leaves unset (checked by filling
 new parameters with NaN before the mixers initialise them).
 """
@@ -80,7 +80,7 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
                   mixer_settings: dict[str, Any] | None = None, aux_loss_weight: float = 1.0,
                   teacher_source: str = "",
                   calibration_inputs: list[torch.Tensor] | None = None, seed: int = 0) -> HybridForCausalLM:
-    """Convert a loaded teacher (Llama/Qwen2/Qwen3/Mistral ForCausalLM) into a HybridForCausalLM.
+    """Convert a loaded teacher (a ForCausalLM of a family in `hybridize.families`) into a HybridForCausalLM.
 
     `plan`: a list (one kind per layer) or a spelling for `parse_plan` (with `mixer` as default).
     `mixer_settings`: see `split_settings`; `teacher_source`: recorded in the config (e.g. "default").
@@ -97,10 +97,13 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
     # built in fp32 on CPU so the mixers' init rules run at full precision, cast at the end
     hybrid = HybridForCausalLM(cfg).float()
     _poison_new_parameters(hybrid)
-    _copy_teacher(teacher, hybrid)
+    state = teacher_state_for(hybrid, teacher.state_dict())
+    _copy_teacher(state, hybrid)
     for i in cfg.mixer_layers:
-        hybrid.model.layers[i].self_attn.init_from_attention(teacher.model.layers[i].self_attn)
-        seed_new_parameters(hybrid.model.layers[i].self_attn, f"model.layers.{i}.self_attn", seed)
+        prefix = attention_prefix(hybrid, i)
+        slot = hybrid.get_submodule(prefix[:-1])
+        slot.init_from_attention({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        seed_new_parameters(slot, prefix[:-1], seed)
     _check_initialised(hybrid)
     if getattr(teacher, "generation_config", None) is not None:
         hybrid.generation_config = copy.deepcopy(teacher.generation_config)
@@ -113,8 +116,25 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
     return hybrid
 
 
-def _copy_teacher(teacher: nn.Module, hybrid: HybridForCausalLM) -> None:
-    state = teacher.state_dict()
+def attention_prefix(hybrid: HybridForCausalLM, layer: int) -> str:
+    """`"model.layers.3.self_attn."`: where layer `layer`'s attention (or mixer) tensors live, per the family."""
+    f = hybrid.family
+    return f"{hybrid.base_model_prefix}.{f.layers}.{layer}.{f.attention}."
+
+
+def teacher_state_for(hybrid: HybridForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The teacher's state dict with each converted layer's attention tensors under the mixer's names
+    (`Family.mixer_state`); every other tensor as it is."""
+    out = dict(state)
+    for i in hybrid.config.mixer_layers:
+        prefix = attention_prefix(hybrid, i)
+        attn = {k[len(prefix):]: out.pop(k) for k in list(out) if k.startswith(prefix)}
+        mapped = hybrid.family.mixer_state(attn, hybrid.config.source_config)
+        out.update({prefix + k: v for k, v in mapped.items()})
+    return out
+
+
+def _copy_teacher(state: dict[str, torch.Tensor], hybrid: HybridForCausalLM) -> None:
     missing, unexpected = hybrid.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"teacher tensors with no place in the hybrid: {unexpected[:6]}"
@@ -128,10 +148,10 @@ def _copy_teacher(teacher: nn.Module, hybrid: HybridForCausalLM) -> None:
 def new_parameter_names(hybrid: HybridForCausalLM) -> list[str]:
     """Full names of every parameter the teacher does not have (mixers' new parameters)."""
     names = []
-    for i, layer in enumerate(hybrid.model.layers):
-        slot = layer.self_attn
+    for i, layer in enumerate(getattr(hybrid.model, hybrid.family.layers)):
+        slot = getattr(layer, hybrid.family.attention)
         if isinstance(slot, AttentionSlot):
-            names += [f"model.layers.{i}.self_attn.{n}" for n in slot.new_parameter_names()]
+            names += [attention_prefix(hybrid, i) + n for n in slot.new_parameter_names()]
     return names
 
 

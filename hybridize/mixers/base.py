@@ -1,9 +1,11 @@
 """What every mixer shares: its config, its state, the projections it inherits from attention.
 
 A mixer replaces one softmax-attention layer. It owns `q_proj/k_proj/v_proj/o_proj` with exactly the
-teacher attention's names and shapes (GQA kept: k/v at KV-head width), plus Qwen3's `q_norm/k_norm`
-when the teacher had them, so initialising from the teacher is a plain state-dict copy of those
-names (`init_from_attention`); every other parameter is new and set by `reset_new_parameters`.
+teacher attention's names and shapes (GQA kept: k/v at KV-head width), plus `q_norm/k_norm` when the
+teacher had them (per head as Qwen3 / Gemma 3, or over the whole projection as OLMo 2; Gemma's norms scale
+by 1 + weight), so initialising from the teacher is a plain state-dict copy of those names
+(`init_from_attention`; a family with a fused `qkv_proj` is split into these names first, see
+`hybridize.families`); every other parameter is new and set by `reset_new_parameters`.
 
 Call contract (all mixers):
 
@@ -38,7 +40,16 @@ class MixerConfig:
     num_kv_heads: int = field(default=3, metadata={"help": "key/value heads of the teacher (GQA)"})
     head_dim: int = field(default=64, metadata={"help": "per-head width of q/k/v"})
     qkv_bias: bool = field(default=False, metadata={"help": "q/k/v projections have biases (Qwen2)"})
-    qk_norm: bool = field(default=False, metadata={"help": "per-head RMSNorm on q and k (Qwen3)"})
+    qk_norm: bool = field(default=False, metadata={"help": "RMSNorm on q and k (Qwen3, Gemma 3, OLMo 2)"})
+    qk_norm_scope: str = field(default="head", metadata={
+        "help": "what the q/k norm normalises: 'head' (each head's head_dim channels: Qwen3, Gemma 3) or "
+                "'full' (all heads' channels at once, weight [heads * head_dim]: OLMo 2)"})
+    qk_norm_offset: float = field(default=0.0, metadata={
+        "help": "the q/k norm scales by weight + this (Gemma: 1.0)"})
+    attn_scale: float | None = field(default=None, metadata={
+        "help": "the teacher's attention logit scale (Gemma 3 query_pre_attn_scalar**-0.5, Granite "
+                "attention_multiplier); None = head_dim**-0.5. Used where a mixer reads with the teacher's "
+                "scale (swa, identity feature maps)"})
     rms_norm_eps: float = field(default=1e-6, metadata={"help": "eps of the q/k/output norms"})
     use_rope: bool = field(default=False, metadata={"help": "apply the teacher's RoPE to q/k before the feature map"})
     short_conv: bool = field(default=False, metadata={"help": "causal depthwise conv on q/k/v (seed 003 sec. IX)"})
@@ -100,18 +111,47 @@ class MixerOutput:
 
 
 class RMSNorm(nn.Module):
-    """Same math and parameter name (`weight`) as the HF Llama/Qwen RMSNorm, so teacher weights load."""
+    """Same math and parameter name (`weight`) as the HF Llama/Qwen RMSNorm, so teacher weights load.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    `offset`: the gain is `weight + offset` (Gemma's norms scale by 1 + weight, weight 0 at init)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
+
+    def gain(self) -> torch.Tensor:
+        """The per-channel factor `[dim]` the normalised input is multiplied by."""
+        return self.weight + self.offset if self.offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.gain() * x.to(dtype)
+
+
+class FlatRMSNorm(RMSNorm):
+    """RMSNorm over all heads' channels at once (OLMo 2's q/k norms): `[..., H, D]` is normalised as
+    `[..., H * D]` with a weight `[H * D]`, so it applies to head-split q/k as the teacher applied it to
+    the projection's output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view(x.shape)
+
+
+QK_NORM_SCOPES = ("head", "full")
+
+
+def qk_norm_module(config: "MixerConfig", heads: int) -> RMSNorm:
+    """The q (heads = num_heads) or k (num_kv_heads) norm the teacher's attention has: per head over
+    `head_dim` channels, or over `heads * head_dim` (scope 'full'); with Gemma's offset."""
+    if config.qk_norm_scope not in QK_NORM_SCOPES:
+        raise ValueError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {config.qk_norm_scope!r}")
+    if config.qk_norm_scope == "full":
+        return FlatRMSNorm(heads * config.head_dim, config.rms_norm_eps, config.qk_norm_offset)
+    return RMSNorm(config.head_dim, config.rms_norm_eps, config.qk_norm_offset)
 
 
 class ShortConv(nn.Module):
@@ -171,7 +211,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, T, H, D]`, cos/sin `[B, T, D]` (the HF rotary embedding output)."""
+    """x `[B, T, H, D]`, cos/sin `[B, T, R]` (the HF rotary embedding output). R < D is partial rotary
+    (Phi-3 with partial_rotary_factor < 1): the first R channels rotate, the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
@@ -214,17 +258,19 @@ class Mixer(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.q_norm = qk_norm_module(c, c.num_heads)
+            self.k_norm = qk_norm_module(c, c.num_kv_heads)
         if c.short_conv:
             self.q_conv = ShortConv(c.num_heads * c.head_dim, c.conv_size)
             self.k_conv = ShortConv(c.num_kv_heads * c.head_dim, c.conv_size)
             self.v_conv = ShortConv(c.num_kv_heads * c.head_dim, c.conv_size)
 
     # ---- initialisation -------------------------------------------------------------------
-    def init_from_attention(self, attention: nn.Module) -> None:
-        """Copy q/k/v/o (+ biases, q/k norms) from a teacher attention module, then init the rest."""
-        src = attention.state_dict()
+    def init_from_attention(self, attention: nn.Module | dict[str, torch.Tensor]) -> None:
+        """Copy q/k/v/o (+ biases, q/k norms) from a teacher attention module, or from its tensors already
+        under the mixer's names (`hybridize.families.Family.mixer_state`: a fused qkv_proj split), then
+        init the rest."""
+        src = attention.state_dict() if isinstance(attention, nn.Module) else dict(attention)
         own = self.state_dict()
         copied = {k: v for k, v in src.items() if k.split(".")[0] in self.inherited and k in own}
         missing = [k for k in own if k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") and k not in copied]

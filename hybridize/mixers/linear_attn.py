@@ -10,7 +10,7 @@ Default "softmax": it keeps every similarity phi(q).phi(k) in [0, 1] whatever th
 teacher's q/k (which can reach tens per channel), so an unnormalised read stays bounded per token,
 and, like the teacher's softmax weights, it is non-negative and dominated by the largest channels;
 identity gives signed weights that cancel, elu1/relu give similarities growing with |q||k|.
-`scale` defaults to head_dim ** -0.5 for "identity" (the teacher's logit scale) and 1 otherwise.
+`scale` defaults to the teacher's logit scale for "identity" (`attn_scale`, else head_dim ** -0.5) and 1 otherwise.
 
 Row-sparse update (`row_topk`, seed 001 sec. 3.2, eq. 7-8): the key becomes
 k_t = softmax(top-k(x_t W_k)) - softmax over the k largest entries of the raw key, every other entry 0 -
@@ -83,7 +83,9 @@ class FeatureMapChoice:
     def read_scale(self) -> float:
         if self.scale is not None:
             return self.scale
-        return self.head_dim ** -0.5 if self.q_map == "identity" else 1.0
+        if self.q_map != "identity":
+            return 1.0
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5  # the teacher's
 
 
 @dataclass

@@ -394,8 +394,8 @@ class SSE(Mixer):
         mods = self._stage1() + self._stage2()
         if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in mods):
             return False
-        if c.qk_norm and self.q_norm.eps != self.k_norm.eps:
-            return False
+        if c.qk_norm and (self.q_norm.eps != self.k_norm.eps or c.qk_norm_scope != "head"):
+            return False  # the fused pass norms each head row; a norm over all heads (OLMo 2) keeps the generic path
         return len({m.weight.dtype for m in mods}) == 1
 
     def _fused_weights(self):
@@ -451,7 +451,8 @@ class SSE(Mixer):
                 nw = self.q_norm.weight
                 shape = (c.num_heads + c.num_kv_heads, c.head_dim)
                 wn = old[4] if (reuse and old[4] is not None and old[4].dtype == nw.dtype) else nw.new_empty(shape)
-                torch.cat([nw.expand(c.num_heads, -1), self.k_norm.weight.expand(c.num_kv_heads, -1)], out=wn)
+                torch.cat([self.q_norm.gain().expand(c.num_heads, -1),
+                           self.k_norm.gain().expand(c.num_kv_heads, -1)], out=wn)   # gain: Gemma's 1 + weight
         out = (W1, b1, W2, b2, wn)
         self.__dict__["_fused_cache"] = (key, out)
         return out

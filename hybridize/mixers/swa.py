@@ -35,7 +35,7 @@ class SWAConfig(MixerConfig):
     window: int = field(default=512, metadata={"help": "tokens each query sees, itself included"})
     use_rope: bool = field(default=True, metadata={"help": "apply the teacher's RoPE (kept for SWA)"})
     softmax_scale: float | None = field(
-        default=None, metadata={"help": "score scale; None = head_dim ** -0.5 (Llama/Qwen/Mistral)"})
+        default=None, metadata={"help": "score scale; None = the teacher's (attn_scale, else head_dim ** -0.5)"})
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SlidingWindowAttention(Mixer):
             raise ValueError("short_conv is an option of the linear mixers; set short_conv=False for swa")
         super().__init__(config)
         self.slots = config.window - 1
-        self.scale = config.softmax_scale if config.softmax_scale is not None else config.head_dim ** -0.5
+        self.scale = next(s for s in (config.softmax_scale, config.attn_scale, config.head_dim ** -0.5) if s is not None)
 
     # ---- public ---------------------------------------------------------------------------
     def forward(self, x, state: SWAState | None = None, attention_mask=None, cu_seqlens=None,

@@ -3,18 +3,34 @@ registered for the duration of a test, perturbation of new parameters, and the d
 
 Tiny teachers: 3 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, vocab 97, random
 weights; Qwen2 has q/k/v biases, Qwen3 q/k norms, Mistral a sliding window of 8 (so the hybrid cache
-holds a sliding KV layer too).
+holds a sliding KV layer too). The newer families turn on what sets them apart, each at a value that
+changes the output: Gemma 3 per-head q/k norms with the 1 + weight gain, query_pre_attn_scalar 24 (not
+head_dim 16), sliding layers 1 and 2 (window 8) with their own RoPE base, final logit soft-capping 3;
+Phi-3 a fused qkv_proj, partial rotary 0.5 and a window of 8; OLMo 2 q/k norms over the whole
+projection; Granite attention / embedding / residual multipliers and logits_scaling; Qwen3-MoE 4 experts
+(2 per token) on layers 0 and 2, a dense MLP on layer 1.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 import hybridize.mixers as mixers_pkg
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe")
 VOCAB = 97
 FP32_TOL = 1e-5
 
@@ -32,6 +48,23 @@ def tiny_teacher_config(family: str, layers: int = 3, **kw):
         return Qwen3Config(**common)
     if family == "mistral":
         return MistralConfig(sliding_window=8, **common)
+    if family == "gemma3_text":
+        types = (["full_attention", "sliding_attention", "sliding_attention"] * layers)[:layers]
+        return Gemma3TextConfig(**{"query_pre_attn_scalar": 24, "sliding_window": 8, "layer_types": types,
+                                   "final_logit_softcapping": 3.0, "rope_parameters": {
+                                       "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+                                   **common})
+    if family == "phi3":
+        return Phi3Config(partial_rotary_factor=0.5, sliding_window=8, **common)
+    if family == "olmo2":
+        return Olmo2Config(**common)
+    if family == "granite":
+        return GraniteConfig(attention_multiplier=0.09, embedding_multiplier=3.0, residual_multiplier=0.5,
+                             logits_scaling=2.0, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              mlp_only_layers=[1], **common)
     raise ValueError(family)
 
 

@@ -1,4 +1,4 @@
-"""The converter: weight mapping per family (GQA, Qwen2 biases, Qwen3 norms), settings, errors, report."""
+"""The converter: weight mapping per family (GQA, biases, q/k norms, fused qkv), settings, errors, report."""
 from __future__ import annotations
 
 import math
@@ -16,16 +16,22 @@ from tests.convert.common import FAMILIES, rel_err, tiny_teacher, tiny_teacher_c
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_teacher_tensor_is_copied(family):
+    """Every teacher tensor is in the hybrid, by name, or split by the family's entry (Phi-3's fused
+    qkv_proj of a converted layer is held as the mixer's q/k/v_proj); nothing else is added but the
+    mixers' new parameters."""
+    from hybridize.convert.convert import teacher_state_for
+
     teacher = tiny_teacher(family)
     hybrid = convert_model(teacher, "1:1", mixer="gla")
-    t, h = teacher.state_dict(), hybrid.state_dict()
+    t, h = teacher_state_for(hybrid, teacher.state_dict()), hybrid.state_dict()
     for k, v in t.items():
         assert torch.equal(h[k], v), k
+    assert (set(teacher.state_dict()) == set(t)) == (family != "phi3")
     slot = hybrid.model.layers[0].self_attn
     assert isinstance(slot, AttentionSlot)
     assert slot.k_proj.weight.shape == (2 * 16, 64)  # GQA kept: KV-head width
     assert (slot.q_proj.bias is not None) == (family == "qwen2")
-    assert hasattr(slot, "q_norm") == (family == "qwen3")
+    assert hasattr(slot, "q_norm") == (family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe"))
     new = set(new_parameter_names(hybrid))
     assert new and set(h) - set(t) == new
 
@@ -68,18 +74,27 @@ def test_settings_forms_and_errors():
 def test_common_settings_from_teacher_config():
     c = mixer_common_settings(tiny_teacher_config("qwen2"))
     assert c == dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False,
-                     rms_norm_eps=1e-6)
+                     qk_norm_scope="head", qk_norm_offset=0.0, attn_scale=None, rms_norm_eps=1e-6)
     assert mixer_common_settings(tiny_teacher_config("qwen3"))["qk_norm"] is True
-    with pytest.raises(ValueError, match="o_proj bias"):
+    assert mixer_common_settings(tiny_teacher_config("olmo2"))["qk_norm_scope"] == "full"
+    gemma = mixer_common_settings(tiny_teacher_config("gemma3_text"))
+    assert gemma["qk_norm_offset"] == 1.0 and gemma["attn_scale"] == 24 ** -0.5
+    with pytest.raises(ValueError, match="attention_bias=True is not supported: it also puts a bias on o_proj"):
         mixer_common_settings(tiny_teacher_config("llama", attention_bias=True))
 
 
-def test_unsupported_family_is_refused():
+def test_unsupported_family_is_refused_naming_what_is_missing():
     from transformers import AutoModelForCausalLM
 
+    from hybridize.errors import UserError
+
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="supported: llama, qwen2, qwen3, mistral"):
+    with pytest.raises(ValueError, match="'gpt2' is not in hybridize's family table") as e:
         convert_model(gpt2, "all", mixer="gla")
+    msg = str(e.value)
+    assert isinstance(e.value, UserError) and "\n" not in msg
+    assert "supported: llama, qwen2, qwen3, mistral, gemma3_text, phi3, olmo2, granite, qwen3_moe" in msg
+    assert "decoder layers at transformer.h, not model.layers" in msg
 
 
 def test_teacher_tensor_without_a_place_is_an_error():

@@ -58,10 +58,72 @@ def test_local_teacher_folder(tmp_path):
     assert load_config(str(tmp_path)).num_hidden_layers == 3
 
 
-def test_unsupported_family_names_the_supported_ones(tmp_path):
+def test_unsupported_family_names_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
-    with pytest.raises(UserError, match="supported: llama, qwen2, qwen3, mistral"):
+    with pytest.raises(UserError, match="supported: llama, qwen2, qwen3, mistral, gemma3_text") as e:
         load_model(str(tmp_path))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(tmp_path))
+    assert "decoder layers at transformer.h, not model.layers" in msg
+
+
+@pytest.mark.parametrize("model_type,config,expected", [
+    # Llama's layout, but an attention feature no entry covers
+    ("stablelm", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+                  "vocab_size": 50, "partial_rotary_factor": 0.25, "qk_layernorm": True},
+     ["its attention uses partial rotary (partial_rotary_factor=0.25), q/k layer norms (qk_layernorm=True)"]),
+    # Gemma 2: soft-capped attention logits
+    ("gemma2", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "head_dim": 16, "intermediate_size": 64, "vocab_size": 50, "attn_logit_softcapping": 50.0},
+     ["attention logit soft-capping (attn_logit_softcapping=50.0)"]),
+    # a supported family with a setting its entry refuses
+    ("llama", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+               "vocab_size": 50, "attention_bias": True}, ["puts a bias on o_proj"]),
+    ("gemma3_text", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "head_dim": 16,
+                     "intermediate_size": 64, "vocab_size": 50, "use_bidirectional_attention": True},
+     ["use_bidirectional_attention=True is not supported"]),
+])
+def test_unsupported_attention_features_are_named(tmp_path, model_type, config, expected):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **config}))
+    with pytest.raises(UserError) as e:
+        load_config(str(tmp_path))
+    msg = str(e.value)
+    assert "\n" not in msg and all(x in msg for x in expected), msg
+
+
+@pytest.mark.parametrize("name,hub_id", [
+    ("Qwen", "Qwen/Qwen3-1.7B"), ("qwen", "Qwen/Qwen3-1.7B"), ("LLAMA", "meta-llama/Llama-3.2-1B-Instruct"),
+    ("gemma", "google/gemma-3-270m-it"), ("Phi", "microsoft/Phi-3-mini-4k-instruct"),
+    ("olmo", "allenai/OLMo-2-0425-1B-Instruct"), ("Granite", "ibm-granite/granite-3.3-2b-instruct"),
+])
+def test_a_family_name_is_a_source(name, hub_id):
+    from hybridize.convert.sources import describe_source, family_source_note
+
+    assert resolve_source(name) == ("hub", hub_id)
+    note = family_source_note(name)
+    assert note is not None and hub_id in note and "\n" not in note
+    assert describe_source(name)["target"] == hub_id
+
+
+def test_smollm2_is_the_embedded_default_and_a_folder_wins_over_a_family_name(tmp_path, monkeypatch):
+    from hybridize.convert.sources import family_source_note
+
+    assert resolve_source("SmolLM2")[0] == "default" and family_source_note("smollm2") is None
+    (tmp_path / "gemma").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_source("gemma") == ("local", "gemma") and family_source_note("gemma") is None
+
+
+def test_a_family_name_offline_names_the_local_alternatives(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as e:
+        load_config("Qwen")
+    msg = str(e.value)
+    assert "\n" not in msg and "Qwen/Qwen3-1.7B" in msg
+    assert "--src default" in msg and "local model folder" in msg and ".gguf file" in msg
 
 
 def test_dense_cache_is_written_atomically(tmp_path):
