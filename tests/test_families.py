@@ -157,3 +157,38 @@ def test_report_table_prints_dropped_lines():
     console.print(report_table(rep))
     out = console.export_text()
     assert "the mixer layers drop" in out and "gla: sliding window" in out and "partial rotary" in out
+
+
+# ------------------------------------------------------------------ code that runs the decoder by hand
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rl_fast_generate_same_tokens_or_falls_back(family):
+    """The RL decode loop runs embed -> layers -> norm -> lm_head itself: where that is the family's forward it
+    gives HF's tokens; where it is not (a RoPE per layer type, embedding multiplier, logits transform) it
+    falls back to HF generate and says why."""
+    from hybridize.rl.fast_generate import FastGenerator
+
+    _, model = _hybrid("gla", family)
+    ids, mask, _ = left_padded([_ids(1, 9, seed=3)[0], _ids(1, 5, seed=4)[0]])
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    gen = FastGenerator(model)
+    assert torch.equal(gen(input_ids=ids, **kw), model.generate(ids, **kw))
+    reason = gen.last_fallback_reason
+    if family in ("gemma3_text", "granite"):
+        assert reason is not None and family in reason
+    else:
+        assert reason is None
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma3_text", "llama"])
+def test_eval_token_nll_uses_the_family_logits(family):
+    """`hybridize eval ppl` scores with the family's logits (Granite divides, Gemma soft-caps lm_head's)."""
+    import torch.nn.functional as F
+
+    from hybridize.eval.perplexity import token_nll
+
+    teacher, model = _hybrid("gla", family)
+    ids = _ids(1, 12)[0]
+    for m in (teacher, model):
+        with torch.no_grad():
+            ref = F.cross_entropy(m(ids[None]).logits[0, :-1].float(), ids[1:], reduction="none")
+        assert rel_err(token_nll(m, ids), ref) < FP32_TOL

@@ -72,6 +72,16 @@ def tokenize_budget(tokenizer, text: str, tokens: int) -> torch.Tensor:
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
+def _head_transforms_logits(model) -> bool:
+    """Whether the model's CausalLM changes `lm_head(h)` (Granite's logits_scaling, Gemma's soft-cap, see
+    hybridize.families): then the NLL comes from the model's own logits, not from the bare head."""
+    from hybridize.families import known_family, teacher_config
+
+    config = getattr(model, "config", None)
+    family = known_family(config) if config is not None else None
+    return family is not None and family.has_logits_transform(teacher_config(config))
+
+
 @torch.no_grad()
 def token_nll(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """NLL (nats) of each token given its prefix in one window: ids `[L]` -> `[L - 1]` (fp32)."""
@@ -81,7 +91,7 @@ def token_nll(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     x = ids.unsqueeze(0).to(dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is None or decoder is None:
+    if head is None or decoder is None or _head_transforms_logits(model):
         logits = model(input_ids=x).logits[0, :-1].float()
         return F.cross_entropy(logits, x[0, 1:], reduction="none")
     h = decoder(input_ids=x).last_hidden_state[0, :-1]

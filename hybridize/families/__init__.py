@@ -44,10 +44,16 @@ def family_of(config) -> Family:
     return family
 
 
+def known_family(config) -> Family | None:
+    """The table entry of a (teacher or hybrid) config, or None - never raises (for code that also runs
+    models outside the table, e.g. evaluation)."""
+    return FAMILIES.get(getattr(teacher_config(config), "model_type", None))
+
+
 def family_default(name: str) -> Family | None:
     """The entry a `--src` family name (any case) stands for, or None."""
     return FAMILY_NAMES.get(str(name).strip().lower())
 
 
 __all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "Refusal", "Trait", "UnsupportedFamily", "dropped_lines",
-           "family_default", "family_of", "family_traits", "supported", "teacher_config"]
+           "family_default", "family_of", "family_traits", "known_family", "supported", "teacher_config"]

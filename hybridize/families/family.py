@@ -151,6 +151,27 @@ class Family:
                 out[f"{part}.{param}"] = piece.clone()
         return out
 
+    # ---- code that runs the decoder by hand -----------------------------------------------------
+    def hand_loop_blocker(self, config) -> str | None:
+        """Why `lm_head(norm(layers(embed_tokens(ids), rotary_emb(h, pos))))` - what the RL fast decode loop
+        runs - would not be this family's forward, or None. The decoder layers themselves (residual
+        multipliers, sandwich norms) are called as they are, so only the base model's and LM head's own
+        steps count: a RoPE per layer type, an embedding multiplier, a logits transform."""
+        if self.rope == ROPE_PER_LAYER_TYPE:
+            return f"{self.model_type} computes a RoPE per layer type"
+        for attr in self.multipliers:
+            if attr.startswith("embedding") and getattr(config, attr, 1) not in (None, 1):
+                return f"{self.model_type} scales embeddings by {attr}={getattr(config, attr)!r} in its forward"
+        if self.has_logits_transform(config):
+            return f"{self.model_type} transforms lm_head's logits ({self.logits_divisor or self.logits_softcap})"
+        return None
+
+    def has_logits_transform(self, config) -> bool:
+        """Whether the family's CausalLM changes `lm_head(h)` for this config (`finish_logits` is not the identity)."""
+        divisor = getattr(config, self.logits_divisor, None) if self.logits_divisor else None
+        cap = getattr(config, self.logits_softcap, None) if self.logits_softcap else None
+        return bool(cap) or divisor not in (None, 1)
+
     # ---- the LM head --------------------------------------------------------------------------
     def finish_logits(self, config, logits: torch.Tensor) -> torch.Tensor:
         """What the family's CausalLM does to `lm_head(h)` `[B, T, V]`: divide (Granite), soft-cap (Gemma)."""

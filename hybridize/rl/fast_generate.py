@@ -136,6 +136,12 @@ def _unsupported_model(model) -> str | None:
             return f"the model has no model.{name} (not a Llama-layout decoder)"
     if getattr(model, "lm_head", None) is None:
         return "the model has no lm_head"
+    from hybridize.families import known_family
+
+    family = known_family(_text_config(model))
+    blocker = family.hand_loop_blocker(_text_config(model)) if family is not None else None
+    if blocker:  # the decode step below runs embed -> layers -> norm -> lm_head by hand (issue 27)
+        return blocker
     impl = getattr(_text_config(model), "_attn_implementation", None) or "eager"
     if impl not in _ATTN_IMPLS:
         return f"attention implementation {impl!r} (fast path supports {', '.join(_ATTN_IMPLS)})"

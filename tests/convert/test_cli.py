@@ -88,6 +88,23 @@ def test_main_prints_one_line_and_exits_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:") and "unknown model" in lines[0], res.stderr
 
 
+def test_convert_family_name_says_which_checkpoint_and_offline_names_the_local_alternatives(tmp_path):
+    """`hybridize convert --src Qwen --layers 5:1 --mixer sse` (issue 27): the family name resolves to its default
+    checkpoint, printed before anything loads; with no hub (HF_HUB_OFFLINE here) one line names the local
+    alternatives and the exit status is 2."""
+    cmd = [sys.executable, "-m", "hybridize.cli", "convert", "--src", "Qwen", "--layers", "5:1", "--mixer", "sse",
+           "--out", str(tmp_path / "o")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert res.returncode == 2, res.stderr
+    assert "--src Qwen: the qwen3 family's (Qwen3) default checkpoint Qwen/Qwen3-1.7B" in res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert "Qwen/Qwen3-1.7B" in lines[0] and all(x in lines[0] for x in ("--src default", "local model folder",
+                                                                           ".gguf file"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_import_hybridize_registers_the_model_type():
     code = ("import hybridize, transformers; c = transformers.AutoConfig.for_model('hybridize', "
             "source_config={'model_type': 'llama', 'num_hidden_layers': 1}); print(type(c).__name__)")
