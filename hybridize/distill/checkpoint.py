@@ -99,10 +99,13 @@ def load_checkpoint(accelerator, path: str | Path, scheduler=None) -> dict:
 SCHEDULER_JSON = "scheduler.json"
 
 
-def safe_torch_load(file: Path, map_location="cpu", extra_globals=(), mmap: bool = False):
+REMEDY = "delete that checkpoint (or start the run over with --overwrite)"
+
+
+def safe_torch_load(file: Path, map_location="cpu", extra_globals=(), mmap: bool = False, remedy: str = REMEDY):
     """`torch.load` of plain data only (tensors, numbers, containers, numpy RNG arrays, and the classes of
     `extra_globals`): a pickle that would build any other object - and so could run code - is refused with
-    one line."""
+    one line, ending in `remedy` (what the user can do)."""
     import pickle
 
     import torch
@@ -115,17 +118,20 @@ def safe_torch_load(file: Path, map_location="cpu", extra_globals=(), mmap: bool
         why = re.search(r"Unsupported global: (?:GLOBAL )?(\S+)", str(e))
         what = f" (it builds {why.group(1)})" if why else ""
         raise UserError(f"refusing to load {file}: it holds pickled objects other than tensors and plain data"
-                        f"{what}, which could run code when unpickled, so nothing was loaded; delete that "
-                        f"checkpoint (or start the run over with --overwrite)") from None
+                        f"{what}, which could run code when unpickled, so nothing was loaded; {remedy}") from None
 
 
-def check_deepspeed_pickles(folder: str | Path) -> None:
+def check_deepspeed_pickles(folder: str | Path, skip: tuple[str, ...] = (), remedy: str = REMEDY) -> None:
     """Before DeepSpeed's own loaders (`load_checkpoint`, `zero_to_fp32`: `torch.load(weights_only=False)`)
     read `folder`: open every pickle below it (by suffix, torch's zip format or a pickle header) with
     `safe_torch_load`, memory-mapped so tensors are not read; the first that is not plain data is refused.
     Besides accelerate's numpy RNG classes, only the plain-data classes real ZeRO-2/3 `*optim_states.pt`
     hold are allowed: the ZeRO stage enum, the fp32 partitions' fragment addresses (a dataclass of ints)
-    and the loss scaler. None defines __reduce__/__setstate__: unpickling one only sets plain attributes."""
+    and the loss scaler. None defines __reduce__/__setstate__: unpickling one only sets plain attributes.
+
+    DeepSpeed reads the tag folder named in `folder/latest` (`latest_universal`) as `os.path.join(folder,
+    tag)`: a tag that leads outside `folder` (absolute, `..`) is walked too. `skip`: paths relative to
+    `folder` ('/'-separated) of files that the caller's loader provably never opens (`HF_TRAINER_UNREAD`)."""
     import zipfile
 
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -133,21 +139,55 @@ def check_deepspeed_pickles(folder: str | Path) -> None:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     allowed = [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    folder = Path(folder)
+    roots = [folder]
+    for name in ("latest", "latest_universal"):  # engine.load_checkpoint / zero_to_fp32: tag = latest's text
+        if (folder / name).is_file():
+            tag = (folder / name).read_text(errors="replace").strip()
+            if tag:  # DeepSpeed's os.path.join(folder, tag), named by its real path in a refusal
+                roots.append(Path(os.path.realpath(folder / tag)))
+    skipped = {folder / rel for rel in skip}
     seen = set()
-    for root, dirs, files in os.walk(folder, followlinks=True):  # DeepSpeed follows a linked tag folder too
-        if os.path.realpath(root) in seen:  # a symlink loop
-            dirs[:] = []
-            continue
-        seen.add(os.path.realpath(root))
-        for file in sorted(Path(root) / name for name in files):
-            suffix = file.suffix.lower()
-            if not file.is_file() or suffix in (".safetensors", ".json", ".py", ".txt", ".yaml"):
+    for top in roots:
+        for root, dirs, files in os.walk(top, followlinks=True):  # DeepSpeed follows a linked tag folder too
+            if os.path.realpath(root) in seen:  # a symlink loop, or a tag folder already walked
+                dirs[:] = []
                 continue
-            with open(file, "rb") as f:
-                head = f.read(1)
-            is_zip = zipfile.is_zipfile(file)
-            if is_zip or suffix in (".pt", ".pth", ".bin", ".pkl", ".ckpt") or head == b"\x80":
-                safe_torch_load(file, extra_globals=allowed, mmap=is_zip)
+            seen.add(os.path.realpath(root))
+            for file in sorted(Path(root) / name for name in files):
+                suffix = file.suffix.lower()
+                if (not file.is_file() or file in skipped
+                        or suffix in (".safetensors", ".json", ".py", ".txt", ".yaml")):
+                    continue
+                with open(file, "rb") as f:
+                    head = f.read(1)
+                is_zip = zipfile.is_zipfile(file)
+                if is_zip or suffix in (".pt", ".pth", ".bin", ".pkl", ".ckpt") or head == b"\x80":
+                    safe_torch_load(file, extra_globals=allowed, mmap=is_zip, remedy=remedy)
+
+
+# Files of an HF Trainer `checkpoint-N/` that no resume reads (transformers 5.23, trainer.py): only
+# `training_args.bin`, the pickled TrainingArguments that `Trainer._save_checkpoint` -> `save_model` -> `_save`
+# writes with `torch.save(self.args, ...)`. `Trainer.train(resume_from_checkpoint=...)` reads
+# `trainer_state.json` (`train`, `_init_training_state`: `TrainerState.load_from_json`); the weights without
+# DeepSpeed (`_load_from_checkpoint`: safetensors, `torch.load(weights_only=True)`, peft's `load_adapter`), with
+# DeepSpeed `latest` + `global_step*/` (`_prepare_for_training` -> integrations/deepspeed.py
+# `deepspeed_load_checkpoint` -> `engine.load_checkpoint`); `optimizer.pt`/`scheduler.pt`
+# (`_load_optimizer_and_scheduler`), `scaler.pt` (`_load_scaler`) and `rng_state*.pth` (`_run_epoch` ->
+# `_load_rng_state`). Nothing in transformers, TRL, accelerate or peft loads `training_args.bin`
+# (TRAINING_ARGS_NAME is only ever saved).
+HF_TRAINER_UNREAD = ("training_args.bin",)
+
+
+def check_trainer_resume(trainer, checkpoint: str | Path | None, remedy: str = REMEDY) -> None:
+    """Before `trainer.train(resume_from_checkpoint=checkpoint)` (an HF/TRL Trainer): under DeepSpeed, whose
+    `engine.load_checkpoint` unpickles freely, every pickle of `checkpoint` the Trainer may read is opened
+    safely first (`check_deepspeed_pickles`). Without DeepSpeed nothing is added: the Trainer (transformers
+    5.23) reads every part through a loader that cannot run code - safetensors, JSON, or
+    `torch.load(weights_only=True)` in `_load_from_checkpoint`, `_load_optimizer_and_scheduler`,
+    `_load_scaler` and `_load_rng_state` (peft's `load_adapter` too)."""
+    if checkpoint is not None and trainer.is_deepspeed_enabled:
+        check_deepspeed_pickles(checkpoint, skip=HF_TRAINER_UNREAD, remedy=remedy)
 
 
 def _load_models_and_optimizers(acc, path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 from hybridize.errors import UserError
 
 from .align import save_final
+from .checkpoint import check_trainer_resume
 from .config import SFTStageConfig, save_config
 from .data import load_rows, shared_data
 from .loop import check_deepspeed_file, zero3_gathered
@@ -157,6 +158,7 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
         print(f"no complete checkpoint in {run_dir}/checkpoints: starting from step 0")
     if not ckpt:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    check_trainer_resume(trainer, ckpt)  # under DeepSpeed, before its engine unpickles the checkpoint freely
     out = trainer.train(resume_from_checkpoint=ckpt)
     model = trainer.model
     with zero3_gathered(model):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered

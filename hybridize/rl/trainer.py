@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from hybridize.distill.checkpoint import check_trainer_resume
 from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
 from hybridize.errors import UserError
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
@@ -371,6 +372,9 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
         fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs,
                                                                    compile=cfg.compile_decode,
                                                                    gemm=cfg.decode_gemm))
+    # under DeepSpeed, before its engine unpickles the checkpoint freely
+    check_trainer_resume(trainer, ckpt, remedy="delete that checkpoint folder (or start over in another "
+                                              "output_dir=)")
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     train_s = time.perf_counter() - t0
