@@ -9,6 +9,7 @@ reproduce everything; this is about the mixer layers only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from .family import ALL_LAYERS, FULL_NORM, FUSED, LAYER_TYPES, NO_NORM, ROPE_PER_LAYER_TYPE, Family
@@ -63,6 +64,18 @@ def window_layers(family: Family, config) -> dict[int, int]:
     return {i: window for i, t in enumerate(types) if t == "sliding_attention"}
 
 
+def _ranges(layers) -> str:
+    """`[0, 1, 2, 4, 6, 7]` -> `"0-2, 4, 6-7"`."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(i)
+    out += [run] if run else []
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
 def _rotary(family: Family, config) -> str:
     text = "RoPE on q/k"
     if family.rope == ROPE_PER_LAYER_TYPE:
@@ -96,7 +109,7 @@ def _projection_traits(family: Family, config, kinds) -> list[Trait]:
 def _math_traits(family: Family, config, kinds, cfgs) -> list[Trait]:
     out = []
     scale = family.attn_scale(config)
-    if scale is not None:
+    if scale is not None and not math.isclose(scale, family.shapes(config)[2] ** -0.5):  # else nothing to keep
         attr = family.query_scale[0]
         t = Trait("query scale", f"logits scaled by {scale:.6g} ({attr}={getattr(config, attr)!r}; "
                                  f"head_dim**-0.5 = {family.shapes(config)[2] ** -0.5:.6g})")
@@ -143,8 +156,8 @@ def _position_traits(family: Family, config, plan, cfgs) -> list[Trait]:
     converted = {i: windows[i] for i, k in enumerate(plan) if k != ATTN and i in windows}
     if converted:
         w = sorted(set(converted.values()))
-        t = Trait("sliding window", f"window {', '.join(map(str, w))} on layers {sorted(windows)} (converted: "
-                                    f"{sorted(converted)})")
+        t = Trait("sliding window", f"window {', '.join(map(str, w))} on layers {_ranges(windows)}, converted: "
+                                    f"{_ranges(converted)}")
         for k in kinds:
             layers = [i for i in converted if plan[i] == k]
             if not layers:
