@@ -1,8 +1,8 @@
 """The hybrid Hugging Face model: a teacher family's decoder with some attention layers swapped for mixers.
 
 `HybridConfig` (model_type "hybridize") carries the teacher's config (`source_config`, the full config of
-a family in `hybridize.families`' table: Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, Granite,
-Qwen3-MoE), the per-layer plan ("attn" or a mixer name)
+a family in `hybridize.families`' table: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, OLMo 2,
+Granite, Qwen3-MoE), the per-layer plan ("attn" or a mixer name)
 and the resolved settings of every mixer in the plan. `HybridForCausalLM` builds the teacher family's
 base model (`AutoModel.from_config(source_config)`, so `model.embed_tokens`, `model.layers.N...`,
 `model.norm`) plus `lm_head`, and replaces `model.layers[i].self_attn` by an *attention slot* for each

@@ -8,7 +8,9 @@ teacher logits; padding / packing / decode with the toy mixer on every family) a
 - save / reload exact (state dict, config, logits); generate cached == uncached on a left-padded batch;
 - the mapping checked against the teacher itself: an SWA mixer whose window covers what the teacher's
   layer sees reproduces that attention layer's output (fused qkv split, q/k norm kind and Gemma gain,
-  query scale, per-layer RoPE base, partial rotary all have to be right for this to hold);
+  query scale, per-layer RoPE base, partial rotary all have to be right for this to hold), except where
+  the family does what SWA does not (Gemma 2's soft-capped logits: reported as dropped, and the kept
+  softmax layers stay exact - the zero-layer test of test_modeling.py);
 - what the report says the mixer layers drop.
 """
 from __future__ import annotations
@@ -88,7 +90,12 @@ def test_swa_reproduces_the_teachers_attention_layer(family):
         (x, pe, y_teacher), = records[i]
         with torch.no_grad():
             y = slot.mixer_forward(x, pe)
-        assert rel_err(y, y_teacher) < FP32_TOL, (family, i)
+        if getattr(cfg, "attn_logit_softcapping", None) and family_of(cfg).attn_softcap:
+            # Gemma 2 caps its logits, which SWA does not: the report says so, and the outputs differ
+            assert rel_err(y, y_teacher) > 1e-3, (family, i)
+            assert any(line.startswith("swa: attention soft-capping") for line in family_record(hybrid)["dropped"])
+        else:
+            assert rel_err(y, y_teacher) < FP32_TOL, (family, i)
 
 
 def test_fused_qkv_is_split_into_the_mixer_projections():
@@ -100,7 +107,8 @@ def test_fused_qkv_is_split_into_the_mixer_projections():
     assert slot.k_proj.weight.shape == (2 * 16, 64)
     sd = hybrid.state_dict()
     assert "model.layers.0.self_attn.qkv_proj.weight" not in sd  # converted: held split
-    assert torch.equal(sd["model.layers.1.self_attn.qkv_proj.weight"], teacher.model.layers[1].self_attn.qkv_proj.weight)
+    kept = teacher.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(sd["model.layers.1.self_attn.qkv_proj.weight"], kept)  # a softmax layer keeps it fused
 
 
 def test_qk_norm_kinds():
@@ -173,7 +181,7 @@ def test_rl_fast_generate_same_tokens_or_falls_back(family):
     gen = FastGenerator(model)
     assert torch.equal(gen(input_ids=ids, **kw), model.generate(ids, **kw))
     reason = gen.last_fallback_reason
-    if family in ("gemma3_text", "granite"):
+    if family in ("gemma3_text", "gemma2", "granite"):
         assert reason is not None and family in reason
     else:
         assert reason is None

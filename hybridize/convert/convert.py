@@ -4,9 +4,10 @@ Mapping (DESIGN.md sec. 3): every teacher tensor is copied by name (embeddings, 
 lm_head, the softmax layers), and each converted layer's attention tensors go through its family's entry
 (`hybridize.families`: `Family.mixer_state`), which puts them under the mixer's names - q/k/v/o, biases,
 q/k norms; a fused `qkv_proj` (Phi-3) split into q/k/v - GQA widths kept; then each converted layer's
-`mixer.init_from_attention(those tensors)` applies the mixer's stated rule to its new parameters. A teacher tensor with no place in the hybrid is an error (a mixer silently dropping a
-teacher weight would be a bug), and so is a new parameter a mixer leaves unset (checked by filling
-new parameters with NaN before the mixers initialise them).
+`mixer.init_from_attention(those tensors)` applies the mixer's stated rule to its new parameters.
+A teacher tensor with no place in the hybrid is an error (a mixer silently dropping a teacher weight
+would be a bug), and so is a new parameter a mixer leaves unset (checked by filling new parameters with
+NaN before the mixers initialise them).
 """
 from __future__ import annotations
 

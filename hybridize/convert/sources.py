@@ -298,7 +298,8 @@ def family_source_note(src: str) -> str | None:
     family = families.family_default(s)
     if family is None or not family.default_checkpoint:
         return None
-    return f"--src {s}: the {family.model_type} family's ({family.title}) default checkpoint {family.default_checkpoint}"
+    return (f"--src {s}: the {family.model_type} family's ({family.title}) default checkpoint "
+            f"{family.default_checkpoint}")
 
 
 def describe_source(src: str) -> dict:

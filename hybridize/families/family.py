@@ -35,8 +35,6 @@ NO_NORM, HEAD_NORM, FULL_NORM = "none", "head", "full"
 NO_WINDOW, ALL_LAYERS, LAYER_TYPES = "none", "all", "layer_types"
 #: RoPE variants
 ONE_ROPE, ROPE_PER_LAYER_TYPE = "single", "per_layer_type"
-#: the tensors a mixer inherits from the teacher's attention (by the mixer's names)
-MIXER_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
 class UnsupportedFamily(UserError, ValueError):

@@ -41,6 +41,11 @@ _ENTRIES = (
            refuse=(O_PROJ_BIAS, Refusal("use_bidirectional_attention", "bidirectional attention is not a causal "
                                         "decoder's, and the mixers are causal")),
            names=("gemma", "gemma3"), default_checkpoint="google/gemma-3-270m-it"),
+    Family("gemma2", "Gemma 2", qkv_bias="attention_bias", query_scale=("query_pre_attn_scalar", -0.5),
+           attn_softcap="attn_logit_softcapping", logits_softcap="final_logit_softcapping", sliding=LAYER_TYPES,
+           notes=("embeddings scaled by sqrt(hidden_size) and norms before and after attention and MLP "
+                  "(decoder code around the attention)",),
+           refuse=(O_PROJ_BIAS,), names=("gemma2",), default_checkpoint="google/gemma-2-2b-it"),
     Family("phi3", "Phi-3", qkv=FUSED, sliding=ALL_LAYERS, partial_rotary=True,
            names=("phi", "phi3"), default_checkpoint="microsoft/Phi-3-mini-4k-instruct"),
     Family("olmo2", "OLMo 2", qkv_bias="attention_bias", qk_norm=FULL_NORM,

@@ -4,7 +4,8 @@ registered for the duration of a test, perturbation of new parameters, and the d
 Tiny teachers: 3 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, vocab 97, random
 weights; Qwen2 has q/k/v biases, Qwen3 q/k norms, Mistral a sliding window of 8 (so the hybrid cache
 holds a sliding KV layer too). The newer families turn on what sets them apart, each at a value that
-changes the output: Gemma 3 per-head q/k norms with the 1 + weight gain, query_pre_attn_scalar 24 (not
+changes the output: Gemma 2 soft-capped attention logits (cap 2, q/k weights x10 so logits reach it),
+query_pre_attn_scalar 24, final soft-cap 3; Gemma 3 per-head q/k norms with the 1 + weight gain, query_pre_attn_scalar 24 (not
 head_dim 16), sliding layers 1 and 2 (window 8) with their own RoPE base, final logit soft-capping 3;
 Phi-3 a fused qkv_proj, partial rotary 0.5 and a window of 8; OLMo 2 q/k norms over the whole
 projection; Granite attention / embedding / residual multipliers and logits_scaling; Qwen3-MoE 4 experts
@@ -17,6 +18,7 @@ import contextlib
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
@@ -30,7 +32,7 @@ from transformers import (
 
 import hybridize.mixers as mixers_pkg
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2", "granite", "qwen3_moe")
 VOCAB = 97
 FP32_TOL = 1e-5
 
@@ -55,6 +57,10 @@ def tiny_teacher_config(family: str, layers: int = 3, **kw):
                                        "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
                                    **common})
+    if family == "gemma2":
+        types = (["full_attention", "sliding_attention", "sliding_attention"] * layers)[:layers]
+        return Gemma2Config(query_pre_attn_scalar=24, sliding_window=8, layer_types=types,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, **common)
     if family == "phi3":
         return Phi3Config(partial_rotary_factor=0.5, sliding_window=8, **common)
     if family == "olmo2":
@@ -76,6 +82,8 @@ def tiny_teacher(family: str = "llama", seed: int = 0, **kw):
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if getattr(model.config, "attn_logit_softcapping", None) and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10.0)  # q.k logits of a few units, so the soft-cap (Gemma 2) changes the attention
     return model
 
 

@@ -93,7 +93,7 @@ def test_unsupported_family_is_refused_naming_what_is_missing():
         convert_model(gpt2, "all", mixer="gla")
     msg = str(e.value)
     assert isinstance(e.value, UserError) and "\n" not in msg
-    assert "supported: llama, qwen2, qwen3, mistral, gemma3_text, phi3, olmo2, granite, qwen3_moe" in msg
+    assert "supported: llama, qwen2, qwen3, mistral, gemma3_text, gemma2, phi3, olmo2, granite, qwen3_moe" in msg
     assert "decoder layers at transformer.h, not model.layers" in msg
 
 

@@ -72,10 +72,10 @@ def test_unsupported_family_names_what_is_missing(tmp_path):
     ("stablelm", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
                   "vocab_size": 50, "partial_rotary_factor": 0.25, "qk_layernorm": True},
      ["its attention uses partial rotary (partial_rotary_factor=0.25), q/k layer norms (qk_layernorm=True)"]),
-    # Gemma 2: soft-capped attention logits
-    ("gemma2", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
-                "head_dim": 16, "intermediate_size": 64, "vocab_size": 50, "attn_logit_softcapping": 50.0},
-     ["attention logit soft-capping (attn_logit_softcapping=50.0)"]),
+    # GPT-OSS: attention sinks (a learned logit per head that no entry describes)
+    ("gpt_oss", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                 "head_dim": 16, "intermediate_size": 64, "vocab_size": 50, "num_local_experts": 2},
+     ["attention model.layers.N.self_attn also has sinks"]),
     # a supported family with a setting its entry refuses
     ("llama", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
                "vocab_size": 50, "attention_bias": True}, ["puts a bias on o_proj"]),
