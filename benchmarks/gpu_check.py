@@ -11,7 +11,10 @@ Tolerances: fp32 3e-3 (fla runs fp32 dots in tf32 on Hopper), bf16 3e-2.
 Groups of cases run as parallel subprocesses (`--jobs`): Triton compilation is CPU-bound and each group
 compiles different kernels, so this cuts wall time; results are gathered into one table.
 
-    python benchmarks/gpu_check.py [--jobs 6] [--out check.json] [--only gla,delta]
+    python benchmarks/gpu_check.py [--jobs 6] [--out gpu_check.jsonl] [--budget 540] [--only gla,delta]
+
+Every finished case is appended to `--out` at once (a run stopped by a time limit keeps what it finished);
+groups still running after `--budget` seconds are stopped and reported as not finished.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -216,17 +220,35 @@ GROUPS = {
 }
 
 
-def run_group(name):
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append rows to the JSONL results file under an exclusive lock (groups run as parallel processes), so every
+    finished case is on disk at once and a run killed by a time limit keeps what it had."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_group(name, out):
     from hybridize.kernels import dispatch, fla_adapter
     assert fla_adapter.activate(), "fla adapter not available (CUDA + fla-core + triton needed)"
     dispatch.set_backend("gpu")
-    rows = []
+
+    def done(new_rows):
+        for row in new_rows:
+            row["group"] = name
+            print(json.dumps(row), flush=True)
+        append_rows(out, new_rows)
+
     for case in GROUPS[name]:
         if case == "sse_decode":
-            rows += sse_decode_check()
+            done(sse_decode_check())
             continue
         if case == "probe":
-            rows += guard_probe()
+            done(guard_probe())
             continue
         for dtype in (torch.float32, torch.bfloat16):
             for varlen in (False, True):
@@ -239,59 +261,84 @@ def run_group(name):
                     row = dict(case=case, dtype=str(dtype).split(".")[-1], layout="varlen" if varlen else "dense",
                                worst=float("nan"), ok=False, errs={}, note=f"{type(e).__name__}: {str(e)[:160]}")
                 row["secs"] = round(time.time() - t0, 1)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    if name == "extra":
-        for row in rows:
-            print(json.dumps(row), flush=True)
-    return rows
+                done([row])
+
+
+def group_failed(name: str, note: str) -> dict:
+    return dict(case=f"group:{name}", group=name, dtype="-", layout="-", worst=float("nan"), ok=False, errs={},
+                note=note)
+
+
+def run_groups(names: list[str], jobs: int, out: str, budget: float, env: dict) -> None:
+    """Run the groups as subprocesses, `jobs` at a time; each writes its rows to `out` as it finishes them (its
+    console output goes to `out`.logs/GROUP.log, not a pipe that could fill). A group still running when
+    `budget` seconds have passed is stopped and recorded as not finished."""
+    logs = out + ".logs"
+    os.makedirs(logs, exist_ok=True)
+    deadline = time.time() + budget
+    procs, pending = {}, list(names)
+    while pending or procs:
+        while pending and len(procs) < jobs:
+            n = pending.pop(0)
+            log = open(os.path.join(logs, f"{n}.log"), "w")
+            procs[n] = (subprocess.Popen([sys.executable, __file__, "--group", n, "--out", out], stdout=log,
+                                         stderr=subprocess.STDOUT, env=env), log, time.time())
+        for n, (p, log, t0) in list(procs.items()):
+            late = time.time() > deadline
+            if p.poll() is None and not late:
+                continue
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                append_rows(out, [group_failed(n, f"not finished within the {budget:.0f} s budget")])
+            elif p.returncode != 0:
+                log.flush()
+                tail = open(log.name).read()[-600:]
+                append_rows(out, [group_failed(n, f"exit {p.returncode}: {tail}")])
+            log.close()
+            print(f"[group {n} done rc={p.returncode} in {time.time() - t0:.0f} s]", flush=True)
+            del procs[n]
+        if time.time() > deadline:
+            for n in pending:
+                append_rows(out, [group_failed(n, f"not started within the {budget:.0f} s budget")])
+            pending = []
+        time.sleep(0.5)
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--group", default=None, help="run one group in-process (used by the parent)")
     ap.add_argument("--only", default=None, help="comma-separated groups")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="gpu_check.jsonl",
+                    help="results, one JSON line per case, written as each case finishes (first line: seed, device)")
+    ap.add_argument("--budget", type=float, default=540.0,
+                    help="seconds; groups still running then are stopped and reported as not finished")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check")
         return 0
     seed = int(os.environ.get("CHECK_SEED", time.time_ns() % 2**31))
     if a.group:
-        torch.manual_seed(seed + hash(a.group) % 1000)
-        run_group(a.group)
+        torch.manual_seed(seed + zlib.crc32(a.group.encode()) % 1000)  # hash() of a str differs per process
+        run_group(a.group, a.out)
         return 0
     print(f"seed {seed}  device {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     names = a.only.split(",") if a.only else list(GROUPS)
-    procs, rows = {}, []
-    pending = list(names)
-    env = dict(os.environ, CHECK_SEED=str(seed))
-    while pending or procs:
-        while pending and len(procs) < a.jobs:
-            n = pending.pop(0)
-            procs[n] = subprocess.Popen([sys.executable, __file__, "--group", n], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env)
-        for n, p in list(procs.items()):
-            if p.poll() is not None:
-                out = p.stdout.read()
-                got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-                if p.returncode != 0 or not got:
-                    got.append(dict(case=f"group:{n}", dtype="-", layout="-", worst=float("nan"), ok=False, errs={},
-                                    note=out[-600:]))
-                rows += got
-                print(f"[group {n} done rc={p.returncode}]", flush=True)
-                del procs[n]
-        time.sleep(0.5)
+    unknown = sorted(set(names) - set(GROUPS))
+    if unknown:
+        sys.exit(f"unknown group(s) {unknown}; groups: {', '.join(GROUPS)}")
+    with open(a.out, "w") as f:
+        f.write(json.dumps(dict(seed=seed, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
+    t0 = time.time()
+    run_groups(names, a.jobs, a.out, a.budget, dict(os.environ, CHECK_SEED=str(seed)))
+    rows = [json.loads(line) for line in open(a.out).read().splitlines()[1:]]
     print(f"\n{'case':22s} {'dtype':9s} {'layout':7s} {'worst rel':>10s}  result  detail")
     for r in rows:
         detail = r.get("note") or " ".join(f"{k}={v:.1e}" for k, v in r["errs"].items())
         print(f"{r['case']:22s} {r['dtype']:9s} {r['layout']:7s} {r['worst']:10.2e}  {'PASS' if r['ok'] else 'FAIL'}    {detail}")
     bad = [r for r in rows if not r["ok"]]
-    print(f"\n{len(rows) - len(bad)}/{len(rows)} passed (seed {seed})")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(seed=seed, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} passed in {time.time() - t0:.0f} s (seed {seed}); rows in {a.out}")
     return 1 if bad else 0
 
 

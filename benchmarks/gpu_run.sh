@@ -11,7 +11,7 @@ t0=$(date +%s)
 for s in gla sse ccq delta decode; do
   timeout ${CHECK_TIMEOUT:-330} python3 benchmarks/kernels.py --warm --sections $s --T 4096 > $OUT/warm_$s.log 2>&1 &
 done
-timeout ${CHECK_TIMEOUT:-330} python3 benchmarks/gpu_check.py --jobs 7 --out $OUT/check.json 2>&1 | tee $OUT/check.log
+timeout ${CHECK_TIMEOUT:-330} python3 benchmarks/gpu_check.py --jobs 7 --out $OUT/check.jsonl 2>&1 | tee $OUT/check.log
 echo "check rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 wait
 echo "warm done after $(( $(date +%s) - t0 )) s"; tail -n 3 $OUT/warm_*.log

@@ -114,11 +114,12 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
     step(work, env, f"{variant}-align", v / "align" / "final" / "config.json",
          ["distill", "align", "-r", "smollm2-135m/align", f"student={v / 'converted'}",
           f"train.run_dir={v / 'align'}", f"train.max_steps={a.align_steps}", "data.seq_len=1024",
-          "data.batch_tokens=8192", "--overwrite", *common])
+          "data.batch_tokens=2048", "train.grad_accum=4", "--overwrite", *common])
     step(work, env, f"{variant}-e2e", v / "e2e" / "final" / "config.json",
          ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
-          f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", "train.grad_accum=1",
-          "data.seq_len_schedule=[]", "data.seq_len=2048", "data.batch_tokens=16384", "--overwrite", *common])
+          f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", "train.grad_accum=4",
+          "train.gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048", "data.batch_tokens=4096",
+          "--overwrite", *common])
 
 
 def run_long(a, work: Path, env: dict, variant: str) -> None:
@@ -130,7 +131,8 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
          ["distill", "e2e", "-r", "smollm2-135m/long", f"student={src}", f"teacher={a.teacher}",
           f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",
           f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
-          f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", "train.progress=false",
+          f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", "data.batch_tokens=8192",
+          "train.grad_accum=2", "train.gradient_checkpointing=true", "train.progress=false",
           "train.save_every=0", f"train.max_minutes={a.minutes}", "--overwrite"])
 
 
