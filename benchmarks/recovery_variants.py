@@ -15,6 +15,12 @@ use the shipped recipes with the sizes below; the training text is whole long do
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
 (`train.max_minutes`) as a guard; the times each step took go to `<work>/steps.jsonl`.
+
+Measured on one H100 (RESULTS.md, "Recovery: the three variants"): `select` 178 s; stage A, 200 steps of 8192
+tokens as 4 micro-batches, 337 s on the Triton kernels (1.2 s/step after about 100 s of start-up and tuning);
+on the torch kernels 5.6 s/step, and an 8192-token micro-batch ran out of the 80 GB. One variant plus the
+report does not fit a 10-minute call: plan one call per phase, and one machine's 30-minute hold for at most
+two variants, carrying `recovery/recovery.json` between machines (a rerun computes only the new models' rows).
 """
 from __future__ import annotations
 
@@ -46,8 +52,12 @@ def args_parser():
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
                         "of a device call; 0 = none")
-    p.add_argument("--kernels", default="torch", help="HYBRIDIZE_KERNELS for every step (torch: no Triton "
-                                                      "compile/autotune time inside the budget)")
+    p.add_argument("--accum", type=int, default=1, choices=(1, 2, 4),
+                   help="micro-batches per optimizer step (tokens per step stay the same: align 8192, e2e and long "
+                        "16384); 4 for the torch kernels, which hold far more activation memory")
+    p.add_argument("--kernels", default="auto", help="HYBRIDIZE_KERNELS for every step: auto (Triton + fla-core; "
+                                                     "the first use compiles and tunes for about 1.5 min) or torch "
+                                                     "(no tuning, but about 5x slower per token and --accum 4 needed)")
     return p
 
 
@@ -114,11 +124,12 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
     step(work, env, f"{variant}-align", v / "align" / "final" / "config.json",
          ["distill", "align", "-r", "smollm2-135m/align", f"student={v / 'converted'}",
           f"train.run_dir={v / 'align'}", f"train.max_steps={a.align_steps}", "data.seq_len=1024",
-          "data.batch_tokens=2048", "train.grad_accum=4", "--overwrite", *common])
+          f"data.batch_tokens={8192 // a.accum}", f"train.grad_accum={a.accum}", "--overwrite", *common])
     step(work, env, f"{variant}-e2e", v / "e2e" / "final" / "config.json",
          ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
-          f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", "train.grad_accum=4",
-          "train.gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048", "data.batch_tokens=4096",
+          f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", f"train.grad_accum={a.accum}",
+          "train.gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048",
+          f"data.batch_tokens={16384 // a.accum}",
           "--overwrite", *common])
 
 
@@ -131,8 +142,8 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
          ["distill", "e2e", "-r", "smollm2-135m/long", f"student={src}", f"teacher={a.teacher}",
           f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",
           f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
-          f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", "data.batch_tokens=8192",
-          "train.grad_accum=2", "train.gradient_checkpointing=true", "train.progress=false",
+          f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
+          f"train.grad_accum={min(a.accum, 2)}", "train.gradient_checkpointing=true", "train.progress=false",
           "train.save_every=0", f"train.max_minutes={a.minutes}", "--overwrite"])
 
 
