@@ -323,6 +323,12 @@ class NiahConfig:
     seed: int = field(default=0, metadata={"help": "random seed of keys/values"})
 
 
+def answer_tokens(cfg: NiahConfig) -> int:
+    """Tokens generated per prompt: `cfg.max_new_tokens`, else 48 per expected value and at least 64."""
+    task = get_task(cfg.task)
+    return cfg.max_new_tokens or max(64, 48 * task.num_values * task.num_queries)
+
+
 def build_samples(tokenizer, cfg: NiahConfig) -> list[tuple[int, float, int, NiahSample]]:
     """`(length, depth, sample index, NiahSample)` for every cell of `cfg`, in length-major order.
     Built once and shared by every model with the same tokenizer (the prompts are model-independent)."""
@@ -346,8 +352,7 @@ def evaluate_niah(model, tokenizer, cfg: NiahConfig, out_dir: str | Path | None 
     from .common import default_batch_size, generate, model_device, write_csv, write_json, write_jsonl
 
     task = get_task(cfg.task)
-    nvals = task.num_values * task.num_queries
-    max_new = cfg.max_new_tokens or max(64, 48 * nvals)
+    max_new = answer_tokens(cfg)
     bs = cfg.batch_size or default_batch_size(model_device(model), gpu=32, cpu=4)
     if samples is None:
         samples = build_samples(tokenizer, cfg)

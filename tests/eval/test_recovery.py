@@ -148,3 +148,22 @@ def test_a_model_added_later_runs_alone(tmp_path, tiny_model, tiny_tokenizer, no
         assert {k: r2["values"][k] for k in ("teacher", "a")} == r1["values"], r1["row"]
         assert "b" in r2["values"] and "b" in r2["ratios"]
     assert second["rows"][0]["values"]["b"] != first["rows"][0]["values"]["a"]  # b (noisy) really ran
+
+
+def test_niah_prompt_and_answer_fit_the_teachers_context(tmp_path, tiny_model, tiny_tokenizer):
+    """An 8k prompt on an 8k teacher left no room for the answer (the default teacher then scored 0.025 on
+    S-NIAH-2 at 8k): a prompt is shortened so that it and its answer fit, and the row says how long it was."""
+    from hybridize.eval.niah import answer_tokens, build_samples
+    from hybridize.eval.recovery import niah_config
+
+    short = copy.deepcopy(tiny_model)
+    short.config.max_position_embeddings = 560
+    cfg = _cfg(lengths=(512,), niah_tasks=("s-niah-1",))
+    nc = niah_config("s-niah-1", 512, short, cfg)
+    assert nc.lengths == (560 - answer_tokens(nc),) == (496,)
+    assert all(len(x[3].input_ids) <= 496 for x in build_samples(tiny_tokenizer, nc))
+    assert niah_config("s-niah-1", 512, tiny_model, cfg).lengths == (512,)  # 8192 context: room to spare
+
+    run_recovery({"teacher": short, "self": short}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    rows = {r["row"]: r for r in json.loads((tmp_path / "recovery.json").read_text())["rows"]}
+    assert rows["niah:s-niah-1:512"]["prompt_tokens"] == 496
