@@ -12,9 +12,15 @@ HF's Trainer writes `checkpoint-N/` in place; a callback marks a checkpoint comp
 file) only after the Trainer has finished writing it, and `--resume` takes the newest marked one
 (unmarked, i.e. interrupted, ones are ignored), which gives the atomicity of the other stages. The
 Trainer's own resume restores model, optimizer, scheduler, RNG and the data position.
+
+Failures are one line (issue 23): rows without the prompt or completion text are counted and dropped with a
+warning, or refused when none has it (`build_sft_dataset`); a non-finite loss, gradient or weight stops the
+run naming the step and the last complete checkpoint, and nothing is saved from that state
+(`guarded_sft_trainer`, `hybridize.distill.trainer_guard`).
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -42,16 +48,28 @@ def default_traces() -> str:
 
 
 def build_sft_dataset(cfg: SFTStageConfig, tokenizer):
-    """A `datasets.Dataset` with `prompt`/`completion` columns (conversational when a chat template exists)."""
+    """A `datasets.Dataset` with `prompt`/`completion` columns (conversational when a chat template exists).
+
+    A row whose `prompt_field` or `completion_field` is missing, empty or not a string cannot be trained on:
+    some such rows are dropped with one warning line on stderr (per field: how many, the first row's number),
+    all of them is a one-line error naming the file, the fields and the columns it does have (issue 23)."""
+    import sys
+
     import datasets
 
-    ds = load_rows(cfg.traces or default_traces(), cfg.split, cfg.max_examples)
+    source = cfg.traces or default_traces()
+    ds = load_rows(source, cfg.split, cfg.max_examples)
     chat = getattr(tokenizer, "chat_template", None) is not None
-    rows, bad = [], 0
-    for r in ds:
+    rows = []
+    missing = {cfg.prompt_field: [], cfg.completion_field: []}   # field -> row indices without it
+    for i, r in enumerate(ds):
         p, c = r.get(cfg.prompt_field), r.get(cfg.completion_field)
-        if not (isinstance(p, str) and isinstance(c, str) and p.strip() and c.strip()):
-            bad += 1
+        ok_p, ok_c = _text(p), _text(c)
+        if not ok_p:
+            missing[cfg.prompt_field].append(i)
+        if not ok_c and cfg.completion_field != cfg.prompt_field:
+            missing[cfg.completion_field].append(i)
+        if not (ok_p and ok_c):
             continue
         if chat:
             prompt = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + \
@@ -60,13 +78,22 @@ def build_sft_dataset(cfg: SFTStageConfig, tokenizer):
         else:
             rows.append({"prompt": (cfg.system_prompt + "\n" if cfg.system_prompt else "") + p + "\n",
                          "completion": c})
-    if bad:
-        msg = (f"{bad} of {len(ds)} rows lack a non-empty string {cfg.prompt_field!r} and "
-               f"{cfg.completion_field!r} (columns: {ds.column_names})")
-        if not rows:
-            raise UserError(msg)
-        print(f"warning: skipped {msg}")
+    roles = {cfg.prompt_field: "prompt_field", cfg.completion_field: "completion_field"}
+    parts = [f"{len(idx)} with no text in {name!r} ({roles[name]}, first: row {idx[0] + 1})"
+             for name, idx in missing.items() if idx]
+    if not rows:
+        if not len(ds):
+            raise UserError(f"{source} holds no rows")
+        raise UserError(f"{source}: none of its {len(ds)} rows can be trained on: {'; '.join(parts)}; its columns "
+                        f"are {ds.column_names}: set prompt_field= / completion_field= to the ones that hold them")
+    if parts:
+        print(f"warning: {source}: dropped {len(ds) - len(rows)} of {len(ds)} rows: {'; '.join(parts)}",
+              file=sys.stderr)
     return datasets.Dataset.from_list(rows)
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 def _scheduler(train) -> tuple[str, dict]:
@@ -133,10 +160,29 @@ def latest_complete(run_dir: Path) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[1]))) if done else None
 
 
-def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
-    """Run stage C on an in-memory student; returns (TrainOutput, trained model)."""
+@functools.lru_cache(maxsize=None)
+def guarded_sft_trainer():
+    """TRL's SFTTrainer with the NaN guard (`trainer_guard`): a non-finite loss, gradient or weight stops the
+    run with one line naming the step and the last complete checkpoint; nothing is saved from that state."""
     from trl import SFTTrainer
 
+    from .trainer_guard import GuardedTrainerMixin
+
+    class GuardedSFTTrainer(GuardedTrainerMixin, SFTTrainer):
+        stage = "sft"
+        # on --resume the checkpoint's optimizer and LR schedule come back (check_resume_settings refuses a
+        # new train.lr); max_grad_norm is read from the settings
+        remedy = ("a row whose prompt fills max_length leaves no completion token (raise max_length), else rerun "
+                  "with --resume and a lower train.max_grad_norm, or start over (--overwrite) with a lower train.lr")
+
+        def last_good_checkpoint(self) -> str | None:
+            return latest_complete(Path(self.args.output_dir).parent)
+
+    return GuardedSFTTrainer
+
+
+def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
+    """Run stage C on an in-memory student; returns (TrainOutput, trained model)."""
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -151,8 +197,8 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
     (run_dir / "trainable.json").write_text(json.dumps(summary, indent=1))
     print(f"sft: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params})")
     dataset = build_sft_dataset(cfg, tokenizer)
-    trainer = SFTTrainer(model=student, args=trl_config(cfg), train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=sft_callbacks(run_dir))
+    trainer = guarded_sft_trainer()(model=student, args=trl_config(cfg), train_dataset=dataset,
+                                    processing_class=tokenizer, callbacks=sft_callbacks(run_dir))
     ckpt = latest_complete(run_dir) if resume else None
     if resume and ckpt is None:
         print(f"no complete checkpoint in {run_dir}/checkpoints: starting from step 0")

@@ -34,18 +34,39 @@ _ALIASES = {"gsm8k-train": "gsm8k", "math-train": "math", "math_train": "math", 
 
 def _from_jsonl(path: Path) -> list[dict]:
     from hybridize.eval.common import read_jsonl
-    from hybridize.eval.math import _normalise_record, keep_answered
+    from hybridize.eval.math import _normalise_record
 
     rows = read_jsonl(path)
+    not_obj = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
+    if not_obj:
+        raise UserError(f"{path}: {len(not_obj)} of {len(rows)} rows are not JSON objects (first: row "
+                        f"{not_obj[0] + 1}, a {type(rows[not_obj[0]]).__name__}); expected one object with "
+                        "'problem' and 'answer' fields per line")
     recs = [{**r, **_normalise_record(r, i)} for i, r in enumerate(rows)]
-    bad = [i for i, r in enumerate(recs) if not r["problem"]]
-    if bad:
-        raise UserError(f"{path}: records {bad[:5]} have no 'problem' (or 'question') field")
-    return keep_answered(recs, str(path))
+    return keep_usable(recs, str(path))
+
+
+def keep_usable(recs: list[dict], where: str) -> list[dict]:
+    """The records with both a problem and an answer. For each field, as `keep_answered` does for the answer
+    (issue 23): rows without it are dropped with one warning line (how many, the first row's number in the
+    file), none with it is a one-line error."""
+    import sys
+
+    from hybridize.eval.math import keep_answered
+
+    answered = keep_answered(recs, where)
+    missing = [i for i, r in enumerate(recs) if not r["problem"]]
+    if len(missing) == len(recs):
+        raise UserError(f"{where}: none of its {len(recs)} rows has a 'problem' (or 'question') field, so there "
+                        "is nothing to prompt with; add the problems")
+    if missing:
+        print(f"warning: {where}: dropped {len(missing)} of {len(recs)} rows with no 'problem' (or 'question') "
+              f"field (first: row {missing[0] + 1})", file=sys.stderr)
+    return [r for r in answered if r["problem"]]
 
 
 def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
-    from hybridize.eval.math import _normalise_record, keep_answered
+    from hybridize.eval.math import _normalise_record
 
     try:
         import datasets
@@ -55,7 +76,7 @@ def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
         raise UserError(f"cannot load hub dataset {name} ({type(e).__name__}); give a local JSONL with "
                         "problem/answer fields or set HYBRIDIZE_DATA_DIR") from e
     recs = [{**dict(r), **_normalise_record(dict(r), i)} for i, r in enumerate(ds)]
-    return keep_answered([r for r in recs if r["problem"]], name)
+    return keep_usable(recs, name)
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:

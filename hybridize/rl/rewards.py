@@ -14,11 +14,17 @@ Number-only prompts: when a prompt holds the instruction "Answer with the number
 (`data.instruction="Answer with the number only."`, e.g. on the generated `arith:train` set), that
 completion is checked by the evaluation's answer format "number" instead: correct when the number after
 the last "=" (else the last number) equals the reference exactly; format when it holds a number.
+
+`run_grpo` hands every reward function to TRL through `guard_reward`: a reward that raises on a whole call
+stops the run with one line (`RewardError`), one that raises on a few odd completions scores those 0 with a
+counted warning (see `guard_reward` for why).
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
+from hybridize.errors import UserError, first_line
 from hybridize.eval.math import NUMBER_INSTRUCTION, answer_format_ok, grade
 
 
@@ -82,3 +88,76 @@ def combined_reward(texts: list[str], answers: list[str], correct: float = 1.0, 
     n = max(1, len(texts))
     return {"correct": sum(c) / n, "format": sum(f) / n,
             "reward": sum(correct * a + format * b for a, b in zip(c, f)) / n}
+
+
+class RewardError(UserError):
+    """A reward function raised on every completion of a call: the run stops with this one line."""
+
+
+class GuardedReward:
+    """A reward function as TRL calls it (`f(prompts=, completions=, completion_ids=, **columns)`), with its
+    exceptions caught at the call; see `guard_reward`. Logged under the wrapped function's `__name__`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.failed = 0   # completions scored 0 because the reward raised on them, over the run
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs):
+        state = kwargs.get("trainer_state")
+        where = f"step {state.global_step + 1}" if state is not None else "a scoring call"
+        try:
+            return self.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of user-facing reward code is reported, not a traceback
+            batch_error = e
+        n = len(completions) if completions is not None else 0
+        scores, errors = [], []
+        for i in range(n):   # one completion at a time: which ones does it fail on?
+            one = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+            try:
+                scores.append(self.fn(prompts=_row(prompts, i, n), completions=completions[i:i + 1],
+                                      completion_ids=_row(completion_ids, i, n), **one)[0])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                scores.append(0.0)
+        if len(errors) == n:   # a broken reward, not an odd completion (n == 0: the batch error itself)
+            e = errors[0] if errors else batch_error
+            raise RewardError(f"reward {self.__name__} raised at {where} on all {n} completions "
+                              f"({type(e).__name__}: {first_line(e)})") from e
+        if errors:
+            self.failed += len(errors)
+            e = errors[0]
+            print(f"warning: reward {self.__name__} raised at {where} on {len(errors)} of {n} completions "
+                  f"({type(e).__name__}: {first_line(e)}): scored 0 ({self.failed} so far in this run)",
+                  file=sys.stderr)
+        else:
+            print(f"warning: reward {self.__name__} raised at {where} on the batch of {n} completions "
+                  f"({type(batch_error).__name__}: {first_line(batch_error)}) but not on any one of them: "
+                  "scored one by one", file=sys.stderr)
+        return scores
+
+
+def _row(values, i: int, n: int):
+    return values[i:i + 1] if values is not None and len(values) == n else values
+
+
+def guard_reward(fn):
+    """`fn` wrapped so that its exceptions are caught at the reward call (issue 23).
+
+    A call that raises is retried one completion at a time. When every completion raises, the reward is
+    broken (a bug, a missing dataset column, a dead verifier service): `RewardError`, one line naming the
+    reward, the step and the original error's type and message; `run_grpo` adds the last checkpoint to
+    `--resume` from, and nothing is saved from that step (the error comes before its update). When only some
+    raise, those score 0 and a warning line counts them.
+
+    Why 0 rather than stop for a few: the rewards grade free model text. math-verify parses it with sympy and
+    can fail on a pathological completion (deep nesting, huge powers, a timeout in the parser): one such sample
+    in thousands should not end a multi-hour run, and 0 is what a grader would give an answer it cannot verify
+    - the same rule `is_correct` already applies to math-verify's own exceptions. The warning keeps the count
+    visible, so a reward that fails often is noticed. Async reward functions are returned unchanged."""
+    import inspect
+
+    if isinstance(fn, GuardedReward) or inspect.iscoroutinefunction(fn) or \
+            inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return fn
+    return GuardedReward(fn)

@@ -3,12 +3,16 @@
 GRPO itself is TRL's (group-relative advantages, clipped ratio loss, optional KL to a reference). This
 module adds:
 - `HybridGRPOTrainer`: GRPOTrainer whose transformers-generate rollouts go through
-  `hybridize.rl.fast_generate` (static buffers, CUDA graphs; same tokens as `model.generate`), and which
-  logs rollout throughput (`rollout/tokens_per_s`, `rollout/seconds`, `rollout/fast`);
+  `hybridize.rl.fast_generate` (static buffers, CUDA graphs; same tokens as `model.generate`), which
+  logs rollout throughput (`rollout/tokens_per_s`, `rollout/seconds`, `rollout/fast`), and which stops on a
+  non-finite loss, gradient or weight with one line and saves nothing from that state
+  (`hybridize.distill.trainer_guard`);
 - `run_grpo(cfg)`: model + tokenizer loading (`hybridize.convert.sources.load_model`: a hybrid folder,
   "default", a hub id), prompt dataset, reward functions, LoRA (peft) or full training, checkpoints
   (`checkpoint-N/`, TRL/Trainer format) and `--resume`, `metrics.jsonl` + `reward.png`, held-out
-  scoring before and after (`scores.json`), the final model in `final/`.
+  scoring before and after (`scores.json`), the final model in `final/`; every reward function goes through
+  `rewards.guard_reward` (a reward that fails on a whole call stops the run with one line naming the reward,
+  the step and the last checkpoint to `--resume` from).
 
 TRL facts this relies on (DESIGN.md sec. 7): rollouts call `model.generate` on left-padded prompts
 inside `unwrap_model_for_generation` (gradient checkpointing off there); with beta > 0 and no PEFT the
@@ -30,6 +34,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hybridize.distill.checkpoint import check_trainer_resume
 from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
+from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
 from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
@@ -48,9 +53,21 @@ def _expose_model_class() -> None:
 # ---------------------------------------------------------------------------------------------
 # the trainer
 # ---------------------------------------------------------------------------------------------
-class HybridGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with fast rollouts. Extra arguments: `fast_generation` (bool) and `fast_config`
-    (`FastGenConfig`). Everything else is GRPOTrainer's."""
+class HybridGRPOTrainer(GuardedTrainerMixin, GRPOTrainer):
+    """GRPOTrainer with fast rollouts and the NaN guard. Extra arguments: `fast_generation` (bool) and
+    `fast_config` (`FastGenConfig`). Everything else is GRPOTrainer's."""
+
+    # the NaN guard's line (hybridize.distill.trainer_guard); GRPO's loss sits near 0 and changes sign, so
+    # the loss-spike test does not apply. --resume restores the optimizer and LR schedule of the checkpoint
+    # (its learning rate included) but reads max_grad_norm from the settings.
+    stage = "grpo"
+    remedy = ("rerun with --resume and a lower grpo.max_grad_norm, or lower grpo.learning_rate in a new "
+              "output_dir= (--resume keeps the checkpoint's learning rate); dtype=float32 if it ran in bfloat16")
+    watch_loss_spikes = False
+
+    def last_good_checkpoint(self) -> str | None:
+        ckpt = latest_checkpoint(self.args.output_dir)
+        return str(ckpt) if ckpt is not None else None
 
     def __init__(self, *args, fast_generation: bool = True, fast_config: FastGenConfig | None = None, **kwargs):
         _expose_model_class()
@@ -319,7 +336,7 @@ def _ensure_reloadable(model, tokenizer, run_dir: Path) -> None:
 def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | None = None) -> dict:
     """Train; returns the summary also written to `<output_dir>/summary.json`."""
     from hybridize.rl.data import build_records, to_dataset
-    from hybridize.rl.rewards import reward_functions
+    from hybridize.rl.rewards import RewardError, guard_reward, reward_functions
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -337,6 +354,7 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
 
     model, tok = load_policy(cfg, dtype)
     funcs, weights = reward_functions(cfg.rewards.correct, cfg.rewards.format)
+    funcs = [guard_reward(f) for f in funcs]
     args = build_grpo_args(cfg, device, dtype, weights)
     template_kwargs = dict(getattr(args, "chat_template_kwargs", None) or {})
     d = cfg.data
@@ -376,7 +394,13 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     check_trainer_resume(trainer, ckpt, remedy="delete that checkpoint folder (or start over in another "
                                               "output_dir=)")
     t0 = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+    except RewardError as e:   # raised at the reward call, before that step's update: nothing saved from it
+        last = latest_checkpoint(run_dir)
+        where = (f"the last checkpoint, saved before it, is {last}: fix the reward, then rerun with --resume"
+                 if last is not None else f"no checkpoint was saved before it (save_steps={cfg.save_steps})")
+        raise RewardError(f"{e}; {where}") from e.__cause__
     train_s = time.perf_counter() - t0
 
     final = run_dir / "final"

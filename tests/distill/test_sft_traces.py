@@ -29,7 +29,7 @@ def test_sft_dataset_skips_malformed_rows(tmp_path, tok, capsys):
     cfg = load_config(SFTStageConfig, None, {"traces": str(f)})
     ds = build_sft_dataset(cfg, tok)
     assert len(ds) == 2 and ds[0]["completion"][0] == {"role": "assistant", "content": "2"}
-    assert "skipped 1 of 3 rows" in capsys.readouterr().out
+    assert f"warning: {f}: dropped 1 of 3 rows: 1 with no text in 'solution'" in capsys.readouterr().err
 
 
 def test_sft_runs_resumes_and_marks_complete_checkpoints(tmp_path, tok):
