@@ -124,11 +124,12 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
     step(work, env, f"{variant}-align", v / "align" / "final" / "config.json",
          ["distill", "align", "-r", "smollm2-135m/align", f"student={v / 'converted'}",
           f"train.run_dir={v / 'align'}", f"train.max_steps={a.align_steps}", "data.seq_len=1024",
-          f"data.batch_tokens={8192 // a.accum}", f"train.grad_accum={a.accum}", "--overwrite", *common])
+          f"data.batch_tokens={8192 // a.accum}", f"train.grad_accum={a.accum}", "gradient_checkpointing=false",
+          "--overwrite", *common])
     step(work, env, f"{variant}-e2e", v / "e2e" / "final" / "config.json",
          ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
           f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", f"train.grad_accum={a.accum}",
-          "train.gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048",
+          "gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048",
           f"data.batch_tokens={16384 // a.accum}",
           "--overwrite", *common])
 
@@ -143,7 +144,7 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
           f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",
           f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
           f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
-          f"train.grad_accum={min(a.accum, 2)}", "train.gradient_checkpointing=true", "train.progress=false",
+          f"train.grad_accum={min(a.accum, 2)}", "gradient_checkpointing=true", "train.progress=false",
           "train.save_every=0", f"train.max_minutes={a.minutes}", "--overwrite"])
 
 

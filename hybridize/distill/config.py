@@ -110,6 +110,8 @@ class AlignConfig:
     balance_weight: float = _f(1.0, "multiplier on the mixers' auxiliary (SSE balance) losses")
     layers_per_step: int = _f(0, "train only this many layers per step, rotating through them (0 = all): "
                                  "the losses are layer-local, so this only divides the per-step cost", min=0)
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward: the memory of "
+                                             "one layer instead of all of them, for about one more forward")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
     data: DataArgs = field(default_factory=DataArgs)
 

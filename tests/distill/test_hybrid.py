@@ -55,3 +55,34 @@ def test_align_step_on_sse_matches_teacher_attention_when_exact():
     grads = {n for n, p in student.named_parameters() if p.grad is not None}
     assert grads and grads <= set(names)
     assert any("router" in n or "lora" in n or "gate" in n for n in grads), sorted(grads)[:8]
+
+
+def test_align_checkpointing_gives_the_same_loss_and_gradients():
+    """`gradient_checkpointing=true` in stage A recomputes each SSE adapter in the backward: same loss, same
+    aux loss, same gradient on every parameter (the router's included) as keeping the activations."""
+    teacher = tiny_llama(0).double()
+    student = convert_model(teacher, "2:1", mixer="sse").train().double()
+    conv = converted_layers(student)
+    select_trainable(student, "mixer")
+    tap = TeacherTap(teacher, [0, 1])
+    records = tap.run(pack_docs_exact(_docs([6, 9])))
+    tap.close()
+    grads, losses, kept = [], [], []
+    for ckpt in (False, True):
+        student.zero_grad(set_to_none=True)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, parts = LayerAligner({i: conv[i] for i in (0, 1)}, "nmse", checkpoint=ckpt)(records)
+        kept.append(sum(saved))
+        loss.backward()
+        losses.append((float(loss), float(parts["aux"])))
+        grads.append({n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None})
+    assert losses[0] == losses[1]
+    assert kept[1] < kept[0] / 3, kept  # the mixers' activations are not kept for the backward
+    assert grads[0].keys() == grads[1].keys() and any("router" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-12, atol=1e-14, msg=n)
