@@ -71,25 +71,15 @@ def _worker(tmp: Path) -> None:
     from hybridize.distill.checkpoint import check_deepspeed_pickles
     from hybridize.distill.export import export_checkpoint
     from hybridize.errors import UserError
-    from tests.distill.test_lost_work import Payload
+    from tests.distill.test_lost_work import plant_payload, spy_free_unpickles
     from tests.distill.test_scale import e2e_config, make_student_folder, run_e2e
 
     ds_comm.build_shm_op = lambda: None  # see test_scale._worker
     torch.set_num_threads(1)
-    opened = []  # every file unpickled freely (DeepSpeed's loaders); torch.load is looked up at call time
-    real_load = torch.load
+    opened, real_load = spy_free_unpickles()  # every file unpickled freely (DeepSpeed's loaders)
 
-    def spy(f, *a, **k):
-        if not k.get("weights_only", True):
-            opened.append(str(f))
-        return real_load(f, *a, **k)
-    torch.load = spy
-
-    marker = tmp / "pwned"
-    torch.save(Payload(marker), tmp / "payload.pt")
-    torch.load(tmp / "payload.pt", weights_only=False)
-    res = {"payload_is_live": marker.is_file()}
-    marker.unlink()
+    marker, live = plant_payload(tmp)
+    res = {"payload_is_live": live}
 
     folder = make_student_folder(tmp / "student")
     cfg = e2e_config(tmp, "run", folder, steps=2, params="all",

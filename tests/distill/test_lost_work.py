@@ -3,6 +3,8 @@ folder they did not write, the NaN guard names a checkpoint from before the dive
 honours a new train.lr (and refuses settings it cannot change), and resuming never unpickles code."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridize.distill.config import AlignConfig, E2EConfig, SFTStageConfig, load_config
@@ -171,6 +173,34 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+def spy_free_unpickles() -> tuple[list[str], object]:
+    """Replace `torch.load` (looked up at call time by DeepSpeed and the Trainer) by a wrapper that records every
+    file unpickled without `weights_only`; returns (that list, the real `torch.load`). For subprocess workers."""
+    import torch
+
+    opened, real_load = [], torch.load
+
+    def spy(f, *a, **k):
+        if not k.get("weights_only", True):
+            opened.append(str(f))
+        return real_load(f, *a, **k)
+    torch.load = spy
+    return opened, real_load
+
+
+def plant_payload(tmp) -> tuple[Path, bool]:
+    """Save a `Payload` as TMP/payload.pt and unpickle it freely once: (its marker path, whether the payload ran,
+    i.e. the control that the refusal tests guard something live). The marker is removed again."""
+    import torch
+
+    marker = Path(tmp) / "pwned"
+    torch.save(Payload(marker), Path(tmp) / "payload.pt")
+    torch.load(Path(tmp) / "payload.pt", weights_only=False)
+    live = marker.is_file()
+    marker.unlink()
+    return marker, live
 
 
 @pytest.mark.parametrize("part", ["custom_checkpoint_0.pkl", "scheduler.json", "random_states_0.pkl",

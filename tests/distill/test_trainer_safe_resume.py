@@ -88,25 +88,14 @@ def _worker(tmp: Path) -> None:
     from hybridize.distill.config import SFTStageConfig, load_config
     from hybridize.errors import UserError
     from hybridize.rl.config import load_grpo_config
-    from tests.distill.test_lost_work import Payload
+    from tests.distill.test_lost_work import plant_payload, spy_free_unpickles
     from tests.rl.helpers import byte_tokenizer, tiny_hybrid, write_problems
 
     ds_comm.build_shm_op = lambda: None  # see test_scale._worker
     torch.set_num_threads(1)
-    opened = []  # every file unpickled freely (DeepSpeed's loader); torch.load is looked up at call time
-    real_load = torch.load
+    opened, _ = spy_free_unpickles()  # every file unpickled freely (DeepSpeed's loader)
 
-    def spy(f, *a, **k):
-        if not k.get("weights_only", True):
-            opened.append(str(f))
-        return real_load(f, *a, **k)
-    torch.load = spy
-
-    marker = tmp / "pwned"
-    torch.save(Payload(marker), tmp / "payload.pt")
-    torch.load(tmp / "payload.pt", weights_only=False)
-    live = marker.is_file()
-    marker.unlink()
+    marker, live = plant_payload(tmp)
 
     tiny_hybrid(tmp / "m", mixer="sse")
     tok = byte_tokenizer()
