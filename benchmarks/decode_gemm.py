@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -107,5 +106,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
     main()

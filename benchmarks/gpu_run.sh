@@ -2,7 +2,7 @@
 # One device run for issue 6: verify (parallel groups), warm-compile benchmarks (parallel), time them.
 # Usage on the device machine, from the repo root: bash benchmarks/gpu_run.sh "$OUT" [T list] [deadline s]
 OUT=${1:?out dir}; TS=${2:-4096,16384,32768,65536}; DEADLINE=${3:-200}
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1}
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-0}
 mkdir -p $TRITON_CACHE_DIR
 for f in .tcache/triton.tgz.*; do [ -e "$f" ] && cat .tcache/triton.tgz.* | tar xzf - -C /tmp && break; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -77,7 +76,6 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
     import kernels as bk   # benchmarks/kernels.py: the same inputs as its sse and gla sections
 
     from hybridize.kernels import fla_adapter

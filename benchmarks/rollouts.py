@@ -19,8 +19,8 @@ fast path produced the same greedy tokens as HF generate ("same": rows identical
 HF's masked sdpa vs the Triton split-KV kernel) and adds an `attention` column: "setting (what ran)".
 HF decode time per step = the median gap between successive generation steps (timestamped by a
 pass-through logits processor); the fast path reports its own prefill/decode split. Each model is
-warmed up at the measured shapes first (kernel compilation; fla autotuning capped with
-`HYBRIDIZE_AUTOTUNE_TOP=1` unless set).
+warmed up at the measured shapes first (kernel compilation and fla's full autotuning;
+`HYBRIDIZE_AUTOTUNE_TOP=n` caps it for a quicker, stated, look).
 
 Part 2 - GRPO (needs trl, datasets, math-verify, the GSM8K files and the default model): the embedded
 default SmolLM2-135M-Instruct converted to a 5:1 hybrid (not distilled, so expect a zero reward; pass
@@ -45,9 +45,6 @@ from pathlib import Path
 
 import torch
 
-# cap Triton autotuning of the fla kernels (full tuning costs 45-205 s per op on an H100; see
-# hybridize/kernels/triton/autotune.py); export HYBRIDIZE_AUTOTUNE_TOP=0 for full tuning
-os.environ.setdefault("HYBRIDIZE_AUTOTUNE_TOP", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {
