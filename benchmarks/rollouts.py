@@ -12,8 +12,9 @@ skipping what is left):
 Part 1 - decode speed, random weights (speed does not depend on them): for each model shape
 (SmolLM2-135M, Qwen3-1.7B) a Transformer ("teacher") and its hybrid (`--plan 5:1 --mixer sse`, random
 init), batch `--batch`, greedy, `--new-tokens` new tokens after a prompt of each `--prompt-lens`:
-prefill seconds, decode ms per step and decode tokens/s for `model.generate` (HF, the hybrid cache)
-and for `hybridize.rl.fast_generate` (static buffers, CUDA graphs), the peak memory, and whether the
+prefill seconds, decode ms per step and decode tokens/s for `model.generate` (HF, after `--hf-warmup`
+untimed calls at the same shape; for the Transformer also with `cache_implementation="static"`, HF's compiled
+decode step) and for `hybridize.rl.fast_generate` (static buffers, CUDA graphs), the peak memory, and whether the
 fast path produced the same greedy tokens as HF generate ("same": rows identical / rows).
 `--attention sdpa,triton` runs the fast path once per decode-attention setting (`FastGenConfig.attention`:
 HF's masked sdpa vs the Triton split-KV kernel) and adds an `attention` column: "setting (what ran)".
@@ -113,10 +114,45 @@ class StepClock:
         return scores
 
 
+def hf_variants(model) -> list[tuple[str, dict]]:
+    """HF generate at its strongest: the dynamic cache, and for a plain Transformer also the static cache, whose
+    decode step transformers compiles (`cache_implementation="static"`). A hybrid keeps its own cache."""
+    variants = [("HF generate", {})]
+    if getattr(model.config, "model_type", "") != "hybridize":
+        variants.append(("HF generate (static cache, compiled)", {"cache_implementation": "static"}))
+    return variants
+
+
+def hf_row(model, name, label, ids, mask, n, kw, warmup_calls, device) -> tuple[dict, torch.Tensor]:
+    """One timed `model.generate` after `warmup_calls` untimed calls at the same shape (HF generate is 2-3x
+    slower in a process's first calls than in its steady state; the static cache compiles on its first),
+    per-step timestamps from a pass-through logits processor."""
+    from transformers import LogitsProcessorList
+
+    t_warm = time.perf_counter()
+    for _ in range(warmup_calls):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=min(n, 16), **kw)
+    t_warm = time.perf_counter() - t_warm
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    clock = StepClock()
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                         logits_processor=LogitsProcessorList([clock]), **kw)
+    sync()
+    tn = time.perf_counter() - t0
+    steps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
+    step = steps[len(steps) // 2]   # median decode step
+    return ({"model": name, "path": label, "prefill_s": clock.times[0] - t0, "decode_ms": 1e3 * step,
+             "decode_tok_s": ids.shape[0] / step, "rollout_tok_s": ids.shape[0] * n / tn,
+             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+             "same": "ref", "warmup_s": t_warm}, out)
+
+
 def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
                 attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",),
-                gemms: tuple[str, ...] = ("auto",)) -> list[dict]:
-    from transformers import LogitsProcessorList
+                gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4) -> list[dict]:
 
     from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
 
@@ -127,27 +163,16 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
     mask[0, :T // 8] = 0  # one left-padded row, as in GRPO batches
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     rows = []
-    # warm-up at the measured shapes (kernel compilation, autotuning)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **kw)
-    # HF generate: one call, per-step timestamps from a pass-through logits processor
-    if budget.left() > 0:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        clock = StepClock()
-        sync()
-        t0 = time.perf_counter()
-        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                             logits_processor=LogitsProcessorList([clock]), **kw)
-        sync()
-        tn = time.perf_counter() - t0
-        steps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
-        step = steps[len(steps) // 2]   # median decode step
-        rows.append({"model": name, "path": "HF generate", "prefill_s": clock.times[0] - t0,
-                     "decode_ms": 1e3 * step, "decode_tok_s": B / step, "rollout_tok_s": B * n / tn,
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                     "same": "ref"})
-    else:
-        ref = None
+    ref = None
+    for label, extra in hf_variants(model):
+        if budget.left() <= 0:
+            break
+        row, out = hf_row(model, name, label, ids, mask, n, dict(kw, **extra), hf_warmup, device)
+        if ref is None:
+            ref = out
+        else:
+            row["same"] = f"{int((out == ref).all(dim=1).sum())}/{B}"
+        rows.append(row)
     # fast path, once per (decode attention, compile, decode GEMM) setting
     for attention, compile_, gemm in [(a, c, g) for a in attentions for c in compiles for g in gemms]:
         if budget.left() <= 0:
@@ -193,7 +218,7 @@ def part_speed(args, device, dtype, budget: Budget) -> list[dict]:
                 try:
                     rows = bench_model(model, name, T, args.batch, args.new_tokens, device, budget,
                                        tuple(args.attention.split(",")), tuple(args.compile.split(",")),
-                                       tuple(args.gemm.split(",")))
+                                       tuple(args.gemm.split(",")), args.hf_warmup)
                 except torch.cuda.OutOfMemoryError as e:
                     rows = [{"model": name, "path": "OOM", "error": str(e)[:120]}]
                 for r in rows:
@@ -310,6 +335,7 @@ def main(argv=None):
     ap.add_argument("--grpo-lr", type=float, default=2e-6)
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
     ap.add_argument("--budget", type=float, default=340.0, help="seconds; later items are skipped past it")
     ap.add_argument("--grpo-reserve", type=float, default=180.0, help="seconds of --budget kept for the GRPO part")
     ap.add_argument("--out", default="rollouts.json")
