@@ -13,6 +13,15 @@
 #                                                            # benchmarks/recovery_variants.py phases in turn,
 #                                                            # no step started after VARIANTS_SECONDS (300) s
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
+# Preparing the carried folders here (each under 64 MiB with the repo; list them in .git/info/exclude), as the
+# 2026-11-25 session did: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d DIR NAME` for
+#   .c1: pyarrow datasets dill multiprocess xxhash fsspec trl typer shellingham annotated-doc pydantic
+#        pydantic_core annotated_types typing_inspection gguf math-verify latex2sympy2_extended antlr4-python3-runtime
+#   .c2: transformers==5.23.* pandas, plus gp.aa    (split -b 38000000 -a 2 <the GGUF> gp.)
+#   .c3: gp.ab gp.ac, data.tar.xz (tar -C ../shared -cJf .c3/data.tar.xz data/general_text data/wikitext2
+#        data/haystack), src.tgz (git archive HEAD | gzip: run from it, untouched by uncommitted work)
+#   .c4: fla-core==0.6.0 einops (the Triton kernels; without them training falls back to the torch path)
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
 GGUF=/root/p/smollm2.gguf
