@@ -200,3 +200,24 @@ def test_eval_token_nll_uses_the_family_logits(family):
         with torch.no_grad():
             ref = F.cross_entropy(m(ids[None]).logits[0, :-1].float(), ids[1:], reduction="none")
         assert rel_err(token_nll(m, ids), ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2", "llama"])
+def test_select_probe_scores_with_the_family_logits(family):
+    """`hybridize select` runs the LM head by hand on cached final hidden states: `head_logits` gives the
+    teacher's own logits (Granite divides them, Gemma 2 soft-caps them), and the probe's KL uses it."""
+    import torch.nn.functional as F
+
+    from hybridize.convert.select.probe import _row_cost
+    from hybridize.families import head_logits
+
+    teacher = tiny_teacher(family)
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        h = teacher.get_decoder()(input_ids=ids).last_hidden_state[0]
+        assert rel_err(head_logits(teacher, h), teacher(ids).logits[0]) < FP32_TOL
+        h2 = h + 0.5 * torch.randn_like(h)
+        lt, lm = (F.log_softmax(head_logits(teacher, x).float(), -1) for x in (h, h2))
+        kl_ref = float((lt.exp() * (lt - lm)).sum())
+        kl, _, n = _row_cost(teacher, h, h2, torch.ones(12, dtype=torch.bool), None, "cpu")
+    assert n == 12 and kl == pytest.approx(kl_ref, rel=1e-5)

@@ -50,10 +50,21 @@ def known_family(config) -> Family | None:
     return FAMILIES.get(getattr(teacher_config(config), "model_type", None))
 
 
+def head_logits(model, hidden):
+    """The logits `model`'s CausalLM gives for final normed hidden states `[..., H]` -> `[..., V]`: its
+    `lm_head`, then the family's transform where it has one (Granite's logits_scaling, Gemma's soft-cap).
+    For code that runs the head by hand on cached states (layer selection's probe)."""
+    logits = model.get_output_embeddings()(hidden)
+    family = known_family(model.config)
+    if family is not None and family.has_logits_transform(teacher_config(model.config)):
+        logits = family.finish_logits(teacher_config(model.config), logits)
+    return logits
+
+
 def family_default(name: str) -> Family | None:
     """The entry a `--src` family name (any case) stands for, or None."""
     return FAMILY_NAMES.get(str(name).strip().lower())
 
 
 __all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "Refusal", "Trait", "UnsupportedFamily", "dropped_lines",
-           "family_default", "family_of", "family_traits", "known_family", "supported", "teacher_config"]
+           "family_default", "family_of", "family_traits", "head_logits", "known_family", "supported", "teacher_config"]

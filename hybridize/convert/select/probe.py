@@ -1,8 +1,8 @@
 """The teacher recorded once on fixed inputs, and the cost of the teacher with some layers converted.
 
 `record_probe` runs the teacher on each batch and keeps the input of every decoder layer `[B, T, H]` and the
-final normed hidden state `[B, T, H]`; the teacher's log-probabilities are one `lm_head` away from the
-latter, so they are cached at `H` instead of `V` numbers a token (V = 49,152 on the default: 85x smaller)
+final normed hidden state `[B, T, H]`; the teacher's log-probabilities are one `lm_head` (and its family's
+logit transform) away from the latter, so they are cached at `H` instead of `V` numbers a token (V = 49,152 on the default: 85x smaller)
 and recomputed per use, bit-identical.
 
 `probe_cost(teacher, probe, slots)` swaps the given mixer slots into the teacher's layers and runs the
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from hybridize.distill.models import decoder_layers
+from hybridize.families import head_logits
 
 
 def amp(device: str):
@@ -121,9 +122,8 @@ def _row_cost(teacher, h_teacher, h_model, mask, targets, device) -> tuple[float
     idx = mask.nonzero().squeeze(-1)
     if idx.numel() == 0:
         return 0.0, 0.0, 0
-    head = teacher.get_output_embeddings()
-    with amp(device):
-        lt, lm = head(h_teacher[idx]), head(h_model[idx])
+    with amp(device):   # the teacher's real logits: lm_head, then its family's transform (Granite, Gemma)
+        lt, lm = head_logits(teacher, h_teacher[idx]), head_logits(teacher, h_model[idx])
     lt, lm = torch.log_softmax(lt.float(), -1), torch.log_softmax(lm.float(), -1)
     kl = (lt.exp() * (lt - lm)).sum(-1).clamp_min(0).sum().item()
     nll = 0.0
