@@ -312,10 +312,5 @@ def describe_source(src: str) -> dict:
     return out
 
 
-def supported_families() -> list[str]:
-    """The model types the family table converts (`hybridize.families.supported`)."""
-    return families.supported()
-
-
 __all__ = ["load_model", "load_config", "resolve_source", "describe_source", "default_gguf_path", "ALIASES",
-           "family_source_note", "supported_families"]
+           "family_source_note"]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.builtin_text import builtin_texts
+from hybridize.families import head_logits
 
 
 @dataclass
@@ -72,16 +73,6 @@ def tokenize_budget(tokenizer, text: str, tokens: int) -> torch.Tensor:
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
-def _head_transforms_logits(model) -> bool:
-    """Whether the model's CausalLM changes `lm_head(h)` (Granite's logits_scaling, Gemma's soft-cap, see
-    hybridize.families): then the NLL comes from the model's own logits, not from the bare head."""
-    from hybridize.families import known_family, teacher_config
-
-    config = getattr(model, "config", None)
-    family = known_family(config) if config is not None else None
-    return family is not None and family.has_logits_transform(teacher_config(config))
-
-
 @torch.no_grad()
 def token_nll(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """NLL (nats) of each token given its prefix in one window: ids `[L]` -> `[L - 1]` (fp32)."""
@@ -91,13 +82,13 @@ def token_nll(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     x = ids.unsqueeze(0).to(dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is None or decoder is None or _head_transforms_logits(model):
+    if head is None or decoder is None:
         logits = model(input_ids=x).logits[0, :-1].float()
         return F.cross_entropy(logits, x[0, 1:], reduction="none")
     h = decoder(input_ids=x).last_hidden_state[0, :-1]
     out = []
     for s in range(0, h.shape[0], chunk):
-        logits = head(h[s:s + chunk]).float()
+        logits = head_logits(model, h[s:s + chunk]).float()   # lm_head + the family's transform (Granite, Gemma)
         out.append(F.cross_entropy(logits, x[0, 1 + s:1 + s + chunk], reduction="none"))
     return torch.cat(out).cpu()
 

@@ -56,9 +56,7 @@ def head_logits(model, hidden):
     For code that runs the head by hand on cached states (layer selection's probe)."""
     logits = model.get_output_embeddings()(hidden)
     family = known_family(model.config)
-    if family is not None and family.has_logits_transform(teacher_config(model.config)):
-        logits = family.finish_logits(teacher_config(model.config), logits)
-    return logits
+    return family.finish_logits(teacher_config(model.config), logits) if family is not None else logits
 
 
 def family_default(name: str) -> Family | None:

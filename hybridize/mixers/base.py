@@ -56,6 +56,11 @@ class MixerConfig:
     conv_size: int = field(default=4, metadata={"help": "short-conv kernel width"})
     chunk_size: int = field(default=32, metadata={"help": "chunk length of the chunkwise form"})
 
+    @property
+    def teacher_scale(self) -> float:
+        """The teacher's attention logit scale: `attn_scale` where its family sets one, else head_dim**-0.5."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

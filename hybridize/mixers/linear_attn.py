@@ -85,7 +85,7 @@ class FeatureMapChoice:
             return self.scale
         if self.q_map != "identity":
             return 1.0
-        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5  # the teacher's
+        return self.teacher_scale
 
 
 @dataclass

@@ -59,7 +59,7 @@ class SlidingWindowAttention(Mixer):
             raise ValueError("short_conv is an option of the linear mixers; set short_conv=False for swa")
         super().__init__(config)
         self.slots = config.window - 1
-        self.scale = next(s for s in (config.softmax_scale, config.attn_scale, config.head_dim ** -0.5) if s is not None)
+        self.scale = config.softmax_scale if config.softmax_scale is not None else config.teacher_scale
 
     # ---- public ---------------------------------------------------------------------------
     def forward(self, x, state: SWAState | None = None, attention_mask=None, cu_seqlens=None,

@@ -106,17 +106,17 @@ class GuardedReward:
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs):
         state = kwargs.get("trainer_state")
         where = f"step {state.global_step + 1}" if state is not None else "a scoring call"
+        call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         try:
-            return self.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            return self.fn(**call)
         except Exception as e:  # noqa: BLE001 - any failure of user-facing reward code is reported, not a traceback
             batch_error = e
         n = len(completions) if completions is not None else 0
         scores, errors = [], []
-        for i in range(n):   # one completion at a time: which ones does it fail on?
-            one = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+        for i in range(n):   # one completion at a time (every per-completion list sliced): which ones fail?
+            one = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in call.items()}
             try:
-                scores.append(self.fn(prompts=_row(prompts, i, n), completions=completions[i:i + 1],
-                                      completion_ids=_row(completion_ids, i, n), **one)[0])
+                scores.append(self.fn(**one)[0])
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
                 scores.append(0.0)
@@ -135,10 +135,6 @@ class GuardedReward:
                   f"({type(batch_error).__name__}: {first_line(batch_error)}) but not on any one of them: "
                   "scored one by one", file=sys.stderr)
         return scores
-
-
-def _row(values, i: int, n: int):
-    return values[i:i + 1] if values is not None and len(values) == n else values
 
 
 def guard_reward(fn):

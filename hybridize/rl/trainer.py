@@ -397,7 +397,7 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     try:
         trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     except RewardError as e:   # raised at the reward call, before that step's update: nothing saved from it
-        last = latest_checkpoint(run_dir)
+        last = trainer.last_good_checkpoint()
         where = (f"the last checkpoint, saved before it, is {last}: fix the reward, then rerun with --resume"
                  if last is not None else f"no checkpoint was saved before it (save_steps={cfg.save_steps})")
         raise RewardError(f"{e}; {where}") from e.__cause__

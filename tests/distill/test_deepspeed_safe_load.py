@@ -11,15 +11,13 @@ by a pickle whose unpickling creates a marker file, and tries `--resume` and `ex
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distill.test_scale import HAS_DS, RECIPES, ROOT
+from tests.distill.test_scale import HAS_DS, RECIPES, run_worker
 
 PARTS = ["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 pytestmark = pytest.mark.skipif(not HAS_DS, reason="deepspeed is not installed (pip install deepspeed)")
@@ -27,15 +25,7 @@ pytestmark = pytest.mark.skipif(not HAS_DS, reason="deepspeed is not installed (
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ds_safe")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, "worker", str(tmp)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][7:])
+    return run_worker(__file__, tmp_path_factory.mktemp("ds_safe"))
 
 
 def test_zero2_checkpoint_resumes_and_exports(res):

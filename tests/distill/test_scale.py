@@ -27,6 +27,20 @@ HAS_DS = importlib.util.find_spec("deepspeed") is not None
 FP32 = 1e-5  # relative tolerance of fp32 results computed in another order
 
 
+def run_worker(script: str, tmp: Path, timeout: int = 300) -> dict:
+    """Run `python SCRIPT worker TMP` in a fresh process (DeepSpeed initialises torch.distributed and
+    accelerate's process-wide state, so each DeepSpeed test file runs its worker alone, with no launcher
+    variables) and return the JSON of its last `RESULT ` line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, script, "worker", str(tmp)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][7:])
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
@@ -179,14 +193,7 @@ def test_deepspeed_zero2_zero3_single_process(tmp_path):
     checkpointing and 2 micro-batches per step. Losses of every step equal the plain run's within fp32
     noise; a run stopped after step 1 and resumed repeats the uninterrupted one; the final/ folder
     (ZeRO-3 shards gathered) and `export` of the DeepSpeed checkpoint (zero_to_fp32) give the same model."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, "worker", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[-1][7:])
+    res = run_worker(__file__, tmp_path)
     for stage in ("2", "3"):
         plain, ds = res[f"plain{stage}"], res[f"zero{stage}"]
         assert sorted(ds) == sorted(plain) == ["1", "2", "3"]

@@ -2,8 +2,8 @@
 
 `record_probe` runs the teacher on each batch and keeps the input of every decoder layer `[B, T, H]` and the
 final normed hidden state `[B, T, H]`; the teacher's log-probabilities are one `lm_head` (and its family's
-logit transform) away from the latter, so they are cached at `H` instead of `V` numbers a token (V = 49,152 on the default: 85x smaller)
-and recomputed per use, bit-identical.
+logit transform, `families.head_logits`) away from the latter, so they are cached at `H` instead of `V`
+numbers a token (V = 49,152 on the default: 85x smaller) and recomputed per use, bit-identical.
 
 `probe_cost(teacher, probe, slots)` swaps the given mixer slots into the teacher's layers and runs the
 decoder from the FIRST converted layer only, starting from the cached input of that layer (the layers before
