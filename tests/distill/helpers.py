@@ -120,6 +120,12 @@ class ToyTokenizer:
         Path(path).mkdir(parents=True, exist_ok=True)
 
 
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """`rows` as a JSONL file at `path`."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def write_texts(path: Path, n: int = 24, seed: int = 0) -> Path:
     """A JSONL of n short documents of varied lengths."""
     g = torch.Generator().manual_seed(seed)

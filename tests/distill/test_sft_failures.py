@@ -16,17 +16,12 @@ from hybridize.distill.loop import NonFiniteLoss
 from hybridize.distill.sft import build_sft_dataset, latest_complete, sft
 from hybridize.errors import UserError
 
-from .helpers import smol_tokenizer, tiny_llama_vocab
+from .helpers import smol_tokenizer, tiny_llama_vocab, write_rows
 
 
 @pytest.fixture(scope="module")
 def tok():
     return smol_tokenizer()
-
-
-def _rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _student(tok):
@@ -36,7 +31,7 @@ def _student(tok):
 
 
 def _cfg(tmp_path, max_steps, **extra):
-    data = _rows(tmp_path / "g.jsonl", [{"problem": f"What is {i}+{i}?", "solution": f"{2 * i}"} for i in range(16)])
+    data = write_rows(tmp_path / "g.jsonl", [{"problem": f"What is {i}+{i}?", "solution": f"{2 * i}"} for i in range(16)])
     return load_config(SFTStageConfig, None, {
         "traces": str(data), "max_examples": 16, "max_length": 64, "batch_size": 2, **extra,
         "train": {"run_dir": str(tmp_path / "sft"), "save_every": 1, "lr": 1e-3, "progress": False,
@@ -52,7 +47,7 @@ def _finite(ckpt) -> bool:
 # ---- rows without the text SFT trains on ----------------------------------------------------------
 
 def test_some_rows_without_the_completion_are_dropped_with_one_warning_line(tmp_path, tok, capsys):
-    f = _rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "solution": "2"}, {"problem": "x"},
+    f = write_rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "solution": "2"}, {"problem": "x"},
                                      {"problem": "2+2?", "solution": "4"}, {"problem": "", "solution": " "}])
     ds = build_sft_dataset(load_config(SFTStageConfig, None, {"traces": str(f)}), tok)
     assert len(ds) == 2
@@ -62,7 +57,7 @@ def test_some_rows_without_the_completion_are_dropped_with_one_warning_line(tmp_
 
 
 def test_no_row_with_the_completion_field_is_one_line(tmp_path, tok):
-    f = _rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "completion": "2"}, {"problem": "2+2?", "completion": "4"}])
+    f = write_rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "completion": "2"}, {"problem": "2+2?", "completion": "4"}])
     with pytest.raises(UserError) as e:
         build_sft_dataset(load_config(SFTStageConfig, None, {"traces": str(f)}), tok)
     msg = str(e.value)
@@ -77,7 +72,7 @@ def test_cli_no_row_with_the_completion_field_exits_2(tmp_path, tok, monkeypatch
     student = tmp_path / "student"
     _student(tok).save_pretrained(student)
     tok.save_pretrained(student)
-    f = _rows(tmp_path / "t.jsonl", [{"question": "1+1?", "solution": "2"}])
+    f = write_rows(tmp_path / "t.jsonl", [{"question": "1+1?", "solution": "2"}])
     monkeypatch.setattr(sys, "argv", ["hybridize", "distill", "sft", f"student={student}", f"traces={f}",
                                       f"train.run_dir={tmp_path / 'sft'}", "train.progress=false"])
     with pytest.raises(SystemExit) as e:

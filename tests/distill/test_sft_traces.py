@@ -10,7 +10,7 @@ from hybridize.distill.config import SFTStageConfig, TracesConfig, load_config
 from hybridize.distill.sft import build_sft_dataset, latest_complete, sft
 from hybridize.distill.traces import write_traces
 
-from .helpers import smol_tokenizer, tiny_llama_vocab
+from .helpers import smol_tokenizer, tiny_llama_vocab, write_rows
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,8 @@ def tok():
     return smol_tokenizer()
 
 
-def _rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def test_sft_dataset_skips_malformed_rows(tmp_path, tok, capsys):
-    f = _rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "solution": "2"}, {"problem": "x", "solution": None},
+def test_sft_dataset_skips_malformedwrite_rows(tmp_path, tok, capsys):
+    f = write_rows(tmp_path / "t.jsonl", [{"problem": "1+1?", "solution": "2"}, {"problem": "x", "solution": None},
                                      {"problem": "2+2?", "solution": "4"}])
     cfg = load_config(SFTStageConfig, None, {"traces": str(f)})
     ds = build_sft_dataset(cfg, tok)
@@ -38,7 +33,7 @@ def test_sft_runs_resumes_and_marks_complete_checkpoints(tmp_path, tok):
     data = "../shared/data/gsm8k/train.jsonl"
     import pathlib
     if not pathlib.Path(data).exists():
-        data = str(_rows(tmp_path / "g.jsonl", [{"problem": f"What is {i}+{i}?", "solution": f"{2 * i}"}
+        data = str(write_rows(tmp_path / "g.jsonl", [{"problem": f"What is {i}+{i}?", "solution": f"{2 * i}"}
                                                 for i in range(16)]))
     base = {"traces": data, "max_examples": 16, "max_length": 64, "batch_size": 2,
             "train": {"run_dir": str(tmp_path / "sft"), "save_every": 2, "lr": 1e-3, "progress": False,
@@ -60,7 +55,7 @@ def test_sft_runs_resumes_and_marks_complete_checkpoints(tmp_path, tok):
 def test_traces_written_and_rerun_skips_done(tmp_path, tok):
     torch.manual_seed(0)
     model = tiny_llama_vocab(len(tok))
-    prompts = _rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?", "answer": "5"},
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?", "answer": "5"},
                                            {"problem": "Name a colour.", "answer": "red"}, {"problem": None}])
     cfg = load_config(TracesConfig, None, {"prompts": str(prompts), "out": str(tmp_path / "tr.jsonl"),
                                            "max_new_tokens": 4, "batch_size": 2, "num_prompts": 0})
