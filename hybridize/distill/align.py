@@ -210,7 +210,7 @@ def align(student: nn.Module, teacher: nn.Module, tokenizer, cfg: AlignConfig, r
                           eval_every=cfg.data.eval_every, desc="align", stop_after=stop_after)
     finally:
         tap.close()
-    if result.step >= cfg.train.max_steps:
+    if result.finished:   # the last step, or the time budget (train.max_minutes): a checkpoint is there too
         save_final_model(acc, student, tokenizer, run_dir / "final")
     return result
 

@@ -55,8 +55,8 @@ class TrainArgs:
     nan_policy: str = _f("error", "non-finite loss: error (stop, naming the last checkpoint saved before the "
                                   "divergence) | skip (drop the batch, max 10 times)")
     progress: bool = _f(True, "show a progress bar")
-    max_minutes: float = _f(0.0, "wall-clock budget: stop (with a checkpoint) after this many minutes; 0 = none",
-                          min=0)
+    max_minutes: float = _f(0.0, "wall-clock budget: stop after this many minutes with a checkpoint (--resume goes "
+                                 "on) and final/ (the model so far); 0 = none", min=0)
     deepspeed: str = _f("", "DeepSpeed JSON config (e.g. recipes/accelerate/ds_zero3.json) for a ONE-process run "
                             "without `accelerate launch` (ZeRO-offload on one GPU, CPU tests); under "
                             "`accelerate launch --config_file ...` leave empty: the launch config decides")

@@ -123,7 +123,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
                       lr_scales=lr_scales)
     if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
         student = student.merge_and_unload()
-    if result.step >= cfg.train.max_steps:
+    if result.finished:   # the last step, or the time budget (train.max_minutes): a checkpoint is there too
         save_final_model(acc, student, tokenizer, run_dir / "final")
     return result, student
 

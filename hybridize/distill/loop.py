@@ -216,6 +216,13 @@ class LoopResult:
     seconds: float
     last_loss: float
     run_dir: Path
+    stopped_on_time: bool = False   # `train.max_minutes` ended the run before `train.max_steps`
+    max_steps: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """The run reached its last step or its time budget: its model is the run's result (`final/`)."""
+        return self.stopped_on_time or self.step >= self.max_steps
 
 
 class NonFiniteLoss(UserError):
@@ -430,5 +437,5 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
         keys = tuple(k for k in ("loss", "kl", "ce", "aux") if any(k in r for r in log.read()))
         plot_losses(log.path, run_dir / "loss.png", keys=keys or ("loss",), title=f"{desc}: {run_dir.name}")
     return LoopResult(step=step, tokens=tokens, seconds=time.perf_counter() - t0, last_loss=last_loss,
-                      run_dir=run_dir)
+                      run_dir=run_dir, stopped_on_time=stopped_on_time, max_steps=train.max_steps)
 

@@ -313,3 +313,16 @@ def test_resume_with_a_new_cosine_schedule_continues_from_its_position(tmp_path)
     e2e(toy_convert(tiny_llama(1), layers=(0,)), tiny_llama(0), ToyTokenizer(), cfg(6, 1e-3), resume=True)
     lrs = {row["step"]: row["lr"] for row in _metric_rows(tmp_path / "run") if "lr" in row}
     assert lrs[3] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+
+
+@pytest.mark.parametrize("stage", ["e2e", "align"])
+def test_time_budget_writes_final_and_a_resumable_checkpoint(folders, tmp_path, stage):
+    """`train.max_minutes` ends the run early: the model so far is `final/` (what a time-boxed run is for)
+    and the checkpoint lets `--resume` go on to `train.max_steps`."""
+    run = tmp_path / "run"
+    r = _distill(folders, run, "train.max_steps=50", "train.max_minutes=0.000001", "train.save_every=0", stage=stage)
+    assert r.exit_code == 0, r.output
+    assert "time budget" in r.output
+    assert (run / "final" / "config.json").is_file()
+    steps = _steps(run)
+    assert len(steps) == 1 and steps[0] < "step-000050", steps
