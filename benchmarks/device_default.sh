@@ -12,6 +12,9 @@
 #   bash benchmarks/device_default.sh $OUT variants "select train:fixed train:select long:select"
 #                                                            # benchmarks/recovery_variants.py phases in turn,
 #                                                            # no step started after VARIANTS_SECONDS (300) s
+#   bash benchmarks/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
+#                                                            # (setsid: it outlives the call); ARG seeds /root/rv
+#   bash benchmarks/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 # Preparing the carried folders here (each under 64 MiB with the repo; list them in .git/info/exclude), as the
 # 2026-11-25 session did: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -57,6 +60,27 @@ case $STEP in
     (cd /root/rv && tar czf "$OUT/rv.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
       --exclude='checkpoint*' --exclude='tokenizer*' . )
     tail -25 "$OUT/variants.log"; for l in /root/rv/logs/*.log; do echo "-- $l"; grep -v "it/s\]\|s/it\]" "$l" | tail -4; done ;;
+  pipeline)
+    # issue 22 part 4 side by side on one GPU: [train fixed, eval fixed] and [train select, then eval select
+    # beside long select, then eval select_long], then the merged report. ARG: a folder copied into /root/rv
+    # first (select/ from an earlier `select` run, recovery_base.json with the teacher's rows).
+    mkdir -p /root/rv/logs; [ -n "$ARG" ] && cp -r "$ARG"/. /root/rv/
+    setsid nohup bash "$0" "$OUT" pipeline-run > /root/rv/pipeline.log 2>&1 < /dev/null &
+    echo "pipeline started: $(date +%T)" ;;
+  pipeline-run)
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1}
+    rv() { echo "$(date +%T) start $*"; python3 benchmarks/recovery_variants.py "$@" --teacher "$GGUF" --work /root/rv \
+             --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
+    { rv train fixed && rv eval fixed; } &
+    { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
+    wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+  poll)
+    end=$(( $(date +%s) + ${ARG:-540} ))
+    while [ "$(date +%s)" -lt $end ] && ! grep -q "PIPELINE DONE" /root/rv/pipeline.log; do sleep 10; done
+    (cd /root/rv && tar czf "$OUT/rv.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+      --exclude='checkpoint*' --exclude='tokenizer*' . )
+    cat /root/rv/pipeline.log /root/rv/steps.jsonl 2>/dev/null; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
+    for l in /root/rv/logs/*.log; do echo "-- $l"; grep -v "it/s\]\|s/it\]" "$l" | tail -3; done ;;
   recipes)
     # one process runs the variants in turn, on the torch kernels: at the demo's small fp32 shapes Triton gains
     # nothing, and its first use compiles and autotunes for minutes (8 processes side by side did so at once)

@@ -7,7 +7,8 @@ be spread over several 10-minute device calls on a warm machine:
     python benchmarks/recovery_variants.py --teacher T train fixed       # convert 5:1 + stage A + stage B
     python benchmarks/recovery_variants.py --teacher T train select      # convert <selected> + A + B
     python benchmarks/recovery_variants.py --teacher T long select       # + long-context stage -> select_long
-    python benchmarks/recovery_variants.py --teacher T eval --recovery-args "--needle-samples 24 ..."
+    python benchmarks/recovery_variants.py --teacher T eval fixed        # one variant vs the teacher, alone
+    python benchmarks/recovery_variants.py --teacher T eval              # merge those, report all variants
 
 Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
 select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it. Stages A and B
@@ -27,10 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hybridize.eval.recovery import merge_reports
 
 VARIANTS = ("fixed", "select", "fixed_long", "select_long")
 
@@ -38,13 +42,18 @@ VARIANTS = ("fixed", "select", "fixed_long", "select_long")
 def args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=["select", "train", "long", "eval"])
-    p.add_argument("variant", nargs="?", choices=VARIANTS[:2], help="train/long: which variant")
+    p.add_argument("variant", nargs="?", choices=VARIANTS,
+                   help="train/long: which variant (fixed, select); eval: that variant alone, into "
+                        "<work>/recovery_<variant> (side by side with the others); eval without one: merge those "
+                        "and report every trained variant")
     p.add_argument("--teacher", default="default")
     p.add_argument("--work", default="/root/rv")
     p.add_argument("--data", default="../shared/data", help="folder with general_text/ and wikitext2/")
     p.add_argument("--keep", type=int, default=5, help="softmax layers (5 = the 5:1 plan's count on 30 layers)")
     p.add_argument("--select-args", default="", help="extra `hybridize select` options")
-    p.add_argument("--recovery-args", default="", help="extra `hybridize eval recovery` options")
+    p.add_argument("--recovery-args", default="--needle-samples 40 --generation hf",
+                   help="`hybridize eval recovery` options (40 needle prompts per length: one is 0.025)")
+    p.add_argument("--eval-seconds", type=float, default=0.0, help="eval recovery's --time-budget; 0 = none")
     p.add_argument("--align-steps", type=int, default=200)
     p.add_argument("--e2e-steps", type=int, default=150)
     p.add_argument("--long-steps", type=int, default=90)
@@ -169,18 +178,49 @@ def main(argv=None):
              ["select", "--src", a.teacher, "--keep", str(a.keep), "--mixer", "sse", "--out", str(work / "select"),
               *a.select_args.split()])
     elif a.phase in ("train", "long"):
-        if a.variant is None:
+        if a.variant not in VARIANTS[:2]:
             sys.exit(f"{a.phase}: name the variant ({', '.join(VARIANTS[:2])})")
         (run_train if a.phase == "train" else run_long)(a, work, env, a.variant)
+    elif a.variant is not None:
+        run_eval_one(a, work, env, a.variant)
     else:
-        models = final_dirs(work)
-        if not models:
-            sys.exit(f"no trained variant under {work}")
-        took = hyb(["eval", "recovery", "--teacher", a.teacher, *[x for k, d in models.items() for x in ("--model", f"{k}={d}")],
-                    "--out", str(work / "recovery"), *a.recovery_args.split()], work / "logs" / "recovery.log", env)
-        record(work, step="recovery", seconds=round(took, 1), models=list(models))
-        print((work / "recovery" / "recovery.md").read_text())
+        run_eval_all(a, work, env)
 
+
+def recovery_args(a) -> list[str]:
+    return [*a.recovery_args.split(), *(["--time-budget", str(a.eval_seconds)] if a.eval_seconds else [])]
+
+
+def run_eval_one(a, work: Path, env: dict, variant: str) -> None:
+    """One variant against the teacher into <work>/recovery_<variant>, started from <work>/recovery_base.json
+    (the teacher's rows of an earlier run) when there is one: only the missing values are computed."""
+    d = final_dirs(work).get(variant)
+    if d is None:
+        sys.exit(f"{variant} has no trained model under {work}")
+    out = work / f"recovery_{variant}"
+    out.mkdir(parents=True, exist_ok=True)
+    base = work / "recovery_base.json"
+    if base.is_file() and not (out / "recovery.json").is_file():
+        shutil.copy(base, out / "recovery.json")
+    took = hyb(["eval", "recovery", "--teacher", a.teacher, "--model", f"{variant}={d}", "--out", str(out),
+                *recovery_args(a)], work / "logs" / f"recovery_{variant}.log", env)
+    record(work, step=f"recovery_{variant}", seconds=round(took, 1))
+
+
+def run_eval_all(a, work: Path, env: dict) -> None:
+    """Every trained variant in one report: the per-variant reports (and the base) merged first, so the run
+    only computes what none of them holds."""
+    models = final_dirs(work)
+    if not models:
+        sys.exit(f"no trained variant under {work}")
+    parts = [p for p in [work / "recovery_base.json", *sorted(work.glob("recovery_*/recovery.json")),
+                         work / "recovery" / "recovery.json"] if p.is_file()]
+    if parts:
+        merge_reports(parts, work / "recovery" / "recovery.json")
+    took = hyb(["eval", "recovery", "--teacher", a.teacher, *[x for k, d in models.items() for x in ("--model", f"{k}={d}")],
+                "--out", str(work / "recovery"), *recovery_args(a)], work / "logs" / "recovery.log", env)
+    record(work, step="recovery", seconds=round(took, 1), models=list(models))
+    print((work / "recovery" / "recovery.md").read_text())
 
 if __name__ == "__main__":
     main()

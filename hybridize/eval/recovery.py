@@ -141,6 +141,34 @@ def _atomic_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
+    """Several `recovery.json` (e.g. one model each, run side by side on one GPU) -> one at `out_path`, which
+    `run_recovery` then resumes: each row's values united (the first file's value wins where two hold the same
+    model, the teacher's included), ratios recomputed; a row skipped in any file stays skipped."""
+    reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    models = list(dict.fromkeys(n for r in reports for n in r.get("models", [])))
+    rows: dict[str, dict] = {}
+    for rep in reports:
+        for r in rep.get("rows", []):
+            row = rows.setdefault(r["row"], {k: v for k, v in r.items() if k not in ("values", "ratios")})
+            if r.get("skipped"):
+                row["skipped"] = r["skipped"]
+                continue
+            vals = row.setdefault("values", {})
+            for n, v in r.get("values", {}).items():
+                vals.setdefault(n, v)
+    for row_id, row in rows.items():
+        vals = row.get("values", {})
+        if "teacher" in vals:
+            row["ratios"] = {n: ratio(row_id, vals["teacher"], v) for n, v in vals.items() if n != "teacher"}
+    merged = {"models": models, "ratio_rule": reports[0].get("ratio_rule", "") if reports else "",
+              "rows": list(rows.values()), "not_run": []}
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_json(out_path, merged)
+    return merged
+
+
 def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Path,
                  log: Callable[[str], None] = print) -> dict:
     """`models`: {name: model}, the teacher first under the name 'teacher'. Returns the report dict."""

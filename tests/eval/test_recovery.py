@@ -167,3 +167,27 @@ def test_niah_prompt_and_answer_fit_the_teachers_context(tmp_path, tiny_model, t
     run_recovery({"teacher": short, "self": short}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
     rows = {r["row"]: r for r in json.loads((tmp_path / "recovery.json").read_text())["rows"]}
     assert rows["niah:s-niah-1:512"]["prompt_tokens"] == 496
+
+
+def test_reports_run_apart_merge_into_one(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    """Two models evaluated in separate runs (side by side on one GPU), merged: the run over all models then
+    recomputes nothing (stand-in models would change every value) and carries each model's values and ratios."""
+    from hybridize.eval.recovery import merge_reports
+
+    cfg = _cfg(niah_tasks=("s-niah-1",))
+    a = run_recovery({"teacher": tiny_model, "a": tiny_model}, tiny_tokenizer, cfg, tmp_path / "a", log=lambda s: None)
+    b = run_recovery({"teacher": tiny_model, "b": noisy}, tiny_tokenizer, cfg, tmp_path / "b", log=lambda s: None)
+    merge_reports([tmp_path / "a" / "recovery.json", tmp_path / "b" / "recovery.json"], tmp_path / "all" / "recovery.json")
+    logs = []
+    both = run_recovery({"teacher": noisy, "a": noisy, "b": tiny_model}, tiny_tokenizer, cfg, tmp_path / "all",
+                        log=logs.append)
+    assert not [x for x in logs if x.endswith(" done")], logs
+    for ra, rb, r in zip(a["rows"], b["rows"], both["rows"]):
+        assert r["row"] == ra["row"] == rb["row"]
+        if ra.get("skipped"):
+            assert r.get("skipped")
+            continue
+        assert r["values"] == {**ra["values"], "b": rb["values"]["b"]}, r["row"]
+        assert set(r["ratios"]) == {"a", "b"}
+    header = next(x for x in (tmp_path / "all" / "recovery.md").read_text().splitlines() if x.startswith("| capability"))
+    assert [c.strip() for c in header.strip("|").split("|")][2:] == ["teacher", "a", "a ratio", "b", "b ratio"]
