@@ -17,11 +17,11 @@ use the shipped recipes with the sizes below; the training text is whole long do
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
 (`train.max_minutes`) as a guard; the times each step took go to `<work>/steps.jsonl`.
 
-Measured on one H100 (RESULTS.md, "Recovery: the three variants"): `select` 178 s; stage A, 200 steps of 8192
-tokens as 4 micro-batches, 337 s on the Triton kernels (1.2 s/step after about 100 s of start-up and tuning);
-on the torch kernels 5.6 s/step, and an 8192-token micro-batch ran out of the 80 GB. One variant plus the
-report does not fit a 10-minute call: plan one call per phase, and one machine's 30-minute hold for at most
-two variants, carrying `recovery/recovery.json` between machines (a rerun computes only the new models' rows).
+Measured on one H100 (RESULTS.md, "Recovery: the three variants"): `select` 178 s; per variant convert 62 s,
+stage A (250 x 8192 tokens) 222 s, stage B (160 x 16384) 302 s, long (80 x 16384) 142 s, with two variants side
+by side on the GPU (`bash benchmarks/device_default.sh $OUT pipeline`, which runs the phases in a background
+process session so that they outlive the 10-minute device calls); each eval with 40 needle prompts per
+length, about 7 minutes. On the torch kernels stage A needs --accum 4 and runs about 5x slower.
 """
 from __future__ import annotations
 
