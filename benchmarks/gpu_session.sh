@@ -65,46 +65,46 @@ for s in "${STEPS_[@]}"; do
         | tee -a "$OUT/tests.log" ;;
     speed)
       random_teacher
-      timeout 150 python3 -u benchmarks/eval_default.py --teacher /root/rand-smollm2 --model converted=convert \
+      timeout 150 python3 -u -m benchmarks.pipeline.eval_default --teacher /root/rand-smollm2 --model converted=convert \
         --tasks speed --device cuda --dtype bfloat16 --speed-lengths 1k,2k,4k,8k --speed-batch 1,8 \
         --decode-tokens 32 --time-budget 140 --out "$OUT/speed" 2>&1 | tail -30 ;;
     attn)
       timeout 60 python3 -m hybridize.kernels.triton.attn_decode 2>&1 | tail -15 | tee "$OUT/attn_decode.log" ;;
     rollouts)
-      timeout 120 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
+      timeout 120 python3 -m benchmarks.generation.rollouts --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
         --batch 8 --new-tokens 48 --attention sdpa,triton --out "$OUT/rollouts_attn.json" 2>&1 | tail -20 ;;
     sse)
-      timeout 110 python3 benchmarks/kernels.py --T 4096,16384 --sections gla,sse,decode --sse-n 4 \
+      timeout 110 python3 -m benchmarks.ops.kernels --T 4096,16384 --sections gla,sse,decode --sse-n 4 \
         --out "$OUT/bench_sse.json" 2>&1 | tail -30 ;;
     qdelta)
-      timeout 300 python3 benchmarks/kernels.py --T 4096,16384,32768,65536 --sections delta \
+      timeout 300 python3 -m benchmarks.ops.kernels --T 4096,16384,32768,65536 --sections delta \
         --out "$OUT/bench_delta.json" 2>&1 | tail -20 ;;
     layers)
-      timeout 400 python3 benchmarks/layers.py --T ${LAYER_T:-4096,16384} --mixers ${LAYER_MIXERS:-ccq_gla,ccq_gdn,sse,qdelta} \
+      timeout 400 python3 -m benchmarks.layers.layers --T ${LAYER_T:-4096,16384} --mixers ${LAYER_MIXERS:-ccq_gla,ccq_gdn,sse,qdelta} \
         --out "$OUT/layers.json" 2>&1 | tail -40 ;;
     ccq)
-      timeout 300 python3 benchmarks/ccq_triton.py --T ${CCQ_T:-4096,16384} --segments ${CCQ_SEGMENTS:-auto,0,128,256,512,1024} \
+      timeout 300 python3 -m benchmarks.ops.ccq_triton --T ${CCQ_T:-4096,16384} --segments ${CCQ_SEGMENTS:-auto,0,128,256,512,1024} \
         --out "$OUT/ccq_triton.json" 2>&1 | tail -40 ;;
     profile|profile_compile)
       c=off; [ "$s" = profile_compile ] && c=on
-      timeout 200 python3 benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
+      timeout 200 python3 -m benchmarks.generation.profile_decode --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
         --compile $c --gemm ${GEMM:-auto} --json "$OUT/$s.json" 2>&1 | tail -70 | tee "$OUT/$s.log" ;;
     fp32)
-      timeout 200 python3 benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
+      timeout 200 python3 -m benchmarks.generation.rollouts --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
         --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;
     compile)
-      timeout 420 python3 benchmarks/rollouts.py --no-grpo --shapes ${SHAPES:-qwen3-1.7b,smollm2-135m} --prompt-lens 16384 \
+      timeout 420 python3 -m benchmarks.generation.rollouts --no-grpo --shapes ${SHAPES:-qwen3-1.7b,smollm2-135m} --prompt-lens 16384 \
         --batch 8 --new-tokens 48 --attention triton --compile ${COMPILE_MODES:-off,on} --gemm ${GEMMS:-auto} --budget 400 \
         --out "$OUT/rollouts_compile.json" 2>&1 | tail -16 ;;
     gemm)
-      timeout 200 python3 benchmarks/decode_gemm.py --rows 8 --out "$OUT/decode_gemm.json" 2>&1 | tail -16 ;;
+      timeout 200 python3 -m benchmarks.ops.decode_gemm --rows 8 --out "$OUT/decode_gemm.json" 2>&1 | tail -16 ;;
     sse_profile)
-      timeout 200 python3 benchmarks/profile_sse.py --T 4096,16384 --out "$OUT/profile_sse.json" 2>&1 | tail -120 ;;
+      timeout 200 python3 -m benchmarks.ops.profile_sse --T 4096,16384 --out "$OUT/profile_sse.json" 2>&1 | tail -120 ;;
     scale)
       random_teacher
       for mp in bf16 no; do
         RUNS="ref_1gpu zero2_1proc" STEPS=${SCALE_STEPS:-12} MIXED=$mp RUN_TIMEOUT=150 \
-          bash benchmarks/scale_gpu.sh "$OUT/scale_$mp" /root/rand-smollm2 "$HYBRIDIZE_DATA_DIR/general_text" 2>&1 | tail -25
+          bash benchmarks/pipeline/scale_gpu.sh "$OUT/scale_$mp" /root/rand-smollm2 "$HYBRIDIZE_DATA_DIR/general_text" 2>&1 | tail -25
       done ;;
     grpo_ds)
       # GRPO on one GPU: plain vs DeepSpeed ZeRO-2 / ZeRO-3 in one process (random-weight 5:1 SSE hybrid of the

@@ -5,24 +5,20 @@
   states (fp32, rel. error < 1e-5), for SSE and SSEGDN with q/k norms, RoPE, GQA, biases, padding masks,
   no output gate, no shared partition; and after an in-place parameter update (the cache refreshes);
 - a state marked writable (what the fast path's cache does) is updated in place on the GPU path (run on
-  CPU with the profiler script's PyTorch stand-in for the Triton kernel), with the same values;
+  CPU with `hybridize.generation.profile`'s PyTorch stand-in for the Triton kernel), with the same values;
 - op budget: one decode step of a small SSE hybrid (qwen3-tiny, 6 layers, 5:1) costs at most
-  `MAX_SSE_OPS` ops per SSE layer (CPU profiler, `benchmarks/profile_decode.py` counting, decode kernel
+  `MAX_SSE_OPS` ops per SSE layer (CPU profiler, `hybridize.generation.profile` counting, decode kernel
   emulated as one op) and no state copies. Before this change it was 77 (91 on the CPU reference path).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hybridize.generation import profile as pd
 from hybridize.mixers.sse import SSE, SSEGDN, SSEConfig, SSEGDNConfig, SSEState
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import profile_decode as pd  # noqa: E402
 
 #: ops per SSE layer per decode step (measured after the change: 30 at qwen3-tiny, fp32 CPU)
 MAX_SSE_OPS = 32
@@ -145,7 +141,7 @@ def test_writable_state_updated_in_place_on_gpu_path(cls):
 
 
 def test_fast_path_cache_marks_its_states_writable():
-    from hybridize.rl.fast_generate import _mixer_layer_class
+    from hybridize.generation.fast import _mixer_layer_class
 
     layer = _mixer_layer_class()(SSEState(sparse=torch.zeros(1, 2, 1, 2, 2)))
     assert layer.state.writable
@@ -154,12 +150,29 @@ def test_fast_path_cache_marks_its_states_writable():
     assert not getattr(layer.state.map(lambda t: t.clone()), "writable", False)   # copies are not marked
 
 
+def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str):
+    """A random-weight hybrid of a tiny Qwen3 (q/k norms, as the real target), fp32 on CPU."""
+    from transformers import AutoConfig
+
+    from hybridize.convert.convert import build_hybrid_config
+    from hybridize.convert.plan import parse_plan
+    from hybridize.modeling import HybridForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=4096, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hcfg = build_hybrid_config(cfg, parse_plan(plan, layers, mixer), None)
+    return HybridForCausalLM(hcfg).float().eval()
+
+
 def test_decode_step_op_budget():
     torch.set_num_threads(1)
     args = SimpleNamespace(shape="qwen3-tiny", layers=6, plan="5:1", mixer="sse", batch=2, prompt_len=16,
                            steps=3, attention="auto", top=5, graphs=False, decode_kernel="emulate",
                            compile="off", gemm="auto")
-    model = pd.build(args, torch.device("cpu"), torch.float32)
+    model = _tiny_qwen3_hybrid(args.layers, args.plan, args.mixer)
     res = pd.profile_model(model, args, torch.device("cpu"))
     rows = {r["layer_type"]: r for r in res["eager"]["by_layer_type"]}
     pieces = {r["piece"]: r["kernels_per_layer"] for r in res["eager"]["sse_pieces"]}

@@ -3,16 +3,17 @@ distilled, ...): GSM8K (greedy, N problems), S-NIAH-1 at 1k-4k tokens, prefill/d
 
 Prints one markdown table with every model in its own column (and the per-task detail tables), writes
 it to `<out>/results.md`, every task's raw files under `<out>/<task>/<model>/` and all numbers to
-`<out>/results.json`; `--append benchmarks/RESULTS.md` appends the markdown there.
+`<out>/results.json`; `--append benchmarks/RESULTS.md` appends the markdown there. Its command line is
+`benchmarks/pipeline/eval_default.py` (`main(argv)` here), from the repo root:
 
-    python benchmarks/eval_default.py                                    # teacher + in-process conversion
-    python benchmarks/eval_default.py --model converted=runs/conv --model distilled=runs/dist
-    python benchmarks/eval_default.py --model converted=convert --model distilled=runs/dist   # 'convert':
+    python -m benchmarks.pipeline.eval_default                           # teacher + in-process conversion
+    python -m benchmarks.pipeline.eval_default --model converted=runs/conv --model distilled=runs/dist
+    python -m benchmarks.pipeline.eval_default --model converted=convert --model distilled=runs/dist   # 'convert':
         converts the teacher in-process like `hybridize convert` (--plan, --mixer, output gains calibrated)
-    python benchmarks/eval_default.py --gsm8k-n 20 --niah-lengths 1k --speed-lengths 1k,2k   # quick
+    python -m benchmarks.pipeline.eval_default --gsm8k-n 20 --niah-lengths 1k --speed-lengths 1k,2k   # quick
 
 Made to fit a short GPU call: generation is batched (prompts sorted by length) and on CUDA runs the
-static-buffer CUDA-graph decode loop of `hybridize.rl.fast_generate` (same tokens as HF generate);
+static-buffer CUDA-graph decode loop of `hybridize.generation.fast` (same tokens as HF generate);
 the tasks run cheapest first (speed, NIAH, GSM8K); progress lines carry timestamps and are flushed;
 `--time-budget S` gives each remaining task / model a share of the time left and stops starting new
 batches when its share is used (the table then says how many problems were done); the combined table
@@ -41,15 +42,19 @@ import torch
 TASKS = ("speed", "niah", "gsm8k")
 WEIGHTS = {"speed": 0.15, "niah": 0.2, "gsm8k": 0.65}   # shares of the time budget (what is left rolls over)
 RESERVE_S = 8.0   # kept free at the end of a budget for writing files and printing
-DECODE_NOTE = {"fast": "static-buffer CUDA-graph loop of rl.fast_generate", "loop": "HF forward per step"}
+DECODE_NOTE = {"fast": "static-buffer CUDA-graph loop of generation.fast", "loop": "HF forward per step"}
 
 
 class TimeUp(Exception):
     """Raised by the SIGTERM/SIGINT handler: stop, print what there is."""
 
 
+#: the command line `render` writes into the table's header
+COMMAND = "python -m benchmarks.pipeline.eval_default"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", default="default", help="teacher: 'default' (embedded SmolLM2-135M-Instruct), a .gguf "
                                                        "file or a HF folder")
     p.add_argument("--model", action="append", default=[], metavar="NAME=SRC",
@@ -282,7 +287,7 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 def render(args, res: dict, desc: dict, names: list[str], meta: dict, note: str = "") -> str:
     parts = [f"### Embedded default: teacher vs hybrids ({datetime.date.today()})", "",
              "; ".join(f"{n}: {desc[n]}" for n in names) + f"; device {meta['device']}; dtype {meta['dtype']}; "
-             f"generation {meta['generation']}; command `python benchmarks/eval_default.py {meta['argv']}`", ""]
+             f"generation {meta['generation']}; command `{COMMAND} {meta['argv']}`", ""]
     if note:
         parts += [f"**{note}**", ""]
     rows = combined_rows(res, names)

@@ -1,9 +1,9 @@
 """Where the SSE layer op's time goes on the GPU: device kernels vs wall time, against chunk_gla alone.
 
-    python benchmarks/profile_sse.py --T 4096,16384 --out profile_sse.json
+    python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json
 
 For each T: `kernels.sse.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
-as `benchmarks/kernels.py --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
+as `python -m benchmarks.ops.kernels --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
 varlen layout (shared path + routed tokens grouped by partition: the floor of that layout), forward and forward+backward,
 bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
 kernel count, and the top kernels by time. A wall time far above the device time means the host (Python,
@@ -14,53 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def profile(fn, reps: int = 5, top: int = 12) -> dict:
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / reps
-    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per = defaultdict(lambda: [0, 0.0])
-    syncs = 0
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            per[e.name][0] += 1
-            per[e.name][1] += e.device_time_total
-        elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
-                        "aten::_local_scalar_dense"):
-            syncs += e.name in ("aten::item", "aten::_local_scalar_dense")
-    dev = sum(t for _, t in per.values()) / reps / 1e3
-    n = sum(c for c, _ in per.values()) / reps
-    tops = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"wall_ms": 1e3 * wall, "device_ms": dev, "kernels": n, "item_calls": syncs / reps,
-            "top": [{"kernel": k[:90], "per_call": c / reps, "ms": t / reps / 1e3} for k, (c, t) in tops]}
+from benchmarks.ops import kernels as bk   # the same inputs as its sse and gla sections
+from benchmarks.timing import profile
 
 
 def same_layout_inputs(T, n):
     """Fresh GLA inputs in the exact token layout SSE's varlen call hands to chunk_gla: the shared path's T
     tokens, then the T routed tokens grouped by partition (segment lengths from one top-1 routing of random
     logits), as `cu_seqlens`. The floor of the layout: what fla's kernels cost before any routing work."""
-    import kernels as bk
-
     from hybridize.kernels import sse
     logits = torch.randn(1, T, n, device="cuda")
     plan = sse.varlen_plan(sse.route(logits, 1), torch.tensor([0, T], device="cuda"))
@@ -76,7 +41,6 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    import kernels as bk   # benchmarks/kernels.py: the same inputs as its sse and gla sections
 
     from hybridize.kernels import fla_adapter
     assert fla_adapter.activate()

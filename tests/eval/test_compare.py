@@ -1,24 +1,21 @@
-"""`benchmarks/eval_default.py` end to end on tiny models (CPU): every labelled model gets a column of
-the combined table, raw per-task files are written, a saved conversion scores like the in-process
-one, and the time budget / an interruption still leave a table behind."""
+"""`hybridize.eval.compare` (command line: `benchmarks/pipeline/eval_default.py`) end to end on tiny models
+(CPU): every labelled model gets a column of the combined table, raw per-task files are written, a saved
+conversion scores like the in-process one, and the time budget / an interruption still leave a table behind."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from hybridize.eval.common import REPO_ROOT, data_file
+from hybridize.eval.common import data_file
 
 pytestmark = pytest.mark.skipif(data_file("gsm8k/test.jsonl") is None, reason="shared data not present")
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("eval_default", REPO_ROOT / "benchmarks" / "eval_default.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from hybridize.eval import compare
+    return compare
 
 
 @pytest.fixture(scope="module")

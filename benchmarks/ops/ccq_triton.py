@@ -14,7 +14,7 @@ training step). Overhead columns: the CCQ row over each backbone, by device time
 setting, the max relative difference (max |a - b| / max |b|) to the fp64 PyTorch chunked op of the output
 and of dq, dk for a random cotangent.
 
-    python benchmarks/ccq_triton.py --T 4096,16384 --segments auto,0,128,256,512,1024 [--out ccq.json]
+    python -m benchmarks.ops.ccq_triton --T 4096,16384 --segments auto,0,128,256,512,1024 [--out ccq.json]
 
 Needs CUDA, triton and fla-core. The first call of each kernel variant autotunes (seconds).
 """
@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from benchmarks.ops import kernels as bk   # the same backbone inputs and calls
+from benchmarks.timing import bench, gpu_stack, profile
 
 MODES = ("single", "split", "tf32")   # HYBRIDIZE_CCQ_PRODUCTS settings, the default first
 
@@ -50,8 +47,6 @@ def errors(fn, ref, q, k):
 
 
 def run(T, segments):
-    import kernels as bk             # benchmarks/kernels.py: the same backbone inputs and calls
-    from profile_sse import profile  # wall + device time of one call
     from hybridize.kernels.ccq import ccq_chunk
     from hybridize.kernels.triton.ccq_read import ccq_triton
 
@@ -79,7 +74,7 @@ def run(T, segments):
     for name, (fn, args) in cases.items():
         f, fb, leaves = bk.fwd_bwd(fn, args)
         pf, pfb = profile(f), profile(fb)
-        rows[name] = dict(fwd_wall=bk.bench(f), fwd_dev=pf["device_ms"], fb_wall=bk.bench(fb, grad_to_none=leaves),
+        rows[name] = dict(fwd_wall=bench(f), fwd_dev=pf["device_ms"], fb_wall=bench(fb, grad_to_none=leaves),
                           fb_dev=pfb["device_ms"], fwd_top=pf["top"][:4], fb_top=pfb["top"][:6])
     return rows, diff
 
@@ -91,8 +86,7 @@ def main():
                     help="piece lengths of the fused read to time (auto: the default choice, 0: no split)")
     ap.add_argument("--out", default=None, help="also write the rows (with the top kernels) as JSON here")
     args = ap.parse_args()
-    import kernels as bk
-    print(f"{bk.gpu_stack('ccq_triton.py')} | B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
+    print(f"{gpu_stack('ops/ccq_triton.py')} | B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
     print("| T | op | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | fwd / GLA | fwd+bwd / GLA "
           "| fwd / GDN | fwd+bwd / GDN |")

@@ -4,11 +4,11 @@ The measured run of the distillation issue (teacher vs student wikitext-2 test p
 after each stage, tokens, tokens/s, peak memory). State lives in `--work` (outside the repository copy,
 so it survives between back-to-back calls on a warm machine):
 
-    python benchmarks/distill_default_gpu.py prepare --teacher /root/smollm2.gguf   # convert + stage A
-    python benchmarks/distill_default_gpu.py sweep                                  # short stage-B variants
-    python benchmarks/distill_default_gpu.py train --minutes 4 --total-minutes 12   # best sweep variant
-    python benchmarks/distill_default_gpu.py train --minutes 8 --total-minutes 12   # resumes
-    python benchmarks/distill_default_gpu.py report          # markdown table (also written to <work>/report.md)
+    python -m benchmarks.pipeline.distill_default_gpu prepare --teacher /root/smollm2.gguf   # convert + stage A
+    python -m benchmarks.pipeline.distill_default_gpu sweep                                  # short stage-B variants
+    python -m benchmarks.pipeline.distill_default_gpu train --minutes 4 --total-minutes 12   # best sweep variant
+    python -m benchmarks.pipeline.distill_default_gpu train --minutes 8 --total-minutes 12   # resumes
+    python -m benchmarks.pipeline.distill_default_gpu report          # markdown table (also written to <work>/report.md)
 
 Training text: a mix built from the data folder (`HYBRIDIZE_DATA_DIR` or ../shared/data): the
 general_text demo files, wikitext-2 *valid* articles, MATH train and GSM8K train solutions. Held-out:

@@ -3,12 +3,12 @@ compared with the teacher by `hybridize eval recovery`. Every step is a `hybridi
 would type), run in turn; state lives in `--work`, a step whose output exists is skipped, so the phases can
 be spread over several 10-minute device calls on a warm machine:
 
-    python benchmarks/recovery_variants.py --teacher T select            # hybridize select --keep 5
-    python benchmarks/recovery_variants.py --teacher T train fixed       # convert 5:1 + stage A + stage B
-    python benchmarks/recovery_variants.py --teacher T train select      # convert <selected> + A + B
-    python benchmarks/recovery_variants.py --teacher T long select       # + long-context stage -> select_long
-    python benchmarks/recovery_variants.py --teacher T eval fixed        # one variant vs the teacher, alone
-    python benchmarks/recovery_variants.py --teacher T eval              # merge those, report all variants
+    python -m benchmarks.pipeline.recovery_variants --teacher T select            # hybridize select --keep 5
+    python -m benchmarks.pipeline.recovery_variants --teacher T train fixed       # convert 5:1 + stage A + stage B
+    python -m benchmarks.pipeline.recovery_variants --teacher T train select      # convert <selected> + A + B
+    python -m benchmarks.pipeline.recovery_variants --teacher T long select       # + long-context stage -> select_long
+    python -m benchmarks.pipeline.recovery_variants --teacher T eval fixed        # one variant vs the teacher, alone
+    python -m benchmarks.pipeline.recovery_variants --teacher T eval              # merge those, report all variants
 
 Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
 select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it. Stages A and B
@@ -19,7 +19,7 @@ evaluation text and never train). Budgets are step counts (the same for every va
 
 Measured on one H100 (RESULTS.md, "Recovery: the three variants"): `select` 178 s; per variant convert 62 s,
 stage A (250 x 8192 tokens) 222 s, stage B (160 x 16384) 302 s, long (80 x 16384) 142 s, with two variants side
-by side on the GPU (`bash benchmarks/device_default.sh $OUT pipeline`, which runs the phases in a background
+by side on the GPU (`bash benchmarks/pipeline/device_default.sh $OUT pipeline`, which runs the phases in a background
 process session so that they outlive the 10-minute device calls); each eval with 40 needle prompts per
 length, about 7 minutes. On the torch kernels stage A needs --accum 4 and runs about 5x slower.
 """

@@ -6,7 +6,7 @@
 # per rank; writes everything under $OUT.
 #
 # Usage (repo root, a machine with >= 2 GPUs, deepspeed + accelerate installed, the project installed):
-#   bash benchmarks/scale_gpu.sh OUT [TEACHER] [TRAIN_TEXT]
+#   bash benchmarks/pipeline/scale_gpu.sh OUT [TEACHER] [TRAIN_TEXT]
 #     TEACHER: hybridize source of the teacher (default: "default", the embedded SmolLM2 GGUF; a .gguf path)
 #     TRAIN_TEXT: training text (default: the recipe default, ../shared/data/general_text)
 # Env: STEPS (30), SEQ (2048), TOKENS (16384 tokens per GPU per step), MIXED (bf16),

@@ -1,7 +1,7 @@
 """Decode-step GEMMs: F.linear (cuBLAS) vs the Triton weight-streaming kernel, per weight shape.
 
-    python benchmarks/decode_gemm.py                         # Qwen3-1.7B and SmolLM2-135M hybrid shapes, 8 rows
-    python benchmarks/decode_gemm.py --rows 1,8,16 --out decode_gemm.json
+    python -m benchmarks.ops.decode_gemm                     # Qwen3-1.7B and SmolLM2-135M hybrid shapes, 8 rows
+    python -m benchmarks.ops.decode_gemm --rows 1,8,16 --out decode_gemm.json
 
 Each time is the mean over a CUDA graph of back-to-back calls (launch overhead out, as in the fast rollout
 loop), bf16, cycling through enough copies of the weight (>= `--cold-mb` MB in all) that none is still in
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import graph_time_us
 
 # (name, N, K): weights of a decode step, [out_features, in_features]
 SHAPES = {
@@ -34,26 +34,6 @@ SHAPES = {
 }
 
 
-def graph_time_us(fns, reps: int = 10) -> float:
-    """Mean microseconds per call of a CUDA graph calling each of `fns` once, in order."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (reps * len(fns))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m")
@@ -62,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("decode_gemm.py needs a CUDA GPU")
+        sys.exit("benchmarks/ops/decode_gemm.py needs a CUDA GPU")
     from hybridize.kernels import decode_linear as dl
     from hybridize.kernels.triton import decode_linear as kern
 

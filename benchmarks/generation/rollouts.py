@@ -3,18 +3,18 @@
 One command, bounded runtime (about 5 minutes on an H100 with the defaults; `--budget` seconds caps it,
 skipping what is left):
 
-    python benchmarks/rollouts.py                         # both parts, defaults below
-    python benchmarks/rollouts.py --prompt-lens 16384,1024 --batch 8 --new-tokens 48 --grpo-steps 10
-    python benchmarks/rollouts.py --no-grpo               # speed only (needs no trl / math-verify / data)
-    python benchmarks/rollouts.py --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --attention sdpa,triton
-    python benchmarks/rollouts.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --data-dir /path/shared/data
+    python -m benchmarks.generation.rollouts               # both parts, defaults below
+    python -m benchmarks.generation.rollouts --prompt-lens 16384,1024 --batch 8 --new-tokens 48 --grpo-steps 10
+    python -m benchmarks.generation.rollouts --no-grpo     # speed only (needs no trl / math-verify / data)
+    python -m benchmarks.generation.rollouts --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --attention sdpa,triton
+    python -m benchmarks.generation.rollouts --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --data-dir /path/shared/data
 
 Part 1 - decode speed, random weights (speed does not depend on them): for each model shape
 (SmolLM2-135M, Qwen3-1.7B) a Transformer ("teacher") and its hybrid (`--plan 5:1 --mixer sse`, random
 init), batch `--batch`, greedy, `--new-tokens` new tokens after a prompt of each `--prompt-lens`:
 prefill seconds, decode ms per step and decode tokens/s for `model.generate` (HF, after `--hf-warmup`
 untimed calls at the same shape; for the Transformer also with `cache_implementation="static"`, HF's compiled
-decode step) and for `hybridize.rl.fast_generate` (static buffers, CUDA graphs), the peak memory, and whether the
+decode step) and for `hybridize.generation.fast` (static buffers, CUDA graphs), the peak memory, and whether the
 fast path produced the same greedy tokens as HF generate ("same": rows identical / rows).
 `--attention sdpa,triton` runs the fast path once per decode-attention setting (`FastGenConfig.attention`:
 HF's masked sdpa vs the Triton split-KV kernel) and adds an `attention` column: "setting (what ran)".
@@ -39,14 +39,13 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import sync, timed_call
 
 SHAPES = {
     # name: (config class, kwargs) - the real models' shapes (weights random)
@@ -70,11 +69,6 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def build_pair(shape: str, plan: str, mixer: str, dtype, device):
     """(teacher, hybrid) with random weights, built directly on `device` in `dtype`."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,14 +86,6 @@ def build_pair(shape: str, plan: str, mixer: str, dtype, device):
         hcfg = build_hybrid_config(teacher.config, parse_plan(plan, cfg.num_hidden_layers, mixer), None)
         hybrid = HybridForCausalLM(hcfg).to(dtype).eval()
     return teacher, hybrid
-
-
-def time_call(fn):
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
 
 
 class StepClock:
@@ -154,7 +140,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                 attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",),
                 gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4) -> list[dict]:
 
-    from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+    from hybridize.generation.fast import FastGenConfig, FastGenerator
 
     torch.manual_seed(1)
     vocab = model.config.vocab_size
@@ -183,7 +169,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
         t_warm = time.perf_counter()
         gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)  # warm-up + graph capture, same bucket
         t_warm = time.perf_counter() - t_warm
-        out, tot = time_call(lambda: gen(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kw))
+        out, tot = timed_call(lambda: gen(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kw))
         st = gen.stats
         step = st["decode_s"] / max(1, st["steps"] - 1)
         same = "-"

@@ -7,19 +7,17 @@ logsigmoid / 16 as GLA's and SSE's mixers make them:
   routed tokens as four partition segments of random length), one `cu_seqlens`.
 Device ms (torch.profiler, sum of kernel times) and wall ms (do_bench median), the ratio ours / chunk_gla, and
 the max relative difference of ours to chunk_gla's (the output; forward+backward: the worst of dq, dk, dv, dg).
-    python benchmarks/gla_pieces.py --T 4096,16384,32768
+    python -m benchmarks.ops.gla_pieces --T 4096,16384,32768
 Needs CUDA, triton and fla-core.
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.ops import kernels as bk   # the same GLA inputs and calls
+from benchmarks.timing import bench, gpu_stack, profile
 
 
 def sse_cu(T, n=4, seed=0):
@@ -41,12 +39,9 @@ def main():
     ap.add_argument("--directions", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd")
     ap.add_argument("--layouts", default="T,2T", help="T (T tokens) and/or 2T (SSE's 2T layout)")
     args = ap.parse_args()
-    import kernels as bk
-    from profile_sse import profile
-
     from hybridize.kernels.triton.gla_bwd import gla_triton
 
-    print(f"{bk.gpu_stack('gla_pieces.py')} | B=1 H={bk.H} D={bk.D} bf16 (gates fp32); ms")
+    print(f"{gpu_stack('ops/gla_pieces.py')} | B=1 H={bk.H} D={bk.D} bf16 (gates fp32); ms")
     print()
     print("| T | layout | direction | chunk_gla dev | ours dev | ours / chunk_gla (dev) | chunk_gla wall | ours wall "
           "| max rel. diff |")
@@ -80,7 +75,7 @@ def main():
                 a, b = fla(), ours()
                 diff = _diff([a] if direction == "fwd" else a, [b] if direction == "fwd" else b)
                 pf, po = profile(fla), profile(ours)
-                wf, wo = bk.bench(fla), bk.bench(ours)
+                wf, wo = bench(fla), bench(ours)
                 print(f"| {T} | {layout} | {direction} | {pf['device_ms']:.3f} | {po['device_ms']:.3f} | "
                       f"{po['device_ms'] / pf['device_ms']:.2f} | {wf:.3f} | {wo:.3f} | {diff:.1e} |")
                 tops = ", ".join(f"{t['kernel'][:24]} {t['ms']:.3f}" for t in po["top"][:6])

@@ -11,7 +11,7 @@ Tolerances: fp32 3e-3 (fla runs fp32 dots in tf32 on Hopper), bf16 3e-2.
 Groups of cases run as parallel subprocesses (`--jobs`): Triton compilation is CPU-bound and each group
 compiles different kernels, so this cuts wall time; results are gathered into one table.
 
-    python benchmarks/gpu_check.py [--jobs 6] [--out gpu_check.jsonl] [--budget 540] [--only gla,delta]
+    python -m benchmarks.ops.gpu_check [--jobs 6] [--out gpu_check.jsonl] [--budget 540] [--only gla,delta]
 
 Every finished case is appended to `--out` at once (a run stopped by a time limit keeps what it finished);
 groups still running after `--budget` seconds are stopped and reported as not finished.

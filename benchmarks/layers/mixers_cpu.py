@@ -3,7 +3,7 @@
 One layer at the embedded default's shape (hidden 576, 9 heads, 3 KV heads, head_dim 64), batch 1,
 fp32. Prints a markdown table (also written to --out) with the ratio recurrent / chunk side by side.
 
-    python benchmarks/mixers_cpu.py --lengths 512 2048 --threads 2
+    python -m benchmarks.layers.mixers_cpu --lengths 512 2048 --threads 2
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The demo's budgets are in steps, so the quality of a setting does not depend on 
 explores the settings quickly, and the CPU then times the chosen one. Variants are data (VARIANTS);
 every run reuses the first run's training text, so they differ only in their settings.
 
-    python benchmarks/demo_recipes.py --teacher default --variants base,rows512 --out runs/recipes
+    python -m benchmarks.pipeline.demo_recipes --teacher default --variants base,rows512 --out runs/recipes
 """
 from __future__ import annotations
 

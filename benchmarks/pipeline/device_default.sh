@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Device-side steps that need the embedded default's GGUF (98 MB: it travels in parts, one part per call).
-#   bash benchmarks/device_default.sh $OUT join .parts1      # call 1: keep part 1 on the machine
-#   bash benchmarks/device_default.sh $OUT join .parts2      # call 2: add the rest, check the sha256
-#   bash benchmarks/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/demo_recipes.py),
+#   bash benchmarks/pipeline/device_default.sh $OUT join .parts1      # call 1: keep part 1 on the machine
+#   bash benchmarks/pipeline/device_default.sh $OUT join .parts2      # call 2: add the rest, check the sha256
+#   bash benchmarks/pipeline/device_default.sh $OUT recipes lr2x,lr3x # demo variants (benchmarks/pipeline/demo_recipes.py),
 #                                                            # in turn, in one process
-#   bash benchmarks/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
-#   bash benchmarks/device_default.sh $OUT select "--greedy"   # hybridize select --keep 5 on cuda (ARG: more options)
-#   bash benchmarks/device_default.sh $OUT unpack .c1        # a carried folder: its wheels into /tmp/site, its
+#   bash benchmarks/pipeline/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
+#   bash benchmarks/pipeline/device_default.sh $OUT select "--greedy"   # hybridize select --keep 5 on cuda (ARG: more options)
+#   bash benchmarks/pipeline/device_default.sh $OUT unpack .c1        # a carried folder: its wheels into /tmp/site, its
 #                                                            # GGUF parts (gp.*) joined once all three are there,
 #                                                            # its data.tar.xz into /root/data
-#   bash benchmarks/device_default.sh $OUT variants "select train:fixed train:select long:select"
-#                                                            # benchmarks/recovery_variants.py phases in turn,
+#   bash benchmarks/pipeline/device_default.sh $OUT variants "select train:fixed train:select long:select"
+#                                                            # benchmarks/pipeline/recovery_variants.py phases in turn,
 #                                                            # no step started after VARIANTS_SECONDS (300) s
-#   bash benchmarks/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
+#   bash benchmarks/pipeline/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
 #                                                            # (setsid: it outlives the call); ARG seeds /root/rv
-#   bash benchmarks/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
+#   bash benchmarks/pipeline/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 # Preparing the carried folders here (each under 64 MiB with the repo; list them in .git/info/exclude), as the
 # 2026-11-25 session did: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -46,11 +46,11 @@ case $STEP in
     fi
     [ -f "$ARG"/data.tar.xz ] && mkdir -p /root/data && tar -C /root/data -xJf "$ARG"/data.tar.xz && ls /root/data/data ;;
   variants)
-    # issue 22 part 4: each phase is `python3 benchmarks/recovery_variants.py PHASE [VARIANT]`, state in /root/rv
+    # issue 22 part 4: each phase is `python3 -m benchmarks.pipeline.recovery_variants PHASE [VARIANT]`, state in /root/rv
     deadline=$(( $(date +%s) + ${VARIANTS_SECONDS:-300} ))
     for ph in $ARG; do
       echo "== $(date +%T) $ph" | tee -a "$OUT/variants.log"
-      python3 benchmarks/recovery_variants.py ${ph%%:*} $( [ "$ph" != "${ph#*:}" ] && echo "${ph#*:}" ) \
+      python3 -m benchmarks.pipeline.recovery_variants ${ph%%:*} $( [ "$ph" != "${ph#*:}" ] && echo "${ph#*:}" ) \
         --teacher "$GGUF" --work /root/rv --data /root/data/data --deadline $deadline \
         ${VARIANTS_ARGS:-} >> "$OUT/variants.log" 2>&1
       rc=$?; [ $rc -ne 0 ] && { echo "phase $ph: exit $rc" | tee -a "$OUT/variants.log"; break; }
@@ -70,7 +70,7 @@ case $STEP in
   pipeline-run)
     # 8 CPU threads each: two processes of 16 threads on 16 cores made each conversion 11x slower (623 s, not 54)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
-    rv() { echo "$(date +%T) start $*"; python3 benchmarks/recovery_variants.py "$@" --teacher "$GGUF" --work /root/rv \
+    rv() { echo "$(date +%T) start $*"; python3 -m benchmarks.pipeline.recovery_variants "$@" --teacher "$GGUF" --work /root/rv \
              --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
     { rv train fixed && rv eval fixed; } &
     { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
@@ -85,7 +85,7 @@ case $STEP in
   recipes)
     # one process runs the variants in turn, on the torch kernels: at the demo's small fp32 shapes Triton gains
     # nothing, and its first use compiles and autotunes for minutes (8 processes side by side did so at once)
-    HYBRIDIZE_KERNELS=torch timeout ${RECIPE_TIMEOUT:-540} python3 benchmarks/demo_recipes.py --teacher "$GGUF" \
+    HYBRIDIZE_KERNELS=torch timeout ${RECIPE_TIMEOUT:-540} python3 -m benchmarks.pipeline.demo_recipes --teacher "$GGUF" \
       --variants "$ARG" --out /root/recipes > "$OUT/recipes.log" 2>&1
     cp /root/recipes/recipes.jsonl "$OUT/" 2>/dev/null
     grep -h "RESULT\|Error\|error" "$OUT/recipes.log" | tail -40 ;;

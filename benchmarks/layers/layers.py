@@ -15,7 +15,7 @@ wall ms (median of `triton.testing.do_bench`, host included) and device ms (torc
 the call's kernel times, what the GPU spends once the host runs ahead as it does in a training step).
 The op-only rows for the same shapes are in `ccq_triton.py` / `kernels.py`.
 
-    python benchmarks/layers.py --T 4096,16384 [--mixers gla,ccq_gla,gdn,ccq_gdn,sse,qdelta] [--out layers.json]
+    python -m benchmarks.layers.layers --T 4096,16384 [--mixers gla,ccq_gla,gdn,ccq_gdn,sse,qdelta] [--out layers.json]
 
 Needs CUDA, triton and fla-core.
 """
@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.timing import bench, gpu_stack, profile
 
 HIDDEN, HEADS, HEAD_DIM = 2048, 16, 128
 #: (layer, the layer it is compared with)
@@ -47,9 +44,6 @@ def build(name: str) -> torch.nn.Module:
 
 
 def time_layer(name: str, T: int) -> dict:
-    import kernels as bk             # do_bench wrapper
-    from profile_sse import profile  # wall + device time of one call
-
     layer = build(name)
     x = torch.randn(1, T, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cot = torch.randn(1, T, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -69,8 +63,8 @@ def time_layer(name: str, T: int) -> dict:
         loss.backward()
 
     pf, pfb = profile(fwd), profile(fwd_bwd)
-    return dict(layer=name, T=T, fwd_wall=bk.bench(fwd), fwd_dev=pf["device_ms"],
-                fb_wall=bk.bench(fwd_bwd, grad_to_none=leaves), fb_dev=pfb["device_ms"],
+    return dict(layer=name, T=T, fwd_wall=bench(fwd), fwd_dev=pf["device_ms"],
+                fb_wall=bench(fwd_bwd, grad_to_none=leaves), fb_dev=pfb["device_ms"],
                 fwd_top=pf["top"][:6], fb_top=pfb["top"][:8])
 
 
@@ -81,8 +75,7 @@ def main():
                     help="layers to time (a compared layer also times its backbone)")
     ap.add_argument("--out", default=None, help="also write the rows (with the top kernels) as JSON here")
     args = ap.parse_args()
-    import kernels as bk
-    header = bk.gpu_stack("layers.py")
+    header = gpu_stack("layers/layers.py")
     names = []
     for n in args.mixers.split(","):
         for m in (PAIRS.get(n), n):

@@ -6,7 +6,7 @@ timing (a user's other work); each cell is the median of `--repeats` forwards (a
 timed with fixed thread counts and with the default choice (`auto`: `hybridize.cpu.pick_threads`).
 Prints a markdown table with the slowdown under load side by side (also written to --out).
 
-    python benchmarks/cpu_threads.py --tokens 128 --repeats 5
+    python -m benchmarks.pipeline.cpu_threads --tokens 128 --repeats 5
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import median_time
 from hybridize.convert.convert import convert_model
 from hybridize.convert.sources import load_model
 from hybridize.cpu import pick_threads
@@ -54,14 +54,7 @@ class BusyCores:
 @torch.no_grad()
 def median_forward(model, ids: torch.Tensor, threads: int, repeats: int) -> float:
     torch.set_num_threads(threads)
-    for _ in range(2):
-        model(input_ids=ids)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model(input_ids=ids)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(lambda: model(input_ids=ids), repeats, warmup=2)
 
 
 def main() -> None:
@@ -71,7 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2,auto", help="thread counts to time; auto = hybridize.cpu.pick_threads() "
                                                           "(the default of every training loop), picked under the load")
     ap.add_argument("--load", type=int, default=1, help="busy cores in the loaded runs")
-    ap.add_argument("--out", default="benchmarks/results/cpu_threads.md")
+    ap.add_argument("--out", default="runs/benchmarks/cpu_threads.md")
     args = ap.parse_args()
 
     teacher, _ = load_model("default")

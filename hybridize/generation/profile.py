@@ -1,10 +1,8 @@
 """Where the time of one fast-path decode step goes: kernels (ops) per step per layer type, top ops.
 
-Builds a (teacher, hybrid) pair with `benchmarks/rollouts.py`'s `build_pair` (random weights; `--layers`
-shrinks the model), prefills a batch like `rollouts.py` does (one left-padded row), runs the hybrid through
-`hybridize.rl.fast_generate.FastGenerator` (the same config and call as `rollouts.py`), and profiles N
-decode steps with `torch.profiler`. Only the decode loop is profiled (`FastGenerator._decode` is wrapped
-for the profiled call), never the prefill.
+`profile_model(model, args, device)` prefills a batch (one left-padded row), runs the model through
+`hybridize.generation.fast.FastGenerator` and profiles N decode steps with `torch.profiler`. Only the decode
+loop is profiled (`FastGenerator._decode` is wrapped for the profiled call), never the prefill.
 
 Two profiles:
 - "graphs" (CUDA only, what rollouts time): the decode steps replay the captured CUDA graph; reported:
@@ -20,38 +18,23 @@ Two profiles:
 do work - an op that is not a view / allocation / cast wrapper (`NO_KERNEL`) with no such op above it - the
 proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launch several kernels on CUDA,
 e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
-(`kernels.sse._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel, counted
-as one kernel per call (`--decode-kernel torch`: the CPU reference path, gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are listed.
+(`kernels.sse._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel
+(`emulated_decode_kernel`), counted as one kernel per call (`decode_kernel="torch"`: the CPU reference path,
+gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
+listed. The decode step's op budget test (`test_decode_ops.py`) counts with it.
 
-    python benchmarks/profile_decode.py                                    # CPU: qwen3-tiny, 6 layers
-    python benchmarks/profile_decode.py --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16  # GPU
-    python benchmarks/profile_decode.py --json out.json                    # also write the numbers
+The command line (random-weight models at real shapes): `python -m benchmarks.generation.profile_decode`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import rollouts  # noqa: E402
-
-#: shapes for CPU runs, added to rollouts.SHAPES (qwen3 family: q/k norms, as the real target)
-EXTRA_SHAPES = {
-    "qwen3-tiny": ("qwen3", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=4096, tie_word_embeddings=True)),
-}
 
 #: leaf aten ops that launch no kernel (views, metadata, allocation)
 NO_KERNEL = {
@@ -77,7 +60,7 @@ SCOPE = "pd::"   # prefix of this script's profiler scopes
 # scopes: hooks on the attention slots, wrappers on the SSE pieces
 # ---------------------------------------------------------------------------------------------
 def layer_kind(layer) -> str:
-    from hybridize.rl.fast_generate import _is_mixer_layer
+    from hybridize.generation.fast import _is_mixer_layer
 
     if _is_mixer_layer(layer):
         return getattr(layer.self_attn, "name", "mixer")
@@ -136,7 +119,7 @@ def profiled_decode(prof_kwargs: dict, static: bool, holder: dict):
     """Within the block, the next `FastGenerator._decode` runs under `torch.profiler` (prefill excluded);
     with `static`, the mixer cache layers copy states into held tensors as under CUDA graphs, and the state
     write-back runs in scope `pd::sse.state_update` (or `pd::<kind>.state_update`)."""
-    from hybridize.rl import fast_generate as fg
+    from hybridize.generation import fast as fg
 
     saved = vars(fg.FastGenerator)["_decode"]   # the staticmethod object, restored as is
     orig = saved.__func__
@@ -330,22 +313,6 @@ def top_ops(items, steps: int, k: int, by: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # runs
 # ---------------------------------------------------------------------------------------------
-def build(args, device, dtype):
-    for name, spec in EXTRA_SHAPES.items():
-        rollouts.SHAPES.setdefault(name, spec)
-    family, kw = rollouts.SHAPES[args.shape]
-    if args.layers:
-        saved = rollouts.SHAPES[args.shape]
-        rollouts.SHAPES[args.shape] = (family, {**kw, "num_hidden_layers": args.layers})
-    try:
-        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device)
-    finally:
-        if args.layers:
-            rollouts.SHAPES[args.shape] = saved
-    del teacher
-    return hybrid
-
-
 def batch(model, B: int, T: int, device):
     torch.manual_seed(1)
     vocab = model.config.vocab_size
@@ -358,7 +325,7 @@ def batch(model, B: int, T: int, device):
 def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False,
                 compile_: str = "off", gemm: str = "auto"):
     """(profile, profiled steps, generator stats) for `steps` decode steps after a warm-up call."""
-    from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+    from hybridize.generation.fast import FastGenConfig, FastGenerator
 
     cfg = FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm,
                         **({} if graphs else {"cuda_graphs": "off", "exact_lengths": False}))
@@ -382,23 +349,25 @@ def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, devi
     return holder["prof"], holder["steps"], stats
 
 
-def fmt(v):
+def _fmt(v):
     if isinstance(v, float):
         return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
     return str(v)
 
 
 def table(rows: list[dict]) -> str:
+    """A markdown table of dicts (the first row's keys are the columns)."""
     if not rows:
         return "(none)"
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def profile_model(model, args, device) -> dict:
-    """Everything the report prints, as a dict (also what `tests/rl/test_decode_ops.py` uses)."""
+    """Everything `report` prints, as a dict. `args`: batch, prompt_len, steps, attention, compile, gemm, top,
+    graphs (CUDA: also profile the graph replays), decode_kernel ("emulate" | "torch", CPU only)."""
     cuda = device.type == "cuda"
     ids, mask = batch(model, args.batch, args.prompt_len, device)
     kinds = Counter(layer_kind(layer) for layer in model.model.layers)
@@ -454,50 +423,3 @@ def report(res: dict, header: str) -> str:
     elif "graphs" not in res and res["eager"]["graphs"] is False:
         lines += ["", "(no CUDA: graph replays not profiled)"]
     return "\n".join(lines)
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default=None, help="a rollouts.py shape or qwen3-tiny (default: qwen3-1.7b on "
-                                                  "CUDA, qwen3-tiny on CPU)")
-    ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's)")
-    ap.add_argument("--plan", default="5:1")
-    ap.add_argument("--mixer", default="sse")
-    ap.add_argument("--batch", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
-    ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
-    ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
-    ap.add_argument("--attention", default="auto", help="FastGenConfig.attention: auto | triton | sdpa")
-    ap.add_argument("--compile", default="off", choices=["off", "on"],
-                    help="FastGenConfig.compile (the graph replay then runs the compiled step's kernels)")
-    ap.add_argument("--gemm", default="auto", choices=["auto", "torch"],
-                    help="FastGenConfig.gemm: the Triton decode GEMM (auto, on CUDA) or F.linear (torch)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
-    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")
-    ap.add_argument("--decode-kernel", default="emulate", choices=["emulate", "torch"],
-                    help="CPU only: 'emulate' runs the SSE step's GPU path with a PyTorch stand-in for the Triton "
-                         "kernel (counted as one kernel); 'torch' its CPU reference path")
-    ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads")
-    ap.add_argument("--json", default="", help="also write the numbers here")
-    args = ap.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.type == "cuda"
-    if not cuda:
-        torch.set_num_threads(args.threads)
-    args.shape = args.shape or ("qwen3-1.7b" if cuda else "qwen3-tiny")
-    args.batch = args.batch or (8 if cuda else 2)
-    args.prompt_len = args.prompt_len or (16384 if cuda else 32)
-    dtype = getattr(torch, args.dtype) if cuda else torch.float32
-    model = build(args, device, dtype)
-    header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
-              f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer}; "
-              f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
-    res = profile_model(model, args, device)
-    print(report(res, header))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), **res}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ Sections (each row: forward and forward+backward milliseconds):
            the PyTorch gather -> fla fused recurrent -> scatter path; CCQ decode read; softmax
            attention over a bf16 KV cache (SDPA, one query).
 
-    python benchmarks/kernels.py --T 4096,16384 --sections gla,sse --out bench.json [--warm] [--sse-n 4]
+    python -m benchmarks.ops.kernels --T 4096,16384 --sections gla,sse --out bench.json [--warm] [--sse-n 4]
 
 `--warm` runs every function once at the smallest T (compilation only; run several in parallel,
 one per section) so that the timed pass loads kernels from Triton's disk cache.
@@ -33,28 +33,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import bench, graphed
+
 H, D = 16, 128
 DT = torch.bfloat16
-
-
-def gpu_stack(script: str) -> str:
-    """For the side-by-side GPU scripts: exit with one line unless CUDA and fla-core are there; activate fla
-    with its full autotuning (the baseline at its strongest; `HYBRIDIZE_AUTOTUNE_TOP=n` caps fla's config
-    lists for a quicker look, and the tables print the cap: a capped fla against our tuned kernels is not a
-    fair ratio). Returns the device / versions line their tables start with."""
-    if not torch.cuda.is_available():
-        raise SystemExit(f"benchmarks/{script} needs a CUDA device")
-    import triton
-
-    from hybridize.kernels import fla_adapter
-    if not fla_adapter.activate():
-        raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
-    return f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
-
-
-def bench(fn, grad_to_none=None):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
 def fwd_bwd(fn, inputs, leaves=None):
@@ -207,20 +189,6 @@ def sse_decode_setup(N=4):
     return step
 
 
-def graphed(fn):
-    """`fn` captured in a CUDA graph (warmed up on a side stream first); returns graph.replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def sse_decode_torch(step):
     from hybridize.kernels import sse
 
@@ -290,7 +258,7 @@ def main():
     global SSE_NS
     SSE_NS = tuple(int(n) for n in a.sse_n.split(","))
     if not torch.cuda.is_available():
-        print("kernels.py: no CUDA device")
+        print("benchmarks/ops/kernels.py: no CUDA device")
         return 0
     from hybridize.kernels import dispatch, fla_adapter
     assert fla_adapter.activate()
