@@ -4,7 +4,7 @@ PyTorch's OpenMP threads wait for each other at the end of every parallel op. Wh
 one of the cores, a thread scheduled there arrives late at every barrier, and a model of many small ops
 (a linear-attention mixer's chunked form) stalls at each of them: on 2 cores with one busy, a 128-token
 forward of the embedded default's 5:1 SSE hybrid took 9.5 s on 2 threads against 0.59 s on 1 thread
-(the teacher: 3.0 s against 0.27 s; `benchmarks/cpu_threads.py`). So we count the cores that are idle
+(the teacher: 3.0 s against 0.27 s; `benchmarks/pipeline/cpu_threads.py`). So we count the cores that are idle
 now and use that many threads, at least one.
 """
 from __future__ import annotations
