@@ -30,6 +30,16 @@ mixer's fixed-size `MixerState` plus a token count, so `get_seq_length` / `get_m
 even when layer 0 is a mixer. Any other cache handed to the model (a bare DynamicCache, or one built
 from the config by generate/TRL) is adopted: its still-empty layers at mixer positions are replaced.
 
+Kernel options (`hybridize.kernels.options`): `HybridConfig.kernel_options` is a dict of the kernel
+options this model sets explicitly (e.g. `{"kernels": "torch"}`; empty by default, saved in config.json; a
+config.json without it loads as empty). While the model's mixers run, the options in force are the
+current ones (an enclosing `use_kernel_options` block, else the `HYBRIDIZE_*` environment, else the
+defaults) with these fields replaced: explicit config > environment > defaults. The pre-hook passes
+them to every slot as `mixer_kernel_options`, so gradient-checkpoint recomputation uses them too; an
+empty dict passes nothing and changes nothing. Why not the environment's values at construction: they
+would freeze the converting machine's switches (e.g. `HYBRIDIZE_KERNELS=torch` of a CPU conversion)
+into every checkpoint, above the environment of the machine that runs it.
+
 Outside the package: every saved config.json carries an `auto_map` naming `modeling_hybridize.py`, a
 two-line module written beside it that imports these classes from hybridize, so tools that never
 `import hybridize` (lm-evaluation-harness, TRL scripts) load a checkpoint with
@@ -56,6 +66,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from hybridize import families, mixers
+from hybridize.kernels.options import check_overrides, resolve_kernel_options, use_kernel_options
 from hybridize.mixers.base import Mixer, MixerState
 
 MODEL_TYPE = "hybridize"
@@ -163,7 +174,9 @@ class HybridConfig(PreTrainedConfig):
     "attn" or a mixer name; mixer_settings: {mixer name: full MixerConfig dict};
     aux_loss_weight: weight of the summed mixer aux losses (SSE balance loss) added to `loss`
     (the balance coefficient alpha already lives inside the mixer, hence 1.0);
-    teacher_source: the `--src` the model was converted from (for distillation against it)."""
+    teacher_source: the `--src` the model was converted from (for distillation against it);
+    kernel_options: the kernel options this model sets explicitly ({field: value}; `hybridize.kernels.options`,
+    module docstring): they override the environment's while the model runs."""
 
     model_type = MODEL_TYPE
     sub_configs_defaults = {"source_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
@@ -174,6 +187,7 @@ class HybridConfig(PreTrainedConfig):
     aux_loss_weight: float = 1.0
     use_cache: bool = True
     teacher_source: str = ""
+    kernel_options: dict | None = None
 
     def __post_init__(self, **kwargs):
         # the teacher attributes are mirrors: when present in old/edited json they go to the source
@@ -193,6 +207,7 @@ class HybridConfig(PreTrainedConfig):
         if missing:
             settings.update(resolve_mixer_settings(self.source_config, missing))
         self.mixer_settings = settings
+        self.kernel_options = check_overrides(self.kernel_options, "config.json kernel_options")
 
     @property
     def mixer_layers(self) -> list[int]:
@@ -339,7 +354,8 @@ class AttentionSlot:
     `forward(hidden_states, position_embeddings, attention_mask, past_key_values, ...)` -> `(out, None)`,
     `out` `[B, T, hidden]`. The decoder's 4-D mask is ignored; the 2-D padding mask and `cu_seqlens`
     arrive as `mixer_attention_mask` `[B, T]` / `mixer_cu_seqlens` (see the module docstring);
-    `mixer_mode` forces "chunk" or "recurrent". Outputs at padding positions are zeroed so nothing
+    `mixer_mode` forces "chunk" or "recurrent"; `mixer_kernel_options` (a KernelOptions, or None) is put in
+    force for the mixer's call (the model config's `kernel_options`). Outputs at padding positions are zeroed so nothing
     undefined (NaN) reaches the residual stream."""
 
     def __init__(self, config, layer_idx: int | None = None):
@@ -349,7 +365,12 @@ class AttentionSlot:
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values: Cache | None = None, mixer_attention_mask: torch.Tensor | None = None,
-                mixer_cu_seqlens: torch.Tensor | None = None, mixer_mode: str | None = None, **kwargs):
+                mixer_cu_seqlens: torch.Tensor | None = None, mixer_mode: str | None = None,
+                mixer_kernel_options=None, **kwargs):
+        if mixer_kernel_options is not None:
+            with use_kernel_options(mixer_kernel_options):
+                return self.forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                    mixer_attention_mask, mixer_cu_seqlens, mixer_mode, **kwargs)
         B, T, H = hidden_states.shape
         layer = None
         if past_key_values is not None:
@@ -474,6 +495,8 @@ class _MixerInputs:
         if am is None and cache is None and pos is not None and T > 1:
             cu = packed_cu_seqlens(pos, B)
         kwargs["mixer_attention_mask"], kwargs["mixer_cu_seqlens"] = mask2d, cu
+        if self.config.kernel_options:   # explicit options of this model over the current ones
+            kwargs["mixer_kernel_options"] = resolve_kernel_options(self.config.kernel_options)
         return (), kwargs
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from hybridize.errors import UserError
+from hybridize.kernels.options import with_run_kernel_options
 
 from .config import AlignConfig, save_config
 from .data import build_data, build_heldout
@@ -253,6 +254,7 @@ def save_final(model, tokenizer, out: Path, state_dict: dict | None = None) -> N
     tmp.rename(out)
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_align(cfg: AlignConfig, resume: bool = False):
     """CLI entry: load the student folder and its teacher, run stage A, write `<run_dir>/final`."""
     student, tok = load_student(cfg.student, cfg.train.dtype)

@@ -3,6 +3,11 @@ from `key=value` overrides (dotted keys reach nested sections: `train.lr=3e-4`, 
 
 Resolution order: dataclass defaults < YAML recipe < command-line overrides. The resolved config is
 written to `<run_dir>/config.yaml` by every stage, so a run can be repeated from its own directory.
+
+Kernel options (`hybridize.kernels.options`): every stage takes `kernel_options.<field>=value` (e.g.
+`kernel_options.kernels=torch`), in force for the whole run over the `HYBRIDIZE_*` environment (explicit >
+environment > defaults); config.yaml records every option in force, set or not (`save_config`), and a
+`--resume` may change them.
 """
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ def _f(default, help: str, min: float | None = None):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+#: help of the `kernel_options` setting every stage has
+KERNEL_OPTIONS_HELP = ("kernel switches for this run, e.g. kernel_options.kernels=torch (fields and help: "
+                       "hybridize/kernels/options.py); unset fields: the HYBRIDIZE_* environment, then the defaults; "
+                       "config.yaml records all of them")
 
 
 # ---- shared sections ----------------------------------------------------------------------------
@@ -114,6 +125,7 @@ class AlignConfig:
                                              "one layer instead of all of them, for about one more forward")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/align", lr=1e-3))
     data: DataArgs = field(default_factory=DataArgs)
+    kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 
 @dataclass
@@ -134,6 +146,7 @@ class E2EConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/e2e", lr=1e-4))
     data: DataArgs = field(default_factory=DataArgs)
+    kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 
 @dataclass
@@ -153,6 +166,7 @@ class SFTStageConfig:
     batch_size: int = _f(1, "per-device batch size", min=1)
     packing: bool = _f(False, "TRL packing of examples (padding-free, position_ids restart per example)")
     train: TrainArgs = field(default_factory=lambda: TrainArgs(run_dir="runs/sft", lr=1e-5))
+    kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 
 @dataclass
@@ -175,6 +189,7 @@ class TracesConfig:
     seed: int = _f(0, "sampling seed")
     dtype: str = _f("float32", "teacher dtype")
     threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 
 @dataclass
@@ -209,6 +224,7 @@ class DemoConfig:
     seed: int = _f(0, "seed")
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     mixed_precision: str = _f("no", "training autocast: no | bf16")
+    kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -350,7 +366,12 @@ def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | No
             raise UserError(f"recipe {path} must be a YAML mapping")
         data = loaded
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-    return _build(cls, _merge(data, ov), "")
+    cfg = _build(cls, _merge(data, ov), "")
+    if isinstance(getattr(cfg, "kernel_options", None), dict):
+        from hybridize.kernels.options import check_overrides
+
+        cfg.kernel_options = check_overrides(cfg.kernel_options)   # unknown field / bad value: one line
+    return cfg
 
 
 def to_dict(cfg) -> dict:
@@ -358,9 +379,16 @@ def to_dict(cfg) -> dict:
 
 
 def save_config(cfg, path: str | Path) -> None:
+    """`cfg` as YAML; its `kernel_options` section holds every kernel option in force (the current ones with
+    the config's explicit fields), so the file records which kernels the run used."""
+    from hybridize.kernels.options import resolve_kernel_options
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    data = to_dict(cfg)
+    if "kernel_options" in data:
+        data["kernel_options"] = resolve_kernel_options(data["kernel_options"]).to_dict()
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 #: train.* settings a `--resume` may change, by the stage's trainer: the hand-written loop (align, e2e)
@@ -430,7 +458,8 @@ def check_resume_settings(cfg, saved: str | Path, trainer: str = "loop") -> None
     if "teacher" in new and isinstance(old.get("teacher"), str):
         new["teacher"] = _resume_teacher(old["teacher"], new["teacher"], str(new.get("student", "")))
     allowed = {f"train.{k}" for k in RESUMABLE[trainer]}
-    fixed = [c for c in changed_settings(old, new) if c.split(":")[0] not in allowed]
+    fixed = [c for c in changed_settings(old, new) if c.split(":")[0] not in allowed
+             and not c.startswith("kernel_options.")]   # kernel switches may change (another machine)
     if fixed:
         raise UserError(f"--resume: settings differ from {saved}: {'; '.join(fixed)}; these cannot change "
                         f"mid-run: set them back to continue, or pass --overwrite to start over (--resume may "

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError, read_text
+from hybridize.kernels.options import with_run_kernel_options
 
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
 from .data import heldout_ids, load_texts, read_jsonl
@@ -158,6 +159,7 @@ def check_plan_and_settings(cfg: DemoConfig) -> None:
     check_user_settings(config, plan, cfg.mixer_settings or None)
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_demo(cfg: DemoConfig) -> dict:
     from hybridize.convert.calibrate import calibration_inputs
     from hybridize.convert.convert import convert_model

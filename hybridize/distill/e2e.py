@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridize.errors import UserError
+from hybridize.kernels.options import with_run_kernel_options
 
 from .config import E2EConfig, save_config
 from .data import build_data, build_heldout
@@ -128,6 +129,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     return result, student
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_e2e(cfg: E2EConfig, resume: bool = False):
     student, tok = load_student(cfg.student, cfg.train.dtype)
     teacher = None

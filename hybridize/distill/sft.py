@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybridize.errors import UserError
+from hybridize.kernels.options import with_run_kernel_options
 
 from .align import save_final
 from .checkpoint import check_trainer_resume
@@ -215,6 +216,7 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
     return out, model
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_sft(cfg: SFTStageConfig, resume: bool = False):
     student, tok = load_student(cfg.student, cfg.train.dtype)
     return sft(student, tok, cfg, resume=resume)[0]

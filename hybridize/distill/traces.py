@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridize.errors import UserError
+from hybridize.kernels.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 
 from .config import TracesConfig, save_config
@@ -98,6 +99,7 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
     return out
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_traces(cfg: TracesConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

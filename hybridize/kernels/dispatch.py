@@ -2,32 +2,35 @@
 
 `run(op, mode, ...)` calls `hybridize.kernels.<op>.<op>_<mode>` (mode "chunk" or "recurrent") on
 CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
-(fla-core adapters, our Triton kernels) unless `HYBRIDIZE_KERNELS=torch` or `set_backend("torch")`
-forces the PyTorch path; `HYBRIDIZE_KERNELS=gpu` makes a missing GPU kernel an error instead.
+(fla-core adapters, our Triton kernels) unless the kernel option `kernels` is "torch"
+(`HYBRIDIZE_KERNELS=torch`, `use_kernel_options(kernels="torch")`, `set_backend("torch")`), which forces
+the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.kernels.options`).
 """
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Callable
 
 import torch
 
+from .options import BACKENDS as _BACKENDS
+from .options import current_kernel_options, set_kernel_options
+
 _GPU: dict[tuple[str, str], Callable] = {}
 _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
-_backend = os.environ.get("HYBRIDIZE_KERNELS", "auto")
-_BACKENDS = ("auto", "torch", "gpu")
 
 
 def set_backend(name: str) -> None:
-    global _backend
+    """Make the current options (explicit, else the environment's) with `kernels=name` current for the process
+    (`hybridize.kernels.options.set_kernel_options`; `use_kernel_options(kernels=...)` for a block)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; use one of {', '.join(_BACKENDS)}")
-    _backend = name
+    set_kernel_options(current_kernel_options().replace(kernels=name))
 
 
 def get_backend() -> str:
-    return _backend
+    """The `kernels` option in force: auto | torch | gpu."""
+    return current_kernel_options().kernels
 
 
 def register_gpu(op: str, mode: str, fn: Callable) -> None:
@@ -49,7 +52,8 @@ def run(op: str, mode: str, *args, **kwargs):
     if mode not in ("chunk", "recurrent"):
         raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
     first = args[0] if args else next(iter(kwargs.values()))
-    if first.is_cuda and _backend != "torch":
+    backend = current_kernel_options().kernels
+    if first.is_cuda and backend != "torch":
         global _gpu_tried
         if not _gpu_tried:
             _gpu_tried = True
@@ -60,6 +64,7 @@ def run(op: str, mode: str, *args, **kwargs):
             if torch.compiler.is_compiling():   # fla / Triton launchers stay opaque inside a compiled region
                 return torch.compiler.disable(fn)(*args, **kwargs)
             return fn(*args, **kwargs)
-        if _backend == "gpu":
-            raise RuntimeError(f"no GPU kernel registered for {op}/{mode}; set HYBRIDIZE_KERNELS=auto to fall back")
+        if backend == "gpu":
+            raise RuntimeError(f"no GPU kernel registered for {op}/{mode}; set the kernel option kernels=auto "
+                               "(HYBRIDIZE_KERNELS=auto) to fall back")
     return torch_impl(op, mode)(*args, **kwargs)

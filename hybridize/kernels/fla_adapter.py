@@ -36,20 +36,21 @@ that chunk-local kernel by batched fp32 PyTorch inside our own autograd Function
 backward is fla's. `benchmarks/gpu_check.py` verifies every gradient against the fp32 reference.
 (Scalar-gate GLA avoids the same kernel by using `chunk_gla` with the gate broadcast over keys.)
 
-Switches: `HYBRIDIZE_KERNELS=auto|torch|gpu` (dispatch), `HYBRIDIZE_AUTOTUNE_TOP=n` caps autotuning
-(`hybridize.kernels.triton.autotune`), `HYBRIDIZE_FLA_DQKWG=fla` uses fla's own kernel (for Triton
->= 3.7.1 or non-Hopper GPUs, where fla's guard does not fire).
+Switches (kernel options, `hybridize.kernels.options`; environment variable in brackets): `kernels=auto|torch|gpu`
+[`HYBRIDIZE_KERNELS`] (dispatch), `autotune_top=n` [`HYBRIDIZE_AUTOTUNE_TOP`] caps autotuning
+(`hybridize.kernels.triton.autotune`), `fla_dqkwg="fla"` [`HYBRIDIZE_FLA_DQKWG=fla`] uses fla's own kernel (for
+Triton >= 3.7.1 or non-Hopper GPUs, where fla's guard does not fire; read at the forward, kept for the backward).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from types import SimpleNamespace
 
 import torch
 
 from . import dispatch
+from .options import current_kernel_options
 
 _ACTIVE = False
 _FLA: SimpleNamespace | None = None
@@ -74,12 +75,22 @@ def activate(force: bool = False) -> bool:
     return True
 
 
+_CAP = 0   # the autotune cap applied (kernel option autotune_top; 0: Triton's autotuner untouched)
+
+
+def _apply_cap() -> None:
+    global _CAP
+    from .triton.autotune import limit_from_options
+    _CAP = limit_from_options()
+
+
 def fla() -> SimpleNamespace:
     """fla-core entry points, imported on first use (tests replace `_FLA` with fakes)."""
     global _FLA
+    if _FLA is not None and current_kernel_options().autotune_top != _CAP:
+        _apply_cap()
     if _FLA is None:
-        from .triton.autotune import limit_from_env
-        limit_from_env()
+        _apply_cap()
         gla = importlib.import_module("fla.ops.gla")
         gdr = importlib.import_module("fla.ops.gated_delta_rule")
         gdr_chunk = importlib.import_module("fla.ops.gated_delta_rule.chunk")
@@ -179,7 +190,7 @@ def _erase_for_fla(q, k, p, lam, g):
 
 
 def _dqkwg_is_ours() -> bool:
-    return os.environ.get("HYBRIDIZE_FLA_DQKWG", "torch") != "fla"
+    return current_kernel_options().fla_dqkwg != "fla"
 
 
 class _GatedDelta(torch.autograd.Function):
@@ -200,6 +211,7 @@ class _GatedDelta(torch.autograd.Function):
         ctx.comba = p is not None
         ctx.scale, ctx.cu_seqlens, ctx.chunk_indices = scale, cu_seqlens, chunk_indices
         ctx.has_h0 = initial_state is not None
+        ctx.dqkwg_ours = _dqkwg_is_ours()   # the forward's option, also for a backward run outside its block
         return o, ht
 
     @staticmethod
@@ -210,7 +222,7 @@ class _GatedDelta(torch.autograd.Function):
         q, k, v, gc, beta, A, h0, *rest = ctx.saved_tensors
         kw = dict(cu_seqlens=ctx.cu_seqlens, chunk_indices=ctx.chunk_indices)
         module = F.comba_module if ctx.comba else F.gdn_module
-        guard = patched(module) if _dqkwg_is_ours() else contextlib.nullcontext()
+        guard = patched(module) if ctx.dqkwg_ours else contextlib.nullcontext()
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         with guard:

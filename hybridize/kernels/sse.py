@@ -44,8 +44,9 @@ the segment lengths, and fla-core 0.6.0's public ops take no precomputed chunk i
 the 2T rows: 4 gathers + 2 multiplies + 4 concatenations + `index_add` (backward: 4 `index_put`
 with accumulation, 2 multiply backwards) -> 4 pack kernels + 1 combine kernel (backward: 4
 gather-sum kernels, the scale gradient fused, + 1 pack kernel; a tensor on both paths, SSE's v, gets
-its two gradients summed there). `HYBRIDIZE_KERNELS=torch` or
-`USE_TRITON = False` selects the PyTorch forms on CUDA.
+its two gradients summed there). The kernel option `kernels="torch"` (`HYBRIDIZE_KERNELS=torch`) or
+`sse_triton=False` (`use_kernel_options(sse_triton=False)`; was `USE_TRITON = False`) selects the PyTorch
+forms on CUDA (`hybridize.kernels.options`).
 
 Router gradient (the fla PR #882 reading): the selected partition's router probability multiplies
 the sparse query (`emulq`) and/or key (`emulk`), so the router is trained by the main loss even at
@@ -56,12 +57,12 @@ not offered: every layout reads exactly the partitions it writes (the paper's de
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import dispatch
+from .options import current_kernel_options
 from .varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 OPS = ("gla", "delta")
@@ -356,18 +357,14 @@ def combine_rows_torch(o_all, order, inv, K: int, L: int, shared: bool, keep=Non
     return o.to(o_all.dtype)
 
 
-#: use our Triton kernels (varlen row movers, decode step) for CUDA tensors; False keeps the PyTorch
-#: forms on CUDA too (benchmarks compare the two)
-USE_TRITON = True
-#: tests set this to run our Triton kernels on CPU tensors under TRITON_INTERPRET=1
-FORCE_TRITON = False
-
-
 def _triton_ok(x: torch.Tensor) -> bool:
-    """Our Triton kernels apply: CUDA tensor (or forced for the interpreter), not fp64, backend not torch."""
-    if x.dtype == torch.float64 or dispatch.get_backend() == "torch" or not (USE_TRITON or FORCE_TRITON):
+    """Our Triton kernels apply: CUDA tensor (or the kernel option `force_triton`, for the interpreter), not
+    fp64, option `kernels` not torch, option `sse_triton` (False keeps the PyTorch forms on CUDA too: benchmarks
+    compare the two) or `force_triton` (tests run our Triton kernels on CPU tensors under TRITON_INTERPRET=1)."""
+    opts = current_kernel_options()
+    if x.dtype == torch.float64 or opts.kernels == "torch" or not (opts.sse_triton or opts.force_triton):
         return False
-    return (x.is_cuda or FORCE_TRITON) and importlib.util.find_spec("triton") is not None
+    return (x.is_cuda or opts.force_triton) and importlib.util.find_spec("triton") is not None
 
 
 def _row_movers(x: torch.Tensor):
@@ -482,10 +479,12 @@ def _gla_in_pieces(op: str, x: PathInputs) -> bool:
     inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
     (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md, session 11);
     per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
-    `HYBRIDIZE_SSE_GLA_PIECES=0` or the torch backend keeps `dispatch`'s op (fla's chunk_gla on CUDA)."""
+    The kernel option `sse_gla_pieces=False` (`HYBRIDIZE_SSE_GLA_PIECES=0`) or `kernels="torch"` keeps
+    `dispatch`'s op (fla's chunk_gla on CUDA)."""
     if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype != torch.bfloat16:
         return False
-    if dispatch.get_backend() == "torch" or os.environ.get("HYBRIDIZE_SSE_GLA_PIECES", "1") == "0":
+    opts = current_kernel_options()
+    if opts.kernels == "torch" or not opts.sse_gla_pieces:
         return False
     return not torch.compiler.is_compiling()   # a traced region keeps dispatch's op (it wraps launchers opaquely)
 
@@ -498,7 +497,7 @@ def sse_recurrent(op: str, shared: PathInputs | None, sparse: PathInputs, routin
                   inplace: bool = False):
     """Token-by-token ground truth and decode step.
 
-    PyTorch path (CPU, fp64, `HYBRIDIZE_KERNELS=torch`, or gradients needed): gather the K selected
+    PyTorch path (CPU, fp64, kernel option `kernels="torch"`, or gradients needed): gather the K selected
     partition states, one recurrent op step, scatter back. CUDA path (no gradients): the Triton
     `sse_decode_step` updates only the selected partitions inside the state tensor; no host sync and
     no data-dependent shape, so a T == 1 step can be captured in a CUDA graph.

@@ -101,7 +101,7 @@ def test_fused_cuda(dtype, tol):
 def test_layer_uses_fused_path_and_agrees():
     """A CCQ-GLA layer on CUDA (fused cleaning + Triton read) against the same layer with every op forced
     to PyTorch, fp32: output and input gradient."""
-    from hybridize.kernels import dispatch
+    from hybridize.kernels.options import use_kernel_options
     from hybridize.mixers import build_mixer
 
     torch.manual_seed(0)
@@ -112,12 +112,9 @@ def test_layer_uses_fused_path_and_agrees():
     x = torch.randn(1, 777, 256, device="cuda", requires_grad=True)
     outs = []
     for backend in ("auto", "torch"):
-        dispatch.set_backend(backend)
-        try:
+        with use_kernel_options(kernels=backend):
             y = m(x, mode="chunk").hidden
             (gx,) = torch.autograd.grad(y.square().sum(), x)
-        finally:
-            dispatch.set_backend("auto")
         outs.append((y, gx))
     assert rel(outs[0][0], outs[1][0]) < 2e-3
     assert rel(outs[0][1], outs[1][1]) < 2e-3
@@ -129,7 +126,7 @@ def test_layer_uses_fused_path_and_agrees():
 def test_layer_inference_cleans_in_the_read(name, monkeypatch):
     """Without gradient the CUDA layer cleans q in the read's epilogue (the separate gate pass is not run)
     and agrees with the all-PyTorch layer, fp32, learned gate and padding."""
-    from hybridize.kernels import dispatch
+    from hybridize.kernels.options import use_kernel_options
     from hybridize.kernels.triton import ccq_clean as fused
     from hybridize.mixers import build_mixer
 
@@ -146,12 +143,8 @@ def test_layer_inference_cleans_in_the_read(name, monkeypatch):
     monkeypatch.setattr(fused._CleanQuery, "apply", lambda *a: calls.append(1) or gate_pass(*a))
     outs = []
     for backend in ("auto", "torch"):
-        dispatch.set_backend(backend)
-        try:
-            with torch.no_grad():
-                outs.append(m(x, attention_mask=mask, mode="chunk").hidden)
-        finally:
-            dispatch.set_backend("auto")
+        with use_kernel_options(kernels=backend), torch.no_grad():
+            outs.append(m(x, attention_mask=mask, mode="chunk").hidden)
     assert not calls, "the separate gate pass ran under no_grad"
     assert rel(outs[0], outs[1]) < 2e-3, rel(outs[0], outs[1])
     torch.cuda.synchronize()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridize.errors import UserError
 from hybridize.kernels.gla import gla_recurrent
 
 from .triton_gates import cuda_only, interp_only, rel
@@ -216,5 +217,5 @@ def test_interp_bad_products_setting_fails_at_the_call(monkeypatch):
 
     monkeypatch.setenv("HYBRIDIZE_GLA_PRODUCTS", "fast")
     q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, 8, 1, 16, 16))
-    with pytest.raises(ValueError, match="HYBRIDIZE_GLA_PRODUCTS must be single or split"):
+    with pytest.raises(UserError, match=r"HYBRIDIZE_GLA_PRODUCTS='fast' .*must be one of single \| split"):
         gla_triton(q, k, v, gate)

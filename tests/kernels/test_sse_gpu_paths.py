@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import dispatch, sse
+from hybridize.kernels import options, sse
 from hybridize.kernels.sse import PathInputs, Routing, route
 
 triton_ok = importlib.util.find_spec("triton") is not None
@@ -213,10 +213,14 @@ def test_decode_step_slot_broadcast_and_weights(backbone):
     assert rel(o_ref, o2) < 1e-6 and rel(ref_st, ref2) < 1e-6
 
 
+def set_options(monkeypatch, **changes):
+    """Make the current kernel options with `changes` explicit for the test (restored after it)."""
+    monkeypatch.setattr(options, "_CURRENT", options.current_kernel_options().replace(**changes))
+
+
 @pytest.fixture
 def forced_triton(monkeypatch):
-    monkeypatch.setattr(sse, "FORCE_TRITON", True)
-    monkeypatch.setattr(dispatch, "_backend", "auto")
+    set_options(monkeypatch, force_triton=True, kernels="auto")
 
 
 @needs_interp
@@ -235,7 +239,7 @@ def test_varlen_with_triton_movers_equals_torch_path(op, shared, K, packed, forc
     h0 = state(nseq, N, H, D)
     h0 = (h0[0] if shared else None, h0[1])
     got = run_layout(sse.sse_varlen, op, sh, sp, logits, K, valid, h0, cu)
-    monkeypatch.setattr(sse, "FORCE_TRITON", False)
+    set_options(monkeypatch, force_triton=False)
     ref = run_layout(sse.sse_varlen, op, sh, sp, logits, K, valid, h0, cu)
     for i, (a, b) in enumerate(zip(got[:3] + tuple(got[3]), ref[:3] + tuple(ref[3]))):
         if b is None:
@@ -258,7 +262,7 @@ def test_recurrent_with_triton_decode_equals_torch_path(op, T, K, forced_triton,
         o, s1, s2 = sse.sse_recurrent(op, sh, sp, route(logits, K, valid), initial_state=h0,
                                       output_final_state=True)
         assert all(torch.equal(a, b) for a, b in zip(keep, h0)), "inplace=False wrote the given state"
-        monkeypatch.setattr(sse, "FORCE_TRITON", False)
+        set_options(monkeypatch, force_triton=False)
         o_r, s1_r, s2_r = sse.sse_recurrent(op, sh, sp, route(logits, K, valid), initial_state=h0,
                                             output_final_state=True)
     assert rel(o, o_r) < 1e-5 and rel(s1, s1_r) < 1e-5 and rel(s2, s2_r) < 1e-5
@@ -287,17 +291,14 @@ def test_recurrent_inplace_updates_given_state(forced_triton):
 def gpu_backend():
     from hybridize.kernels import fla_adapter
     fla_adapter.activate()
-    old = dispatch.get_backend()
+    old = options.set_kernel_options(None)
     yield
-    dispatch.set_backend(old)
+    options.set_kernel_options(old)
 
 
 def _torch_path(fn):
-    dispatch.set_backend("torch")
-    try:
+    with options.use_kernel_options(kernels="torch"):
         return fn()
-    finally:
-        dispatch.set_backend("auto")
 
 
 @needs_cuda

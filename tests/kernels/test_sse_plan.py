@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from hybridize.kernels import sse
+from hybridize.kernels import options, sse
 
 interp = (importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
           and not torch.cuda.is_available())
@@ -33,9 +33,10 @@ def routing(L, n, K, pad, seed):
 def test_counting_sort_plan_equals_torch_plan(L, n, K, cu, pad, shared, monkeypatch):
     r = routing(L, n, K, pad, seed=L + n + K)
     cu_t = torch.tensor(cu)
-    monkeypatch.setattr(sse, "FORCE_TRITON", False)
+    base = options.current_kernel_options()
+    monkeypatch.setattr(options, "_CURRENT", base.replace(force_triton=False))
     want = sse.varlen_plan(r, cu_t, shared)
-    monkeypatch.setattr(sse, "FORCE_TRITON", True)
+    monkeypatch.setattr(options, "_CURRENT", base.replace(force_triton=True))
     got = sse.varlen_plan(r, cu_t, shared)
     for name in ("order", "inv", "seg_cu", "layout_cu"):
         a, b = getattr(got, name), getattr(want, name)

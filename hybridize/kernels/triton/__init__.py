@@ -1,7 +1,7 @@
 """GPU-side pieces that fla-core does not provide (imported lazily, only on CUDA).
 
-- `autotune`: caps Triton autotuning to a few preferred configs (`HYBRIDIZE_AUTOTUNE_TOP`), so a new
-  shape costs seconds of compilation instead of minutes of tuning.
+- `autotune`: caps Triton autotuning to a few preferred configs (kernel option `autotune_top`,
+  `HYBRIDIZE_AUTOTUNE_TOP`), so a new shape costs seconds of compilation instead of minutes of tuning.
 - `dqkwg`: a batched-PyTorch replacement for fla's gated `chunk_bwd_dqkwg` kernel, which fla refuses
   to run on Hopper with Triton 3.4-3.7.0 (fla issue #640); the rest of fla's backward is kept.
 - `sse_decode`: partition-sparse SSE decode step that reads and writes only the selected partitions.

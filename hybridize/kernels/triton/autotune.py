@@ -7,13 +7,13 @@ on an H100. `limit_autotune(top)` keeps only the `top` configs closest to num_wa
 With top >= 2 a config that fails to compile is still survived (Triton times it as inf).
 The price is a possibly slower config than full tuning; `benchmarks/RESULTS.md` says which was used.
 Winning configs are cached on disk by Triton (`cache_results`, fla's default), so later processes
-reuse them. `HYBRIDIZE_AUTOTUNE_TOP=<n>` applies this when the adapter activates; 0 disables.
+reuse them. The kernel option `autotune_top=<n>` (`HYBRIDIZE_AUTOTUNE_TOP=<n>`, `hybridize.kernels.options`)
+applies this when the fla adapter first loads fla (and again when the option changes); 0 disables.
 Our own kernels with a short, curated config list set `full_tune = True` on their autotuner and are left alone.
 """
 from __future__ import annotations
 
 import math
-import os
 
 _ORIGINAL = None
 
@@ -43,9 +43,13 @@ def limit_autotune(top: int) -> None:
     Autotuner.prune_configs = prune_configs
 
 
-def limit_from_env() -> int:
-    """Apply `HYBRIDIZE_AUTOTUNE_TOP` if set; returns the cap in force (0 = none)."""
-    top = int(os.environ.get("HYBRIDIZE_AUTOTUNE_TOP", "0") or 0)
-    if top > 0:
+def limit_from_options() -> int:
+    """Apply the kernel option `autotune_top` (`HYBRIDIZE_AUTOTUNE_TOP`); returns the cap in force (0 = none).
+    0 leaves an autotuner never capped untouched and restores a capped one."""
+    from hybridize.kernels.options import current_kernel_options
+
+    top = current_kernel_options().autotune_top
+    if top > 0 or _ORIGINAL is not None:
         limit_autotune(top)
     return top
+

@@ -56,9 +56,9 @@ over q and Sigma q does not run. Training keeps that pass (its backward needs Si
 Numerics: sums and scores accumulate in fp32. Products of two inputs (q u^T, u^T u, do u^T) run on 16-bit
 tiles. Products with a carried fp32 operand (the state S, the score
 tile, g = do / n, E) run, for bf16 inputs, as one bf16 product (the default), or with
-`HYBRIDIZE_CCQ_PRODUCTS=split` as two bf16 products of a hi/lo split (forward and dq pass; tf32 in the dk
-pass), or `=tf32` on fp32 tiles in tf32; fp16 inputs use tf32 (a carried sum rounded
-to fp16 could overflow), fp32 inputs IEEE fp32. fp64 and empty inputs go to the PyTorch op; under
+kernel option `ccq_products="split"` (`HYBRIDIZE_CCQ_PRODUCTS=split`) as two bf16 products of a hi/lo split
+(forward and dq pass; tf32 in the dk pass), or `"tf32"` on fp32 tiles in tf32; fp16 inputs use tf32 (a
+carried sum rounded to fp16 could overflow), fp32 inputs IEEE fp32. fp64 and empty inputs go to the PyTorch op; under
 TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit `tl.dot` is wrong). On CUDA the
 tile sizes (BT, BV) and warps are autotuned over a short list, once per power-of-two bucket of the token count
 and of the rows, and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_size` (default 16) is used.
@@ -71,6 +71,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from hybridize.kernels.options import current_kernel_options
 
 # ---- kernels ---------------------------------------------------------------------------------------
 
@@ -526,11 +528,11 @@ def _configs():
     # blocks (fewer programs recomputing q k^T); (64, 64, 8) and (32, 64, 4) are the dk passes' picks in a wider
     # H100 sweep (16k: 0.85 -> 0.75 ms); (64, 128, 8) was fastest at 16k in session 9's sweep and 2x slow at 32k,
     # which the key's length and row buckets (`_launch`) allow. Autotuning picks the fastest of these on the device
-    # (the global cap HYBRIDIZE_AUTOTUNE_TOP, meant for fla's long lists, does not apply here;
-    # HYBRIDIZE_CCQ_TUNE_TOP=<n> keeps the first n, e.g. 1 for tests that only check numbers)
+    # (the global cap, kernel option autotune_top, meant for fla's long lists, does not apply here; the option
+    # ccq_tune_top=<n> (HYBRIDIZE_CCQ_TUNE_TOP=<n>) keeps the first n, e.g. 1 for tests that only check numbers)
     table = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
              (64, 64, 8, 2), (32, 64, 4, 2), (16, 32, 2, 2), (64, 128, 8, 2)]
-    top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
+    top = current_kernel_options().ccq_tune_top
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st)
             for bt, bv, w, st in (table[:top] if top > 0 else table)]
 
@@ -550,7 +552,7 @@ def _interp_tile(chunk_size) -> int:
 def _autotuned(kernel, configs, key):
     """`kernel` autotuned over `configs()`, built once per kernel. Every constexpr flag is part of `key`, so with
     and without mask / initial state tune separately. Marked `full_tune`: the global cap meant for fla's long
-    lists (`autotune.py`, HYBRIDIZE_AUTOTUNE_TOP) leaves these short, curated lists whole. The picks are cached
+    lists (`autotune.py`, kernel option autotune_top) leaves these short, curated lists whole. The picks are cached
     on disk by Triton (`cache_results`, keyed by the kernel source, the GPU, the key and the config list), so a
     new length / rows bucket costs its tuning (seconds) once per machine, not once per process."""
     if kernel not in _TUNED:
@@ -586,7 +588,7 @@ def _sums_configs():
     # first or the second; the third is within 6-12% of the best for both. The autotune key has no length in it,
     # so the list keeps only configs that are good at every length
     table = [(128, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3)]
-    top = int(os.environ.get("HYBRIDIZE_CCQ_TUNE_TOP", "0") or 0)
+    top = current_kernel_options().ccq_tune_top
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st)
             for bt, br, bc, w, st in (table[:top] if top > 0 else table)]
 
@@ -703,28 +705,30 @@ def _build_table(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
 
 
 def _segment_len(B, T, H, longest, rows: int | None = None):
-    """Piece length: ~`HYBRIDIZE_CCQ_ROWS` (default 128) (piece, head) rows so that B * H alone (often 16) does
-    not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more in the prefix scan and the
-    per-piece sums than they gain, longer ones idle SMs; H100 sweeps in benchmarks/RESULTS.md, sessions 5, 9
-    and 10). A forward alone used 64 rows in session 9, when its tile was tuned once for every shape; with
-    the tiles tuned per length and rows bucket (`_launch`) 128 rows measured faster for it too (read forward
-    4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). `HYBRIDIZE_CCQ_SEGMENT=<n>` overrides (0: one piece
-    per sequence). `rows`: the target instead of HYBRIDIZE_CCQ_ROWS (the pieces GLA passes its own)."""
-    env = os.environ.get("HYBRIDIZE_CCQ_SEGMENT")
-    if env is not None:
-        n = int(env)
+    """Piece length: ~kernel option `ccq_rows` (`HYBRIDIZE_CCQ_ROWS`, default 128) (piece, head) rows so that
+    B * H alone (often 16) does not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more
+    in the prefix scan and the per-piece sums than they gain, longer ones idle SMs; H100 sweeps in
+    benchmarks/RESULTS.md, sessions 5, 9 and 10). A forward alone used 64 rows in session 9, when its tile
+    was tuned once for every shape; with the tiles tuned per length and rows bucket (`_launch`) 128 rows
+    measured faster for it too (read forward 4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The
+    option `ccq_segment=<n>` (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the
+    target instead of `ccq_rows` (the pieces GLA passes its own)."""
+    opts = current_kernel_options()
+    if opts.ccq_segment is not None:
+        n = opts.ccq_segment
     else:
-        rows = int(os.environ.get("HYBRIDIZE_CCQ_ROWS", "128")) if rows is None else int(rows)
+        rows = opts.ccq_rows if rows is None else int(rows)
         n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
     return None if n <= 0 or n >= longest else n
 
 
-#: bf16 product settings (`HYBRIDIZE_CCQ_PRODUCTS`): (PROD of the forward and dq passes, PROD of the dk pass)
+#: bf16 product settings (kernel option `ccq_products`, `HYBRIDIZE_CCQ_PRODUCTS`): (PROD of the forward and dq
+#: passes, PROD of the dk pass)
 PRODUCT_MODES = {"single": (2, 2), "split": (1, 0), "tf32": (0, 0)}
 
 
 def _products(dtype) -> tuple[int, int, str]:
-    """(PROD forward / dq, PROD dk, PREC) for the input dtype. bf16: `HYBRIDIZE_CCQ_PRODUCTS` (default
+    """(PROD forward / dq, PROD dk, PREC) for the input dtype. bf16: kernel option `ccq_products` (default
     `single`: one bf16 product, accurate because the sums are carried about the keys' mean; `split`: the
     hi/lo pair in the forward and dq passes, tf32 in the dk pass; `tf32`). fp16 keeps tf32 tiles (a carried
     sum rounded to fp16 could overflow), fp32 IEEE."""
@@ -732,9 +736,7 @@ def _products(dtype) -> tuple[int, int, str]:
         return 0, 0, "ieee"
     if dtype != torch.bfloat16:
         return 0, 0, "tf32"
-    mode = os.environ.get("HYBRIDIZE_CCQ_PRODUCTS", "single")
-    if mode not in PRODUCT_MODES:
-        raise ValueError(f"HYBRIDIZE_CCQ_PRODUCTS must be one of {sorted(PRODUCT_MODES)}, got {mode!r}")
+    mode = current_kernel_options().ccq_products   # checked there (`HYBRIDIZE_CCQ_PRODUCTS`)
     return (*PRODUCT_MODES[mode], "tf32")
 
 

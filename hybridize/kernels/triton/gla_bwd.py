@@ -28,11 +28,12 @@ accumulation; 16-bit products, the carried fp32 state rounded once per product, 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from hybridize.kernels.options import current_kernel_options
 
 from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
                        _tune_buckets)
@@ -214,9 +215,10 @@ def _col_configs():
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
 
 
-def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None):
+def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
-    final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays."""
+    final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays. `prod`: the
+    products setting the forward read (`_products`; None: read it now)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     G = pc.seg.shape[0]
@@ -238,7 +240,8 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
     dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
     dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
-    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=_products(q.dtype), **_tune_buckets(B * T, G * H))
+    prod = _products(q.dtype) if prod is None else prod
+    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **_tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, pc.seg)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
@@ -258,11 +261,10 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
 
 def _products(dtype) -> int:
     """`ccq_read._mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
-    bf16 2, one bf16 product (the state rounded once, as fla does), or with `HYBRIDIZE_GLA_PRODUCTS=split` 1,
-    two bf16 products of a hi/lo split (~16 mantissa bits of the state); fp16 0 (tf32 tiles)."""
-    mode = os.environ.get("HYBRIDIZE_GLA_PRODUCTS", "single")
-    if mode not in ("single", "split"):
-        raise ValueError(f"HYBRIDIZE_GLA_PRODUCTS must be single or split, got {mode!r}")
+    bf16 2, one bf16 product (the state rounded once, as fla does), or with the kernel option
+    `gla_products="split"` (`HYBRIDIZE_GLA_PRODUCTS=split`) 1, two bf16 products of a hi/lo split (~16 mantissa
+    bits of the state); fp16 0 (tf32 tiles)."""
+    mode = current_kernel_options().gla_products   # checked there
     if dtype != torch.bfloat16:
         return 0
     return 1 if mode == "split" else 2
@@ -277,6 +279,7 @@ class _GLAFn(torch.autograd.Function):
         o, starts, decay, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
         ctx.save_for_backward(q, k, v, g, starts, decay)
         ctx.pc, ctx.scale, ctx.chunk_size, ctx.has_h0 = pc, scale, chunk_size, s0 is not None
+        ctx.prod = _products(q.dtype)   # the forward's option, also for a backward run outside its block
         ctx.set_materialize_grads(False)
         return o, s_end
 
@@ -285,7 +288,8 @@ class _GLAFn(torch.autograd.Function):
         q, k, v, g, starts, decay = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, decay, ctx.pc, ctx.scale, ctx.chunk_size)
+        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, decay, ctx.pc, ctx.scale, ctx.chunk_size,
+                                              ctx.prod)
         return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None
 
 
@@ -298,7 +302,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     `gla_fwd_triton`. Under TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit dot is
     wrong)."""
     check_inputs(q, k, v, g, cu_seqlens)
-    _products(q.dtype)   # a bad HYBRIDIZE_GLA_PRODUCTS fails here, not in the backward
+    _products(q.dtype)   # a bad gla_products option (HYBRIDIZE_GLA_PRODUCTS) fails here, not in the backward
     if _interpreting() and q.dtype != torch.float32:
         o, st = gla_triton(q.float(), k.float(), v.float(), g.float(), scale, initial_state, output_final_state,
                            cu_seqlens, chunk_size, segment_len)

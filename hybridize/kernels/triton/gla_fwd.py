@@ -26,12 +26,13 @@ older state's share is under 3.4e-4 either way (fla's chunk_gla splits its tiles
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from hybridize.kernels.options import current_kernel_options
 
 from .ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _segment_len,
                        _table, _tune_buckets)
@@ -205,9 +206,10 @@ def _state_configs():
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
 
 
-#: (piece, head) rows the automatic piece length aims at (`ccq_read._segment_len`; `HYBRIDIZE_GLA_ROWS`
-#: overrides): H100 sweep on SSE's 2T layout (session 11), forward+backward 16k: 128 rows 5.35 ms, 256 4.84,
-#: 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31 (at 4k every setting from 256 up gives 512-token pieces)
+#: (piece, head) rows the automatic piece length aims at (`ccq_read._segment_len`): the default of the kernel
+#: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (session 11),
+#: forward+backward 16k: 128 rows 5.35 ms, 256 4.84, 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31
+#: (at 4k every setting from 256 up gives 512-token pieces)
 ROWS = 1024
 
 
@@ -215,7 +217,7 @@ def _pieces_for(q, B, T, cu, segment_len):
     """The piece table of a call (`segment_len`: None automatic on GPU / one piece per sequence in the
     interpreter, 0 one piece per sequence) and its length (None: one piece per sequence)."""
     if segment_len is None:
-        rows = int(os.environ.get("HYBRIDIZE_GLA_ROWS", str(ROWS)))
+        rows = current_kernel_options().gla_rows
         seg_len = None if _interpreting() else _segment_len(B, T, q.shape[2], T if cu is None else B * T, rows)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)

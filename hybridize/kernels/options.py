@@ -1,0 +1,228 @@
+"""Kernel options: every switch that decides which kernel runs (and how), in one object.
+
+`KernelOptions` has one field per switch, with its default and help. The `HYBRIDIZE_*` environment
+variables are read here and nowhere else (`KernelOptions.from_env`), so existing users' variables keep
+working; the dispatch code reads `current_kernel_options()` instead of `os.environ` or module globals.
+
+Why `kernels/options.py` (and not e.g. `ops/backend.py`): the switches are not only the backend choice;
+they are the tuning and numerics settings of several kernel modules (dispatch, SSE, the fla adapter, our
+Triton kernels), and they live beside them in `hybridize.kernels`.
+
+Precedence, highest first, field by field:
+
+1. explicit config: a model's `HybridConfig.kernel_options` (a dict of the fields it sets, saved in
+   config.json; in force while the model's mixers run, gradient-checkpoint recomputation included), then
+   a run's `kernel_options.<field>=...` settings (distill stages: in force for the whole run), then an
+   enclosing `use_kernel_options(...)` block / `set_kernel_options(...)` in the process;
+2. the environment: `HYBRIDIZE_KERNELS`, `HYBRIDIZE_AUTOTUNE_TOP`, ... (read when nothing explicit is set,
+   so a variable set at run time counts, as before);
+3. the defaults below.
+
+`resolve_kernel_options(overrides)` gives the options a dict of explicit fields puts in force (the current
+ones with the dict's fields replaced). A bad value (environment or config) raises `UserError` in one line
+that names the variable and the field. Every run's config.yaml records the options in force
+(`hybridize.distill.config.save_config`).
+
+Settings read at a kernel's forward are kept for its backward (`gla_bwd`'s products, the fla adapter's
+dqkwg choice), so a backward outside the model's forward uses the forward's options. `autotune_top`
+patches Triton's autotuner process-wide when fla's kernels are first used (and again when it changes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from hybridize.errors import UserError
+
+BACKENDS = ("auto", "torch", "gpu")
+CCQ_PRODUCTS = ("single", "split", "tf32")
+GLA_PRODUCTS = ("single", "split")
+FLA_DQKWG = ("torch", "fla")
+
+
+def _opt(default, help: str, env: str | None = None, choices: tuple | None = None, min: int | None = None):
+    return field(default=default, metadata={"help": help, "env": env, "choices": choices, "min": min})
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The kernel switches; `help` of each field says what it does (`describe()` lists them)."""
+
+    kernels: str = _opt("auto", "backend: auto (GPU kernels on CUDA tensors, PyTorch otherwise) | torch (the PyTorch "
+                                "forms everywhere) | gpu (a missing GPU kernel is an error)", "HYBRIDIZE_KERNELS",
+                        BACKENDS)
+    autotune_top: int = _opt(0, "cap fla-core's Triton autotuning to the n preferred configs per kernel (0 = full "
+                                "tuning; our kernels' short lists are exempt)", "HYBRIDIZE_AUTOTUNE_TOP", min=0)
+    ccq_products: str = _opt("single", "CCQ read, bf16 products: single (one bf16 product) | split (hi/lo pair in "
+                                       "the forward and dq passes, tf32 in dk) | tf32", "HYBRIDIZE_CCQ_PRODUCTS",
+                             CCQ_PRODUCTS)
+    ccq_rows: int = _opt(128, "CCQ read: (piece, head) rows the automatic piece length aims at",
+                         "HYBRIDIZE_CCQ_ROWS", min=1)
+    ccq_segment: int | None = _opt(None, "CCQ read and pieces GLA: fixed piece length in tokens (None = automatic; "
+                                         "0 = one piece per sequence)", "HYBRIDIZE_CCQ_SEGMENT")
+    ccq_tune_top: int = _opt(0, "CCQ read: keep the first n configs of its autotune lists (0 = all; 1 for tests "
+                                "that only check numbers)", "HYBRIDIZE_CCQ_TUNE_TOP", min=0)
+    fla_dqkwg: str = _opt("torch", "gated delta backward's chunk_bwd_dqkwg: torch (our batched fp32 replacement, "
+                                   "fla issue #640) | fla (fla's own kernel)", "HYBRIDIZE_FLA_DQKWG", FLA_DQKWG)
+    gla_products: str = _opt("single", "pieces GLA backward, bf16 products with the carried state: single | split "
+                                       "(hi/lo pair)", "HYBRIDIZE_GLA_PRODUCTS", GLA_PRODUCTS)
+    gla_rows: int = _opt(1024, "pieces GLA: (piece, head) rows the automatic piece length aims at",
+                         "HYBRIDIZE_GLA_ROWS", min=1)
+    sse_gla_pieces: bool = _opt(True, "SSE varlen GLA on CUDA bf16 runs our pieces GLA (false: dispatch's op, "
+                                      "fla's chunk_gla)", "HYBRIDIZE_SSE_GLA_PIECES")
+    sse_triton: bool = _opt(True, "SSE: our Triton row movers and decode step on CUDA tensors (false: the PyTorch "
+                                  "forms on CUDA too, for benchmarks); was `sse.USE_TRITON`")
+    force_triton: bool = _opt(False, "SSE: run our Triton kernels on CPU tensors too (tests under "
+                                     "TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _check(f, getattr(self, f.name), f"kernel_options.{f.name}"))
+
+    @classmethod
+    def from_env(cls, environ=None) -> "KernelOptions":
+        """Defaults, replaced by every `HYBRIDIZE_*` variable that is set (and not empty)."""
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for f in dataclasses.fields(cls):
+            var = f.metadata["env"]
+            raw = None if var is None else environ.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            kw[f.name] = _check(f, raw.strip(), f"{var}={raw!r} (kernel_options.{f.name})")
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "KernelOptions":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, object, str | None, str]]:
+        """(field, default, environment variable or None, help) of every option."""
+        return [(f.name, f.default, f.metadata["env"], f.metadata["help"]) for f in dataclasses.fields(cls)]
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(KernelOptions)}
+
+
+def _check(f: dataclasses.Field, value, where: str):
+    """`value` as the field's type (strings from the environment or a command line parsed), or UserError."""
+    choices, low = f.metadata["choices"], f.metadata["min"]
+    default = f.default
+    try:
+        if value is None:
+            if default is not None:
+                raise ValueError
+            return None
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int) or f.name == "ccq_segment":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            value = int(value)
+            if low is not None and value < low:
+                raise UserError(f"{where}: must be >= {low}, got {value}")
+            return value
+        value = str(value)
+        if choices is not None and value not in choices:
+            raise UserError(f"{where}: must be one of {' | '.join(choices)}, got {value!r}")
+        return value
+    except (TypeError, ValueError):
+        kind = "true/false" if isinstance(default, bool) else "an integer" if (
+            isinstance(default, int) or f.name == "ccq_segment") else "a string"
+        raise UserError(f"{where}: expected {kind}, got {value!r}") from None
+
+
+# ---- the options in force ------------------------------------------------------------------------
+
+_CURRENT: KernelOptions | None = None          # set explicitly (use_kernel_options / set_kernel_options)
+_ENV_VARS = tuple(f.metadata["env"] for f in dataclasses.fields(KernelOptions) if f.metadata["env"])
+_ENV_CACHE: tuple[tuple, KernelOptions | None] = ((), None)   # (raw values, options) of the last env read
+
+
+def _env_options() -> KernelOptions:
+    global _ENV_CACHE
+    raw = tuple(os.environ.get(v) for v in _ENV_VARS)
+    if _ENV_CACHE[1] is None or _ENV_CACHE[0] != raw:
+        _ENV_CACHE = (raw, KernelOptions.from_env())
+    return _ENV_CACHE[1]
+
+
+def current_kernel_options() -> KernelOptions:
+    """The options in force: the explicit ones if set, else the environment's (read live) over the defaults."""
+    if _CURRENT is not None:
+        return _CURRENT
+    if _ENV_CACHE[1] is not None and torch.compiler.is_compiling():
+        return _ENV_CACHE[1]   # a traced region reads no environment: the last options read
+    return _env_options()
+
+
+def set_kernel_options(opts: KernelOptions | None) -> KernelOptions | None:
+    """Make `opts` current for the process (None: back to the environment); returns the explicit ones before."""
+    global _CURRENT
+    if opts is not None and not isinstance(opts, KernelOptions):
+        raise TypeError(f"expected KernelOptions or None, got {type(opts).__name__}")
+    before, _CURRENT = _CURRENT, opts
+    return before
+
+
+@contextmanager
+def use_kernel_options(opts: KernelOptions | dict | None = None, **changes) -> Iterator[KernelOptions]:
+    """Within the block `opts` (a KernelOptions, or a dict of fields over the current ones) plus `changes`
+    are in force; the options before are restored after."""
+    new = opts if isinstance(opts, KernelOptions) else resolve_kernel_options(opts)
+    if changes:
+        new = new.replace(**{k: _check(_field(k), v, f"kernel_options.{k}") for k, v in changes.items()})
+    before = set_kernel_options(new)
+    try:
+        yield new
+    finally:
+        set_kernel_options(before)
+
+
+def _field(name: str) -> dataclasses.Field:
+    if name not in _FIELDS:
+        raise UserError(f"unknown kernel option {name!r}; known: {', '.join(_FIELDS)}")
+    return _FIELDS[name]
+
+
+def check_overrides(overrides: dict | None, where: str = "kernel_options") -> dict:
+    """A dict of explicit fields, checked and parsed (unknown field or bad value: UserError)."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise UserError(f"{where} must be a mapping of option: value, got {overrides!r}")
+    return {k: _check(_field(k), v, f"{where}.{k}") for k, v in overrides.items()}
+
+
+def resolve_kernel_options(overrides: dict | None = None) -> KernelOptions:
+    """The current options with the explicit fields of `overrides` replaced (explicit > environment > defaults)."""
+    base = current_kernel_options()
+    checked = check_overrides(overrides)
+    return base.replace(**checked) if checked else base
+
+
+def with_run_kernel_options(fn):
+    """Decorator for a run entry point `fn(cfg, ...)`: the options of `cfg.kernel_options` (explicit fields
+    over the current ones) are in force for the call, and config.yaml written by it records them."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(cfg, *args, **kwargs):
+        with use_kernel_options(resolve_kernel_options(getattr(cfg, "kernel_options", None))):
+            return fn(cfg, *args, **kwargs)
+    return wrapper

@@ -1,0 +1,242 @@
+"""Kernel options (`hybridize.kernels.options`): the environment read in one place, the options object deciding
+dispatch's path as the variables did, carried on the model's config.json, recorded in a run's config.yaml.
+CPU only: paths are checked by which function dispatch picks, not by running GPU kernels."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridize.errors import UserError
+from hybridize.kernels import dispatch, options, sse
+from hybridize.kernels.options import KernelOptions, current_kernel_options, use_kernel_options
+
+ENV = {f.metadata["env"]: f.name for f in __import__("dataclasses").fields(KernelOptions) if f.metadata["env"]}
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    """No HYBRIDIZE_* kernel variable and no explicit options from elsewhere."""
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(options, "_CURRENT", None)
+
+
+# ---- from_env ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("var,raw,value", [
+    ("HYBRIDIZE_KERNELS", "torch", "torch"),
+    ("HYBRIDIZE_KERNELS", "gpu", "gpu"),
+    ("HYBRIDIZE_AUTOTUNE_TOP", "2", 2),
+    ("HYBRIDIZE_CCQ_PRODUCTS", "split", "split"),
+    ("HYBRIDIZE_CCQ_ROWS", "64", 64),
+    ("HYBRIDIZE_CCQ_SEGMENT", "0", 0),
+    ("HYBRIDIZE_CCQ_SEGMENT", "300", 300),
+    ("HYBRIDIZE_CCQ_TUNE_TOP", "1", 1),
+    ("HYBRIDIZE_FLA_DQKWG", "fla", "fla"),
+    ("HYBRIDIZE_GLA_PRODUCTS", "split", "split"),
+    ("HYBRIDIZE_GLA_ROWS", "256", 256),
+    ("HYBRIDIZE_SSE_GLA_PIECES", "0", False),
+])
+def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
+    field = ENV[var]
+    assert getattr(KernelOptions.from_env({}), field) != value          # not the default
+    assert getattr(KernelOptions.from_env({var: raw}), field) == value
+    monkeypatch.setenv(var, raw)                                         # the process environment, read live
+    assert getattr(current_kernel_options(), field) == value
+    others = {k: v for k, v in current_kernel_options().to_dict().items() if k != field}
+    assert others == {k: v for k, v in KernelOptions().to_dict().items() if k != field}
+
+
+def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
+    assert set(ENV) == {"HYBRIDIZE_KERNELS", "HYBRIDIZE_AUTOTUNE_TOP", "HYBRIDIZE_CCQ_PRODUCTS", "HYBRIDIZE_CCQ_ROWS",
+                        "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
+                        "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES"}
+    assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
+    d = KernelOptions().to_dict()
+    assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
+    assert d["sse_gla_pieces"] and d["sse_triton"] and not d["force_triton"]
+    assert all(help_ for _, _, _, help_ in KernelOptions.describe())
+
+
+@pytest.mark.parametrize("var,raw", [
+    ("HYBRIDIZE_KERNELS", "cuda"), ("HYBRIDIZE_AUTOTUNE_TOP", "many"), ("HYBRIDIZE_AUTOTUNE_TOP", "-1"),
+    ("HYBRIDIZE_CCQ_PRODUCTS", "fast"), ("HYBRIDIZE_CCQ_ROWS", "0"), ("HYBRIDIZE_CCQ_SEGMENT", "1.5"),
+    ("HYBRIDIZE_CCQ_TUNE_TOP", "x"), ("HYBRIDIZE_FLA_DQKWG", "ours"), ("HYBRIDIZE_GLA_PRODUCTS", "tf32"),
+    ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
+])
+def test_bad_value_is_one_clear_line(var, raw, monkeypatch):
+    with pytest.raises(UserError) as e:
+        KernelOptions.from_env({var: raw})
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and var in msg and f"kernel_options.{ENV[var]}" in msg and raw in msg
+    monkeypatch.setenv(var, raw)      # the first kernel call that reads the options says the same
+    with pytest.raises(UserError, match=var):
+        current_kernel_options()
+
+
+def test_explicit_options_beat_the_environment_and_are_restored(monkeypatch):
+    monkeypatch.setenv("HYBRIDIZE_KERNELS", "torch")
+    monkeypatch.setenv("HYBRIDIZE_CCQ_ROWS", "64")
+    with use_kernel_options(kernels="gpu") as opts:
+        assert current_kernel_options() is opts and opts.kernels == "gpu" and opts.ccq_rows == 64
+        with use_kernel_options({"ccq_rows": 32}):
+            assert (current_kernel_options().kernels, current_kernel_options().ccq_rows) == ("gpu", 32)
+        assert current_kernel_options().ccq_rows == 64
+    assert current_kernel_options().kernels == "torch"
+    with pytest.raises(UserError, match="unknown kernel option 'kernel'"):
+        options.resolve_kernel_options({"kernel": "torch"})
+    with pytest.raises(UserError, match="kernel_options.kernels"):
+        options.resolve_kernel_options({"kernels": "cuda"})
+
+
+# ---- dispatch: the same path from the options as from the variable -------------------------------------
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor: dispatch only asks `is_cuda`."""
+    is_cuda = True
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    monkeypatch.setattr(dispatch, "_gpu_tried", True)   # no fla adapter import
+    monkeypatch.setitem(dispatch._GPU, ("gla", "chunk"), lambda *a, **k: "gpu")
+    monkeypatch.setitem(dispatch._TORCH, ("gla", "chunk"), lambda *a, **k: "torch")
+    monkeypatch.setitem(dispatch._TORCH, ("delta", "chunk"), lambda *a, **k: "torch")
+    monkeypatch.delitem(dispatch._GPU, ("delta", "chunk"), raising=False)
+
+
+@pytest.mark.parametrize("backend,gla,delta", [("auto", "gpu", "torch"), ("torch", "torch", "torch"),
+                                               ("gpu", "gpu", RuntimeError)])
+def test_dispatch_path_from_options_equals_from_env(backend, gla, delta, fake_ops, monkeypatch):
+    def paths():
+        out = [dispatch.run("gla", "chunk", _FakeCuda()), dispatch.get_backend()]
+        try:
+            out.append(dispatch.run("delta", "chunk", _FakeCuda()))
+        except RuntimeError as e:
+            assert "kernels=auto" in str(e)
+            out.append(RuntimeError)
+        return out
+
+    monkeypatch.setenv("HYBRIDIZE_KERNELS", backend)
+    from_env = paths()
+    monkeypatch.delenv("HYBRIDIZE_KERNELS")
+    monkeypatch.setenv("HYBRIDIZE_KERNELS", "torch" if backend != "torch" else "auto")   # overridden below
+    with use_kernel_options(kernels=backend):
+        from_options = paths()
+    assert from_env == from_options == [gla, backend, delta]
+    assert dispatch.run("gla", "chunk", torch.zeros(1)) == "torch"   # CPU tensors: always the PyTorch form
+
+
+def test_set_backend_sets_the_option():
+    dispatch.set_backend("torch")
+    assert current_kernel_options().kernels == "torch" and dispatch.get_backend() == "torch"
+    with pytest.raises(ValueError):
+        dispatch.set_backend("cuda")
+
+
+def test_sse_switches_follow_the_options(monkeypatch):
+    """SSE's pieces-GLA choice and its Triton row movers / decode step: the options decide as the variable and
+    the old module globals (`USE_TRITON`, `FORCE_TRITON`) did."""
+    monkeypatch.setattr(sse, "importlib", SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: object())))
+    bf16_cuda = SimpleNamespace(q=SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), g=object())
+    assert sse._gla_in_pieces("gla", bf16_cuda)
+    monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
+    assert not sse._gla_in_pieces("gla", bf16_cuda)
+    monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
+    with use_kernel_options(sse_gla_pieces=False):
+        assert not sse._gla_in_pieces("gla", bf16_cuda)
+    with use_kernel_options(kernels="torch"):
+        assert not sse._gla_in_pieces("gla", bf16_cuda)
+
+    cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    cpu_x = torch.zeros(1)
+    assert sse._triton_ok(cuda_x) and not sse._triton_ok(cpu_x)
+    with use_kernel_options(sse_triton=False):
+        assert not sse._triton_ok(cuda_x)
+    with use_kernel_options(force_triton=True):
+        assert sse._triton_ok(cpu_x)
+    with use_kernel_options(kernels="torch", force_triton=True):
+        assert not sse._triton_ok(cpu_x)
+
+
+# ---- the model: config.json carries the explicit options, the forward puts them in force ----------------
+
+def _tiny_hybrid():
+    from hybridize.convert.convert import convert_model
+    from tests.convert.common import tiny_teacher
+
+    return convert_model(tiny_teacher("llama"), ["deltanet", "attn", "deltanet"], mixer="deltanet").eval()
+
+
+def _seen_options(monkeypatch) -> list:
+    seen = []
+
+    def spy():
+        opts = options.current_kernel_options()
+        seen.append(opts)
+        return opts
+    monkeypatch.setattr(dispatch, "current_kernel_options", spy)
+    return seen
+
+
+def test_model_config_round_trip_and_forward_uses_its_options(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_hybrid()
+    assert model.config.kernel_options == {}
+    ids = torch.randint(3, 50, (1, 9))
+    seen = _seen_options(monkeypatch)
+    monkeypatch.setenv("HYBRIDIZE_CCQ_ROWS", "64")
+    with torch.no_grad():
+        want = model(ids).logits
+    assert seen and {o.ccq_rows for o in seen} == {64} and {o.kernels for o in seen} == {"auto"}
+
+    model.config.kernel_options = {"kernels": "torch", "ccq_rows": 32}
+    model.save_pretrained(tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved["kernel_options"] == {"kernels": "torch", "ccq_rows": 32}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert loaded.config.kernel_options == {"kernels": "torch", "ccq_rows": 32}
+    seen.clear()
+    with torch.no_grad():
+        got = loaded(ids).logits
+    assert seen and {(o.kernels, o.ccq_rows) for o in seen} == {("torch", 32)}   # explicit config > environment
+    torch.testing.assert_close(got, want)
+    assert current_kernel_options().ccq_rows == 64 and options._CURRENT is None   # restored after the forward
+
+    # a config.json written before the field loads (as "nothing explicit"); a bad value is one line
+    del saved["kernel_options"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(saved))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.kernel_options == {}
+    saved["kernel_options"] = {"kernels": "cuda"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match="kernel_options.kernels: must be one of auto"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+
+
+# ---- a run's config.yaml -------------------------------------------------------------------------------
+
+from tests.distill.test_lost_work import _distill, folders  # noqa: E402,F401 (the tiny CLI run and its fixture)
+
+
+def test_distill_run_records_and_uses_kernel_options(folders, tmp_path, monkeypatch):  # noqa: F811
+    import yaml
+
+    seen = _seen_options(monkeypatch)
+    monkeypatch.setenv("HYBRIDIZE_CCQ_TUNE_TOP", "3")
+    run = tmp_path / "run"
+    r = _distill(folders, run, "train.max_steps=1", "kernel_options.ccq_rows=64", "kernel_options.kernels=torch")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    recorded = yaml.safe_load((run / "config.yaml").read_text())["kernel_options"]
+    assert recorded == {**KernelOptions().to_dict(), "ccq_rows": 64, "kernels": "torch", "ccq_tune_top": 3}
+    assert seen and {(o.kernels, o.ccq_rows, o.ccq_tune_top) for o in seen} == {("torch", 64, 3)}
+    assert options._CURRENT is None
+    # a --resume may change them; a bad one fails at parse time in one line
+    r = _distill(folders, run, "train.max_steps=2", "kernel_options.ccq_rows=32", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert yaml.safe_load((run / "config.yaml").read_text())["kernel_options"]["ccq_rows"] == 32
+    r = _distill(folders, tmp_path / "bad", "train.max_steps=1", "kernel_options.kernels=cuda")
+    assert r.exit_code != 0 and isinstance(r.exception, UserError) and "kernel_options.kernels" in str(r.exception)
