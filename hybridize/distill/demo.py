@@ -13,7 +13,7 @@ threads are the cores idle when each stage starts (`hybridize.cpu`). Everything 
 the converted student, align/ and e2e/ runs (metrics, loss curves), summary.json and summary.md.
 
 This is a smoke-scale distillation (tens of thousands of tokens, where the GPU recipe of
-`benchmarks/distill_default_gpu.py` uses millions): it shows the pipeline and the gap closing.
+`benchmarks/pipeline/distill_default_gpu.py` uses millions): it shows the pipeline and the gap closing.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .metrics import perplexity
 from .traces import generate, render_prompt
 
 #: what the GPU recipe reached (benchmarks/RESULTS.md, "Distillation of the embedded default")
-GPU_RESULT = ("on one H100 the full recipe (`benchmarks/distill_default_gpu.py`, 12.7M training tokens, 11 min) "
+GPU_RESULT = ("on one H100 the full recipe (`benchmarks/pipeline/distill_default_gpu.py`, 12.7M training tokens, 11 min) "
               "brings this student to wikitext-2 perplexity 19.57 against the teacher's 18.93 (1.03x)")
 
 

@@ -33,7 +33,7 @@ Conventions mapped here:
 Training path for Gated DeltaNet / CCQ-GDN / Q-Delta (fla issue #640): fla 0.6.0 raises in the gated
 `chunk_bwd_dqkwg` on Hopper with Triton 3.4-3.7.0. `hybridize.kernels.triton.dqkwg` replaces exactly
 that chunk-local kernel by batched fp32 PyTorch inside our own autograd Functions; the rest of the
-backward is fla's. `benchmarks/gpu_check.py` verifies every gradient against the fp32 reference.
+backward is fla's. `benchmarks/ops/gpu_check.py` verifies every gradient against the fp32 reference.
 (Scalar-gate GLA avoids the same kernel by using `chunk_gla` with the gate broadcast over keys.)
 
 Switches (kernel options, `hybridize.kernels.options`; environment variable in brackets): `kernels=auto|torch|gpu`

@@ -63,7 +63,7 @@ def rel(a, b):
 
 
 def nrel(a, b):
-    """Norm-wise relative error (the GPU tolerance measure of benchmarks/gpu_check.py)."""
+    """Norm-wise relative error (the GPU tolerance measure of benchmarks/ops/gpu_check.py)."""
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
