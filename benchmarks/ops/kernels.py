@@ -6,7 +6,7 @@ Sections (each row: forward and forward+backward milliseconds):
            (`kernels.sse.sse_varlen` / `sse_masking`, routing from random logits), N in `--sse-n`
            (default 4,8,16). varlen uses the device-side plan and our Triton row movers
            (`kernels/triton/sse_route.py`); `sse_varlen_torchmove_n{N}k1` is the same plan with the
-           PyTorch row movers (`sse.USE_TRITON = False`), to show what the kernels buy;
+           PyTorch row movers (kernel option `sse_triton=False`), to show what the kernels buy;
 - ccq:     the CCQ covariance read alone (`ccq` op, GPU path), next to GLA and GDN: overhead = ccq / backbone;
 - delta:   Gated DeltaNet vs Q-Delta (lam: p = k + lambda q formed by the op) through the delta op (fla fwd +
            checked bwd);
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -142,11 +141,10 @@ SSE_NS = (4, 8, 16)
 
 
 def section_sse(rows, T, warm):
-    from hybridize.kernels import sse
+    from hybridize.kernels.options import use_kernel_options
     cases = [("varlen", N, True) for N in SSE_NS] + [("varlen", SSE_NS[0], False), ("masking", SSE_NS[0], True)]
     for layout, N, triton_moves in cases:
-        sse.USE_TRITON = triton_moves
-        try:
+        with use_kernel_options(sse_triton=triton_moves):
             call, inp, leaves = sse_setup(T, N, layout)
             f, fb, _ = fwd_bwd(call, inp, leaves)
             if warm:
@@ -154,8 +152,6 @@ def section_sse(rows, T, warm):
             else:
                 tag = layout if triton_moves else f"{layout}_torchmove"
                 timed(rows, f"sse_{tag}_n{N}k1", T, f, fb, leaves)
-        finally:
-            sse.USE_TRITON = True
 
 
 def section_ccq(rows, T, warm):
@@ -190,14 +186,11 @@ def sse_decode_setup(N=4):
 
 
 def sse_decode_torch(step):
-    from hybridize.kernels import sse
+    from hybridize.kernels.options import use_kernel_options
 
     def run():
-        sse.USE_TRITON = False
-        try:
+        with use_kernel_options(sse_triton=False):
             return step()
-        finally:
-            sse.USE_TRITON = True
     return run
 
 
@@ -263,10 +256,11 @@ def main():
     from hybridize.kernels import dispatch, fla_adapter
     assert fla_adapter.activate()
     dispatch.set_backend("auto")  # ccq decode has no GPU kernel: PyTorch ops on CUDA tensors
+    from hybridize.kernels.options import current_kernel_options
     Ts = [int(t) for t in a.T.split(",")]
     rows, start = [], time.time()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"autotune_top={os.environ.get('HYBRIDIZE_AUTOTUNE_TOP', '0')}", flush=True)
+          f"autotune_top={current_kernel_options().autotune_top}", flush=True)
     for sec in a.sections.split(","):
         for T in (Ts[:1] if a.warm else Ts):
             if time.time() - start > a.deadline:
