@@ -9,7 +9,7 @@ and one way to print the table (device, shapes, dtype in the header; ratios side
   around each call when CUDA is there (CPU scripts);
 - `timed_call(fn)`: (result, seconds) of one CUDA-synchronised call;
 - `graphed(fn)` / `graph_time_us(fns)`: a CUDA-graph replay of `fn`, and the mean time per call of a graph;
-- `md_table(header, rows)` / `dict_table(rows)`: markdown tables.
+- `md_header(columns, align)` / `md_table(columns, rows)` / `dict_table(rows)`: markdown tables.
 
 Every script that times things imports these (`from benchmarks.timing import ...`); run scripts from the repo
 root as `python -m benchmarks.<folder>.<script>`.
@@ -137,11 +137,18 @@ def graph_time_us(fns, reps: int = 10) -> float:
     return 1e3 * start.elapsed_time(end) / (reps * len(fns))
 
 
-def md_table(header: list[str], rows: list[list], align: list[str] | None = None) -> str:
-    """A markdown table; `align` per column ("---", "---:"), default: first left, the rest right."""
-    align = align or ["---"] + ["---:"] * (len(header) - 1)
-    return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+def md_header(columns: list[str], align: str = "") -> str:
+    """The two header lines of a markdown table (the rows follow as the script measures them). `align`: one
+    letter per column, "l" (---) or "r" (---:); default: the first column left, the others right."""
+    align = align or "l" + "r" * (len(columns) - 1)
+    assert len(align) == len(columns), (align, columns)
+    return "\n".join(["| " + " | ".join(columns) + " |",
+                      "| " + " | ".join("---:" if a == "r" else "---" for a in align) + " |"])
+
+
+def md_table(columns: list[str], rows: list[list], align: str = "") -> str:
+    """A whole markdown table: `md_header(columns, align)`, then one line per row."""
+    return "\n".join([md_header(columns, align)] + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def fmt(v) -> str:

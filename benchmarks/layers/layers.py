@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from benchmarks.timing import bench, gpu_stack, profile
+from benchmarks.timing import bench, gpu_stack, md_header, profile
 
 HIDDEN, HEADS, HEAD_DIM = 2048, 16, 128
 #: (layer, the layer it is compared with)
@@ -84,8 +84,8 @@ def main():
     print(f"{header} | layer: hidden {HIDDEN} = {HEADS} heads x {HEAD_DIM}, B=1, bf16, chunked mode; ms; "
           f"wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
-    print("| T | layer | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | vs | fwd dev ratio | fwd+bwd dev ratio |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    print(md_header(["T", "layer", "fwd wall", "fwd dev", "fwd+bwd wall", "fwd+bwd dev", "vs", "fwd dev ratio",
+                     "fwd+bwd dev ratio"], "rlrrrrlrr"))
     out = []
     for T in [int(t) for t in args.T.split(",")]:
         rows = {n: time_layer(n, T) for n in names}

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from benchmarks.timing import md_header
 from hybridize.mixers import build_mixer, mixer_names
 
 SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -54,8 +55,7 @@ def main() -> None:
 
     header = (f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
               f"fp32, batch 1, {SHAPE}")
-    rows = ["| mixer | T | chunk fwd+bwd (s) | recurrent fwd+bwd (s) | recurrent / chunk |",
-            "| --- | ---: | ---: | ---: | ---: |"]
+    rows = [md_header(["mixer", "T", "chunk fwd+bwd (s)", "recurrent fwd+bwd (s)", "recurrent / chunk"], "lrrrr")]
     print(header)
     for name in args.mixers:
         mixer = build_mixer(name, **SHAPE).train()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.ops import kernels as bk   # the same backbone inputs and calls
-from benchmarks.timing import bench, gpu_stack, profile
+from benchmarks.timing import bench, gpu_stack, md_header, profile
 
 MODES = ("single", "split", "tf32")   # HYBRIDIZE_CCQ_PRODUCTS settings, the default first
 
@@ -88,9 +88,8 @@ def main():
     args = ap.parse_args()
     print(f"{gpu_stack('ops/ccq_triton.py')} | B=1 H={bk.H} D={bk.D} bf16; ms; wall = do_bench median, dev = sum of kernel times (profiler)")
     print()
-    print("| T | op | fwd wall | fwd dev | fwd+bwd wall | fwd+bwd dev | fwd / GLA | fwd+bwd / GLA "
-          "| fwd / GDN | fwd+bwd / GDN |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(md_header(["T", "op", "fwd wall", "fwd dev", "fwd+bwd wall", "fwd+bwd dev", "fwd / GLA", "fwd+bwd / GLA",
+                     "fwd / GDN", "fwd+bwd / GDN"], "rlrrrrrrrr"))
     out = []
     for T in [int(t) for t in args.T.split(",")]:
         rows, diff = run(T, args.segments.split(","))

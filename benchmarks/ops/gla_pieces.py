@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from benchmarks.ops import kernels as bk   # the same GLA inputs and calls
-from benchmarks.timing import bench, gpu_stack, profile
+from benchmarks.timing import bench, gpu_stack, md_header, profile
 
 
 def sse_cu(T, n=4, seed=0):
@@ -43,9 +43,8 @@ def main():
 
     print(f"{gpu_stack('ops/gla_pieces.py')} | B=1 H={bk.H} D={bk.D} bf16 (gates fp32); ms")
     print()
-    print("| T | layout | direction | chunk_gla dev | ours dev | ours / chunk_gla (dev) | chunk_gla wall | ours wall "
-          "| max rel. diff |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(md_header(["T", "layout", "direction", "chunk_gla dev", "ours dev", "ours / chunk_gla (dev)", "chunk_gla wall",
+                     "ours wall", "max rel. diff"], "rllrrrrrr"))
     for T in [int(t) for t in args.T.split(",")]:
         names = {"T": "T tokens", "2T": "SSE 2T layout"}
         for layout in (names[n] for n in args.layouts.split(",")):

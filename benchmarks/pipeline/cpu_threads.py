@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import median_time
+from benchmarks.timing import md_header, median_time
 from hybridize.convert.convert import convert_model
 from hybridize.convert.sources import load_model
 from hybridize.cpu import pick_threads
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2,auto", help="thread counts to time; auto = hybridize.cpu.pick_threads() "
                                                           "(the default of every training loop), picked under the load")
     ap.add_argument("--load", type=int, default=1, help="busy cores in the loaded runs")
-    ap.add_argument("--out", default="runs/benchmarks/cpu_threads.md")
+    ap.add_argument("--out", default="runs/cpu_threads.md")
     args = ap.parse_args()
 
     teacher, _ = load_model("default")
@@ -84,8 +84,8 @@ def main() -> None:
                                                   for k, v in cell.items() if k[0] != "threads"), flush=True)
     lines = [f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
              f"{args.tokens} tokens, batch 1, fp32, median of {args.repeats}; loaded = {args.load} busy core(s)", "",
-             "| threads | teacher idle (ms) | teacher loaded (ms) | teacher slowdown | hybrid idle (ms) "
-             "| hybrid loaded (ms) | hybrid slowdown |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header(["threads", "teacher idle (ms)", "teacher loaded (ms)", "teacher slowdown", "hybrid idle (ms)",
+                        "hybrid loaded (ms)", "hybrid slowdown"], "rrrrrrr")]
     for threads, c in rows:
         if threads == "auto":
             threads = f"auto ({cell[('threads', 0)]} idle, {cell[('threads', args.load)]} loaded)"
