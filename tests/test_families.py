@@ -173,7 +173,7 @@ def test_rl_fast_generate_same_tokens_or_falls_back(family):
     """The RL decode loop runs embed -> layers -> norm -> lm_head itself: where that is the family's forward it
     gives HF's tokens; where it is not (a RoPE per layer type, embedding multiplier, logits transform) it
     falls back to HF generate and says why."""
-    from hybridize.rl.fast_generate import FastGenerator
+    from hybridize.generation.fast import FastGenerator
 
     _, model = _hybrid("gla", family)
     ids, mask, _ = left_padded([_ids(1, 9, seed=3)[0], _ids(1, 5, seed=4)[0]])

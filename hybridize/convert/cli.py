@@ -14,7 +14,10 @@ from pathlib import Path
 
 import typer
 
-DTYPES = ("float32", "bfloat16", "float16")
+from hybridize.generation.loading import DTYPES, load_model
+
+#: the --dtype choices of `convert` and `generate` (names in `hybridize.generation.loading.DTYPES`)
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
@@ -44,11 +47,9 @@ def parse_settings(items: list[str] | None) -> dict:
 
 
 def _torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPES:
-        raise ValueError(f"--dtype {name!r}: choose one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[name]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -105,7 +106,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
     from hybridize.convert.report import conversion_report, report_table, sample_inputs
     from hybridize.convert.select.plan_file import is_plan_file, plan_from_file
     from hybridize.convert.settings import check_user_settings
-    from hybridize.convert.sources import family_source_note, load_config, load_model
+    from hybridize.convert.sources import family_source_note, load_config
 
     console = console or Console()
     from hybridize.convert.report import SAMPLE_TEXTS
@@ -129,7 +130,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
                                          f"{config.num_hidden_layers} layers)"))
     check_user_settings(config, plan, settings)  # bad settings fail before loading
     _check_out(out, overwrite)
-    teacher, tokenizer = load_model(src, dtype=tdtype, device=device)
+    teacher, tokenizer = load_model(src, dtype=tdtype, device=device, need_tokenizer=False)
     t_load = time.perf_counter()
     calib = calibration_inputs(teacher, tokenizer) if calibrate else None
     hybrid = convert_model(teacher, plan, mixer=mixer, mixer_settings=settings, teacher_source=source["teacher"],
@@ -202,12 +203,12 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device"),
     ) -> None:
         """Greedy generation from a model (chat template applied when the tokenizer has one)."""
-        from hybridize.convert.sources import family_source_note, load_model
+        from hybridize.convert.sources import family_source_note
 
         note = family_source_note(model)
         if note:
             typer.secho(note, err=True, dim=True)
-        m, tok = load_model(model, dtype=_torch_dtype(dtype), device=device)
+        m, tok = load_model(model, dtype=_torch_dtype(dtype), device=device, need_tokenizer=False)
         if tok is None:
             raise ValueError(f"{model} has no tokenizer files")
         t = time.perf_counter()

@@ -14,9 +14,7 @@ import torch
 import torch.nn as nn
 
 from hybridize.errors import UserError
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+from hybridize.generation.loading import DTYPES, load_model
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -25,26 +23,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _register_hybrid() -> None:
-    """Importing hybridize.modeling registers the hybrid classes with the Auto* factories."""
-    try:
-        import hybridize.modeling  # noqa: F401
-    except ImportError:
-        pass
-
-
 def load_teacher(source: str, dtype: str = "float32", device: str | torch.device = "cpu"):
     """(model, tokenizer) of a teacher: 'default' (embedded SmolLM2), a folder or a hub name."""
-    try:
-        from hybridize.convert.sources import load_model
-    except ImportError:
-        load_model = None
-    if load_model is not None:
-        model, tok = load_model(source, torch_dtype(dtype), device)
-    else:  # the converter package is not there yet: plain HF loading
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype)).to(device)
-        tok = AutoTokenizer.from_pretrained(source)
+    model, tok = load_model(source, torch_dtype(dtype), device, need_tokenizer=False)
     model.eval().requires_grad_(False)
     return model, tok
 
@@ -55,17 +36,7 @@ def load_student(path: str, dtype: str = "float32", device: str | torch.device =
         raise UserError("no student given: pass student=<folder written by `hybridize convert --out`>")
     if not Path(path).is_dir():
         raise UserError(f"student folder {path} does not exist (run `hybridize convert --out {path}` first)")
-    try:
-        from hybridize.convert.sources import load_model
-    except ImportError:
-        load_model = None
-    if load_model is not None:
-        model, tok = load_model(str(path), torch_dtype(dtype), device)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        _register_hybrid()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device)
-        tok = AutoTokenizer.from_pretrained(path)
+    model, tok = load_model(str(path), torch_dtype(dtype), device, need_tokenizer=False)
     model.train()
     return model, tok
 

@@ -9,7 +9,7 @@ ratio between them is fair even on a noisy machine (DESIGN.md sec. 6):
   cache (a plain `model(input_ids=[B, 1], past_key_values=cache)` loop: no sampling/stopping overhead
   of `generate`, but every step pays HF's Python overhead, which on a GPU dominates for small models);
 - decode, `decode="fast"` (default on CUDA): the static-buffer CUDA-graph decode loop of
-  `hybridize.rl.fast_generate` (what rollouts use), EOS off; its decode time is the wall time of a
+  `hybridize.generation.fast` (what rollouts use), EOS off; its decode time is the wall time of a
   `decode_tokens + 1`-token call minus that of a 1-token call with the same prompt and buffer shape
   (both after a warm-up call that captures the graph), so prefill and buffer set-up cancel out;
 - cache_MB: bytes of all tensors held by the cache (loop: after prefill + decode; fast: after the
@@ -39,7 +39,7 @@ class SpeedConfig:
     repeats: int = field(default=1, metadata={"help": "runs per cell (median reported)"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
     decode: str = field(default="auto", metadata={"help": "loop (HF forward per step) | fast (CUDA-graph loop of "
-                                                           "rl.fast_generate) | auto (fast on CUDA)"})
+                                                           "generation.fast) | auto (fast on CUDA)"})
     warmup: bool | None = field(default=None, metadata={"help": "one untimed run per cell first (default: on CUDA)"})
 
 
@@ -133,7 +133,7 @@ def _fast_decode_seconds(model, ids: torch.Tensor, n: int, fast=None) -> tuple[f
     token), same prompt and buffer bucket, after one warm-up call of n + 1 (graph capture). EOS is off:
     every row runs n steps. Where the fast path falls back to `model.generate`, that is what gets timed
     (label 'hf-generate')."""
-    from hybridize.rl.fast_generate import FastGenerator
+    from hybridize.generation.fast import FastGenerator
 
     from .common import Timer
 
@@ -164,7 +164,7 @@ def run_speed(models: dict[str, object], cfg: SpeedConfig, out_dir: str | Path |
     for name, m in models.items():
         dev = model_device(m)
         if resolve_decode(cfg.decode, dev) == "fast":
-            from hybridize.rl.fast_generate import FastGenerator
+            from hybridize.generation.fast import FastGenerator
 
             fast[name] = FastGenerator(m)   # one per model: its graphs are reused across repeats
         measure(m, 16, 1, 2, cfg.seed, cfg.decode, fast.get(name))   # warm-up: kernels, allocator, lazy init

@@ -3,8 +3,7 @@
 - `config`: the `hybridize grpo` settings (recipe YAML + key=value overrides)
 - `data`: math prompts from local JSONL or the hub, chat template + boxed-answer instruction
 - `rewards`: verified correctness (math-verify) and format rewards in TRL's reward-function form
-- `fast_generate`: static-buffer / CUDA-graph decode loop, same tokens as `model.generate`
-- `trainer`: `HybridGRPOTrainer` (GRPOTrainer + fast rollouts) and `run_grpo`
+- `trainer`: `HybridGRPOTrainer` (GRPOTrainer + fast rollouts through `hybridize.generation.fast`) and `run_grpo`
 - `cli`: the `grpo` command
 
 Imports are lazy so `hybridize --help` stays fast.
@@ -16,9 +15,6 @@ _EXPORTS = {
     "load_grpo_config": "hybridize.rl.config",
     "correctness_reward": "hybridize.rl.rewards",
     "format_reward": "hybridize.rl.rewards",
-    "FastGenerator": "hybridize.rl.fast_generate",
-    "FastGenConfig": "hybridize.rl.fast_generate",
-    "fast_generate": "hybridize.rl.fast_generate",
     "HybridGRPOTrainer": "hybridize.rl.trainer",
     "run_grpo": "hybridize.rl.trainer",
 }

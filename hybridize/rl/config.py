@@ -91,7 +91,7 @@ class GRPORunConfig:
     seed: int = _f(0, "seed (TRL makes it device-specific)")
     dtype: str = _f("auto", "training dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16")
     device: str = _f("auto", "auto | cpu | cuda")
-    fast_generation: bool = _f(True, "rollouts through hybridize.rl.fast_generate (static buffers, CUDA graphs); "
+    fast_generation: bool = _f(True, "rollouts through hybridize.generation.fast (static buffers, CUDA graphs); "
                                      "falls back to model.generate for settings it does not support")
     cuda_graphs: str = _f("auto", "CUDA graphs in the fast path: auto | on | off")
     compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): 25-35% faster decode "
@@ -116,7 +116,7 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
     if recipe:
         check_recipe(recipe)
     cfg = load_config(GRPORunConfig, recipe, overrides)
-    from hybridize.rl.fast_generate import COMPILE_MODES, CUDA_GRAPH_MODES
+    from hybridize.generation.fast import COMPILE_MODES, CUDA_GRAPH_MODES
 
     # decode_gemm: FastGenConfig.gemm without "triton", which only forces the kernel for CPU interpreter tests
     for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", COMPILE_MODES),

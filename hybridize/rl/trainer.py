@@ -3,11 +3,11 @@
 GRPO itself is TRL's (group-relative advantages, clipped ratio loss, optional KL to a reference). This
 module adds:
 - `HybridGRPOTrainer`: GRPOTrainer whose transformers-generate rollouts go through
-  `hybridize.rl.fast_generate` (static buffers, CUDA graphs; same tokens as `model.generate`), which
+  `hybridize.generation.fast` (static buffers, CUDA graphs; same tokens as `model.generate`), which
   logs rollout throughput (`rollout/tokens_per_s`, `rollout/seconds`, `rollout/fast`), and which stops on a
   non-finite loss, gradient or weight with one line and saves nothing from that state
   (`hybridize.distill.trainer_guard`);
-- `run_grpo(cfg)`: model + tokenizer loading (`hybridize.convert.sources.load_model`: a hybrid folder,
+- `run_grpo(cfg)`: model + tokenizer loading (`hybridize.generation.loading.load_model`: a hybrid folder,
   "default", a hub id), prompt dataset, reward functions, LoRA (peft) or full training, checkpoints
   (`checkpoint-N/`, TRL/Trainer format) and `--resume`, `metrics.jsonl` + `reward.png`, held-out
   scoring before and after (`scores.json`), the final model in `final/`; every reward function goes through
@@ -36,8 +36,9 @@ from hybridize.distill.checkpoint import check_trainer_resume
 from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
 from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
+from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
+from hybridize.generation.loading import load_model
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
-from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
 
 
 def _expose_model_class() -> None:
@@ -309,11 +310,9 @@ def _lora_config(cfg: GRPORunConfig):
 
 def load_policy(cfg: GRPORunConfig, dtype: torch.dtype):
     """(model on CPU in `dtype`, tokenizer); TRL/accelerate moves the model to the device."""
-    from hybridize.convert.sources import load_model
-
     if not cfg.model:
         raise UserError("no model: pass --model DIR (a converted hybrid), 'default', or set model= in the recipe")
-    model, tok = load_model(cfg.model, dtype=dtype, device="cpu")
+    model, tok = load_model(cfg.model, dtype=dtype, device="cpu", need_tokenizer=False)
     if tok is None:
         raise UserError(f"{cfg.model} has no tokenizer; save one next to the model")
     if tok.pad_token is None:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from hybridize.eval.common import cut_at_eos, generate, left_pad, resolve_generation
+from hybridize.generation.batched import cut_at_eos, generate, left_pad, resolve_generation
 from tests.eval.conftest import make_tiny_llama
 
 EOS_EVERY = 11   # every 11th token id ends a row: rows of one batch stop at different steps

@@ -250,11 +250,11 @@ def test_linears_routed_patches_plain_linears_and_restores(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.skipif(CUDA, reason="the CPU interpreter wiring check (CUDA runs the graph test in test_fast_generate)")
+@pytest.mark.skipif(CUDA, reason="the CPU interpreter wiring check (CUDA runs the graph test in tests/generation/test_fast.py)")
 def test_fast_generate_through_the_kernel(monkeypatch):
     """A tiny bf16 SSE hybrid (fused decode projections included) decodes through the kernel: every decode
     step's linears run it, and the logits stay within bf16 rounding of the F.linear run."""
-    from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+    from hybridize.generation.fast import FastGenConfig, FastGenerator
     from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
 
     model, _ = tiny_hybrid(mixer="sse")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from hybridize.generation.loading import load_model, resolve_device
+
 from .choose import combined_scores, greedy_choice, plan_string, rank_choice
 from .config import SelectConfig, check_config, measure_settings
 from .record import MD, PLAN, PNG, SelectRecord, atomic_write, save_bars, table_rows, write_md
@@ -72,15 +74,12 @@ def prepare(src: str, cfg: SelectConfig, out: Path) -> SelectRecord:
 
 def run_select(src: str, cfg: SelectConfig, out: str | Path, log=print, progress: bool = True) -> dict:
     """The whole `select` command; returns the final record (also OUT/select.json)."""
-    from hybridize.convert.sources import load_model
-    from hybridize.eval.common import resolve_device
-
     t0 = time.perf_counter()
     out = Path(out)
     record = prepare(src, cfg, out)
     (out / PLAN).unlink(missing_ok=True)  # present again only when this run has finished
     device = resolve_device(cfg.device)
-    teacher, tokenizer = load_model(src, dtype=torch.float32, device=device)
+    teacher, tokenizer = load_model(src, dtype=torch.float32, device=device, need_tokenizer=False)
     teacher.eval().requires_grad_(False)
     log(f"select: {src} ({record.data['teacher']['num_layers']} layers) on {device}, criterion {cfg.criterion}, "
         f"keep {cfg.keep}")

@@ -1,6 +1,6 @@
 """Split-KV ("flash-decoding") softmax attention for ONE query token per row over a static KV buffer.
 
-Why: a decode step of the fast rollout loop (`hybridize.rl.fast_generate`) reads a `[B, Hkv, L_buf, D]`
+Why: a decode step of the fast rollout loop (`hybridize.generation.fast`) reads a `[B, Hkv, L_buf, D]`
 key/value buffer of which only a per-row key range is valid. HF's masked `F.scaled_dot_product_attention`
 with q_len = 1 cannot split the key length across programs and, with a mask, drops to a slow backend
 (~1.25 ms per layer at B=8, 16k keys, Qwen3-1.7B shapes on an H100, against a ~0.17 ms memory floor).

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hybridize.kernels.triton.attn_decode import attn_decode_reference
-from hybridize.rl.fast_generate import FastGenConfig, FastGenerator
+from hybridize.generation.fast import FastGenConfig, FastGenerator
 from tests.rl.helpers import left_padded_batch as _batch, byte_tokenizer, tiny_hybrid
 
 PAD = byte_tokenizer().pad_token_id
@@ -179,7 +179,7 @@ def test_sliding_window_layers_cpu():
 
 
 def _qwen3_benchmark_like(layers=2, **over):
-    """benchmarks/rollouts.py's "qwen3-1.7b" shape with the width shrunk: the same heads (16 query / 8 KV,
+    """benchmarks/generation/rollouts.py's "qwen3-1.7b" shape with the width shrunk: the same heads (16 query / 8 KV,
     GQA 2), head_dim 128, q/k norms, rope theta, tied embeddings and Qwen3's default sliding-window fields
     (sliding_window 4096 dropped by use_sliding_window=False, max_window_layers 28, derived layer_types)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

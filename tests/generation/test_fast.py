@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridize.rl.fast_generate import FastGenConfig, FastGenerator, fast_generate, fast_generate_installed
+from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate, fast_generate_installed
 from tests.rl.helpers import left_padded_batch as _batch, byte_tokenizer, tiny_hybrid, tiny_teacher
 
 PAD = byte_tokenizer().pad_token_id
@@ -122,7 +122,7 @@ def test_compile_raises_dynamo_limits_for_the_call_only(monkeypatch):
     under the default limit of 8 the later layers silently ran uncompiled) and restored after; off: untouched."""
     import torch._dynamo
 
-    from hybridize.rl import fast_generate as fg
+    from hybridize.generation import fast as fg
 
     cfg = torch._dynamo.config
     model, _ = tiny_hybrid(mixer="sse", layers=12)
@@ -152,7 +152,7 @@ def test_compiled_decode_step_through_lora():
     tokens as the uncompiled step."""
     from peft import LoraConfig, get_peft_model
 
-    from hybridize.rl.fast_generate import find_generator_model
+    from hybridize.generation.fast import find_generator_model
 
     model, _ = tiny_hybrid(mixer="sse", layers=2)
     peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"],
