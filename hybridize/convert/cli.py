@@ -12,8 +12,18 @@ import json
 import time
 from pathlib import Path
 
+import torch
 import typer
+from rich.console import Console
 
+from hybridize.convert.calibrate import calibration_inputs
+from hybridize.convert.convert import convert_model
+from hybridize.convert.fingerprint import fingerprint, recorded_source
+from hybridize.convert.plan import parse_plan, plan_summary, plan_table
+from hybridize.convert.report import SAMPLE_TEXTS, conversion_report, report_table, sample_inputs
+from hybridize.convert.select.plan_file import is_plan_file, plan_from_file
+from hybridize.convert.settings import check_user_settings
+from hybridize.convert.sources import describe_source, family_source_note, load_config
 from hybridize.generation.loading import DTYPES, load_model
 
 #: the --dtype choices of `convert` and `generate` (names in `hybridize.generation.loading.DTYPES`)
@@ -64,23 +74,16 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def _teacher_record(src: str) -> dict:
     """What `src` resolved to, plus what the checkpoint records as its teacher: an absolute path (a name for
     'default' and hub ids) and a fingerprint of the weight files (`hybridize.convert.fingerprint`)."""
-    from hybridize.convert.fingerprint import fingerprint, recorded_source
-    from hybridize.convert.sources import describe_source
-
     return {**describe_source(src), "teacher": recorded_source(src), "fingerprint": fingerprint(src)}
 
 
 def _check_settings(config, plan: list[str], settings: dict) -> None:
     """The old name of `hybridize.convert.settings.check_user_settings` (kept for callers of it)."""
-    from hybridize.convert.settings import check_user_settings
-
     check_user_settings(config, plan, settings)
 
 
 def quick_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
     """Greedy continuation of `prompt` (through the chat template when the tokenizer has one)."""
-    import torch
-
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
@@ -98,19 +101,7 @@ def run_convert(src: str, layers: str, mixer: str, out: Path, settings: dict, dt
                 overwrite: bool = False, console=None, calibrate: bool = True, seed: int = 0) -> dict:
     """The whole `convert` command; returns the report dict (also written to OUT/report.json, which records
     `seed`: the new mixer parameters are drawn from it and their names, `convert.seed_new_parameters`)."""
-    from rich.console import Console
-
-    from hybridize.convert.calibrate import calibration_inputs
-    from hybridize.convert.convert import convert_model
-    from hybridize.convert.plan import parse_plan, plan_summary, plan_table
-    from hybridize.convert.report import conversion_report, report_table, sample_inputs
-    from hybridize.convert.select.plan_file import is_plan_file, plan_from_file
-    from hybridize.convert.settings import check_user_settings
-    from hybridize.convert.sources import family_source_note, load_config
-
     console = console or Console()
-    from hybridize.convert.report import SAMPLE_TEXTS
-
     if not 1 <= samples <= len(SAMPLE_TEXTS):  # checked before minutes of work, not after the save
         raise ValueError(f"--samples {samples}: choose 1 to {len(SAMPLE_TEXTS)} (the built-in sample texts)")
     if prompt and max_new_tokens < 1:
@@ -203,8 +194,6 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device"),
     ) -> None:
         """Greedy generation from a model (chat template applied when the tokenizer has one)."""
-        from hybridize.convert.sources import family_source_note
-
         note = family_source_note(model)
         if note:
             typer.secho(note, err=True, dim=True)

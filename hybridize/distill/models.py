@@ -8,13 +8,19 @@ A converted layer is a decoder layer whose `self_attn` is a hybridize mixer (`hy
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from hybridize.convert.fingerprint import check_recorded_teacher, fingerprint, recorded_source
 from hybridize.errors import UserError
 from hybridize.generation.loading import DTYPES, load_model
+from hybridize.mixers.base import Mixer
+
+from .checkpoint import latest_checkpoint
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -47,8 +53,6 @@ def teacher_source_of(student) -> str:
     A recorded teacher must still resolve and, when the checkpoint records a fingerprint of the teacher's
     weight files, hold the same weights (issue 29: a relative `--src` once resolved to another model);
     otherwise one line (UserError) asks for an explicit teacher."""
-    from hybridize.convert.fingerprint import check_recorded_teacher
-
     cfg = student.config
     folder = Path(getattr(cfg, "_name_or_path", "") or "")
     for key in ("teacher_source", "source", "source_model", "teacher"):
@@ -57,7 +61,6 @@ def teacher_source_of(student) -> str:
             check_recorded_teacher(v, getattr(cfg, "teacher_fingerprint", None), f"student {folder}")
             return v
     # a conversion report next to the checkpoint (hybridize convert --out) names its source
-    import json
     for name in ("conversion_report.json", "report.json", "convert_report.json"):
         f = folder / name
         if f.is_file():
@@ -84,13 +87,6 @@ def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
 
     Why (issue 29): a resumed run that silently switched teachers (another folder of that name, a folder
     whose weights were replaced) trains its remaining steps towards another model."""
-    import json
-    import os
-
-    from hybridize.convert.fingerprint import fingerprint, recorded_source
-
-    from .checkpoint import latest_checkpoint
-
     record = {"teacher": recorded_source(src), "fingerprint": fingerprint(src)}
     path = Path(run_dir) / RUN_TEACHER
     if resume and path.is_file() and latest_checkpoint(run_dir) is not None:  # no checkpoint: starts at step 0
@@ -135,8 +131,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def mixer_of(attn: nn.Module | None) -> nn.Module | None:
     """The mixer of a converted attention slot (the slot itself or its `.mixer`), else None."""
-    from hybridize.mixers.base import Mixer
-
     if isinstance(attn, Mixer):
         return attn
     inner = getattr(attn, "mixer", None)
@@ -238,7 +232,7 @@ def trainable_summary(model: nn.Module) -> dict:
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]):
     """Wrap with peft LoRA on the given module names (softmax attention, MLPs, and the mixers' projections
     share names, so one list reaches both)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model   # deferred on purpose: optional, slow to import
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                      bias="none", task_type="CAUSAL_LM")

@@ -24,11 +24,17 @@ compilation/autotuning for that shape is not timed. Each number is the median of
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
+
+from hybridize.generation.fast import FastGenerator
+
+from .common import Timer, model_device, plt, write_csv, write_json
 
 
 @dataclass
@@ -85,8 +91,6 @@ def resolve_decode(mode: str, device) -> str:
 def measure(model, L: int, B: int, decode_tokens: int, seed: int = 0, decode: str = "loop", fast=None) -> dict:
     """One prefill of `[B, L]` + `decode_tokens` steps; seconds, tokens/s and cache size.
     `decode`: 'loop' or 'fast' (`fast`: a `FastGenerator` of `model`, kept to reuse its graphs)."""
-    from .common import Timer, model_device
-
     dev = model_device(model)
     decode = resolve_decode(decode, dev)
     vocab = model.get_input_embeddings().num_embeddings
@@ -133,10 +137,6 @@ def _fast_decode_seconds(model, ids: torch.Tensor, n: int, fast=None) -> tuple[f
     token), same prompt and buffer bucket, after one warm-up call of n + 1 (graph capture). EOS is off:
     every row runs n steps. Where the fast path falls back to `model.generate`, that is what gets timed
     (label 'hf-generate')."""
-    from hybridize.generation.fast import FastGenerator
-
-    from .common import Timer
-
     fast = fast if fast is not None else FastGenerator(model)
     kw = dict(attention_mask=None, do_sample=False, eos_token_id=None, pad_token_id=0, temperature=None,
               top_p=None, top_k=None)
@@ -154,18 +154,10 @@ def run_speed(models: dict[str, object], cfg: SpeedConfig, out_dir: str | Path |
     """`models`: name -> loaded model. Rows `{model, length, batch, prefill_tok_s, decode_tok_s,
     ms_per_step, cache_MB, peak_MB, decode}`; with `out_dir`: speed.csv, speed.json, speed.png.
     `deadline` (a `time.time()` value): cells not started by then are left out. `log(msg)`: one line per cell."""
-    import time
-
-    from tqdm.auto import tqdm
-
-    from .common import model_device, write_csv, write_json
-
     fast = {}
     for name, m in models.items():
         dev = model_device(m)
         if resolve_decode(cfg.decode, dev) == "fast":
-            from hybridize.generation.fast import FastGenerator
-
             fast[name] = FastGenerator(m)   # one per model: its graphs are reused across repeats
         measure(m, 16, 1, 2, cfg.seed, cfg.decode, fast.get(name))   # warm-up: kernels, allocator, lazy init
     cells = [(L, B) for L in cfg.lengths for B in cfg.batch_sizes]
@@ -196,8 +188,6 @@ def run_speed(models: dict[str, object], cfg: SpeedConfig, out_dir: str | Path |
 
 def _measure_cell(name: str, m, L: int, B: int, cfg: SpeedConfig, fast) -> dict:
     """Median over `cfg.repeats` runs of one model at one (L, B); an 'error' entry on OOM."""
-    from .common import model_device
-
     dev = model_device(m)
     warm = cfg.warmup if cfg.warmup is not None else dev.type == "cuda"
     runs = []
@@ -236,8 +226,6 @@ def _add_ratios(rows: list[dict], names: Sequence[str]) -> None:
 
 def save_speed_plot(path, rows: list[dict], names: Sequence[str], batch_sizes: Sequence[int]) -> Path:
     """Prefill and decode tokens/s vs length, one line per (model, batch)."""
-    from .common import plt
-
     pyplot = plt()
     fig, axes = pyplot.subplots(1, 3, figsize=(15, 4))
     for ax, key, label in zip(axes, ("prefill_tok_s", "decode_tok_s", "cache_MB"),

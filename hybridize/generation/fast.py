@@ -1,7 +1,7 @@
-"""Fast rollouts: a static-buffer decode loop for hybrid (and plain) decoders, with CUDA graphs on GPU.
+"""Fast decoding: a static-buffer decode loop for hybrid (and plain) decoders, with CUDA graphs on GPU.
 
-Why: GRPO spends most of its time generating, and `model.generate` is host-bound for small batches
-(DESIGN.md sec. 7: 75-125 ms per decode step on an H100 whatever the model size). vLLM does not know our
+Why: evaluation and GRPO rollouts spend most of their time generating, and `model.generate` is host-bound
+for small batches (a fixed Python cost per decode step whatever the model size). vLLM does not know our
 mixers, so this module is a gpt-fast-style loop for the model classes we have:
 
 - prefill once with the model's own forward (the same call HF generate makes: HybridCache, 2-D mask,
@@ -11,12 +11,12 @@ mixers, so this module is a gpt-fast-style loop for the model classes we have:
 - decode one token per step by calling the decoder layers directly on those buffers (softmax layers
   see a `StaticKV` cache written with `index_copy_` at a device-side position; mixer slots run their
   recurrent step and write their state back in place), sample on the device, write the token into a
-  static output buffer - no host synchronisation except one finished-check every `check_every` steps;
+  static output buffer `[B, L_buf]` - no host synchronisation except one finished-check every
+  `check_every` steps;
 - on CUDA, capture one decode step as a CUDA graph and replay it (one graph per batch size / buffer
   length / parameter storage, kept for reuse across calls - the rollouts of a GRPO run share shapes);
-- optionally (`compile="on"`) run the step's model part through `torch.compile` first, inside the same graph:
-  inductor fuses the norms, gates and casts (1,822 -> 658 kernels per step, 6.2 -> 4.4 ms at the Qwen3-1.7B
-  shape, 16k, batch 8 on an H100; 3.8 ms with the decode GEMM below); our Triton launchers and fla's kernels
+- optionally (`compile="on"`) run the step's model part through `torch.compile` first, inside the same
+  graph: inductor fuses the norms, gates and casts into few kernels; our Triton launchers and fla's kernels
   stay opaque to it, and sampling stays eager (inductor's RNG would not reproduce HF's draws).
 
 Same tokens as HF generate: sampling uses HF's own logits processors (temperature, top-k, top-p,
@@ -25,34 +25,32 @@ exactly what `torch.multinomial(p, 1)` computes internally (same generator calls
 validity check. Finished rows emit the pad token as in HF; the output is cut where HF stops (all rows
 finished or the budget reached). Without CUDA graphs the attention reads keys `[:L]` (the exact length,
 a host-side count, no sync), so prefill and decode run the same operations on the same values as the
-HF cached path: tokens and logits are identical (tested on CPU, greedy and seeded sampling). With
-CUDA graphs the attention reads the whole buffer with future slots masked, which can change logits in
-the last bits (different reduction lengths); tokens still agree except at near-ties (measured on an
-H100, bf16, random weights, greedy: 8/8 rows identical to HF generate at every tested shape; the graph
-replays give exactly the tokens of the same masked layout run eagerly, sampling included). With the Triton
-attention on the GPU, bf16 logits differ from HF's in the last bit as well, and random-weight bf16 models
-at the Qwen3-1.7B shape (151k vocabulary) have top-2 logits within one bf16 step at ~14% of greedy steps
-(exact ties at ~3%), so such rows can part ways: HF's own eager and sdpa attentions disagree as often
-there (CPU, 4 layers, 48 tokens: 0/4 rows equal for both); compare in fp32 to check the wiring. One difference
-that does not change the returned tokens: the loop may run up to `check_every - 1` steps past the
-point where every row finished, so the global RNG ends in a different state than after HF generate.
+HF cached path: tokens and logits `[B, V]` are identical (tested on CPU, greedy and seeded sampling).
+With CUDA graphs the attention reads the whole buffer with future slots masked, which can change logits
+in the last bits (different reduction lengths); tokens still agree except at near-ties (the graph
+replays give exactly the tokens of the same masked layout run eagerly, sampling included). With the
+Triton attention on the GPU, bf16 logits differ from HF's in the last bit as well, and random-weight bf16
+models with large vocabularies often have top-2 logits within one bf16 step, so such rows can part ways
+(HF's own eager and sdpa attentions disagree as often there); compare in fp32 to check the wiring. One
+difference that does not change the returned tokens: the loop may run up to `check_every - 1` steps past
+the point where every row finished, so the global RNG ends in a different state than after HF generate.
 
 Softmax attention in the decode step (`FastGenConfig.attention`): HF's masked sdpa with q_len = 1
-cannot split the key length across programs (~1.25 ms per layer at B=8, 16k keys, Qwen3-1.7B shapes on
-an H100, 7x its memory floor), so on CUDA the graph path and the eager masked path call our split-KV
-Triton kernel (`hybridize.kernels.triton.attn_decode`) instead, with the same visible keys (left
-padding, future slots, sliding windows): the softmax layers' attention modules run unchanged, only
-their attention function is swapped for the duration of each step (a per-module config view naming
-a registered attention function; the shared config is not touched). The eager exact path keeps HF's
-attention under `auto`, as it exists to give HF's bits. The kernel needs a left-padded prompt mask
-(padding, then real tokens); other masks keep HF's attention. On CPU, `attention=triton` runs the
-kernel's PyTorch reference (or the kernel itself under `TRITON_INTERPRET=1`), to test the wiring.
+cannot split the key length across programs, so on CUDA the graph path and the eager masked path call
+our split-KV Triton kernel (`hybridize.kernels.triton.attn_decode`, after "Flash-Decoding for
+long-context inference") instead, with the same visible keys (left padding, future slots, sliding
+windows): the softmax layers' attention modules run unchanged, only their attention function is swapped
+for the duration of each step (a per-module config view naming a registered attention function; the
+shared config is not touched). The eager exact path keeps HF's attention under `auto`, as it exists to
+give HF's bits. The kernel needs a left-padded prompt mask (padding, then real tokens); other masks keep
+HF's attention. On CPU, `attention=triton` runs the kernel's PyTorch reference (or the kernel itself
+under `TRITON_INTERPRET=1`), to test the wiring.
 
-Linear layers in the decode step (`FastGenConfig.gemm`): at 8 rows cuBLAS reads the weights at about half
-of HBM bandwidth, and the weights are most of a step's bytes; on CUDA every plain `nn.Linear` of the model
-(and SSE's fused decode projections) goes through `hybridize.kernels.decode_linear` while `generate` runs: per
-weight shape the faster of cuBLAS and a weight-streaming Triton GEMM, timed on first use (prefill calls have
-more rows and keep F.linear).
+Linear layers in the decode step (`FastGenConfig.gemm`): with a few rows cuBLAS streams the weights well
+below HBM bandwidth, and the weights are most of a step's bytes; on CUDA every plain `nn.Linear` of the
+model (and SSE's fused decode projections) goes through `hybridize.kernels.decode_linear` while
+`generate` runs: per weight shape the faster of cuBLAS and a weight-streaming Triton GEMM, timed on first
+use (prefill calls have more rows and keep F.linear).
 
 Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
 config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
@@ -74,8 +72,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from transformers import AttentionInterface, DynamicCache
 
+from hybridize.families import known_family
 from hybridize.kernels import decode_linear
+from hybridize.modeling import AttentionSlot, HybridCache, HybridConfig, MixerCacheLayer
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,6 @@ def _unsupported_model(model) -> str | None:
             return f"the model has no model.{name} (not a Llama-layout decoder)"
     if getattr(model, "lm_head", None) is None:
         return "the model has no lm_head"
-    from hybridize.families import known_family
-
     family = known_family(_text_config(model))
     blocker = family.hand_loop_blocker(_text_config(model)) if family is not None else None
     if blocker:  # the decode step below runs embed -> layers -> norm -> lm_head by hand (issue 27)
@@ -149,8 +148,6 @@ def _unsupported_model(model) -> str | None:
 
 
 def _is_mixer_layer(layer) -> bool:
-    from hybridize.modeling import AttentionSlot
-
     return isinstance(layer.self_attn, AttentionSlot)
 
 
@@ -224,12 +221,11 @@ def _attention_swapped(modules: list):
 def _decode_attention_fn(device, mode: str):
     """The kernel for `device` (None when it cannot run): the Triton kernel on CUDA (and on CPU under
     TRITON_INTERPRET=1), its PyTorch reference on CPU when `mode` asks for triton explicitly."""
-    from transformers import AttentionInterface
-
     if _ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(_ATTN_NAME, _decode_attention_forward)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type == "cuda" or (interp and mode == "triton"):
+        # deferred on purpose: imports triton (optional, slow to import) only where the kernel can run
         from hybridize.kernels.triton import attn_decode as mod
 
         if mod.triton is not None:
@@ -239,7 +235,7 @@ def _decode_attention_fn(device, mode: str):
         if device.type == "cuda":
             return None
     if mode == "triton":
-        from hybridize.kernels.triton.attn_decode import attn_decode_reference
+        from hybridize.kernels.triton.attn_decode import attn_decode_reference   # deferred as above
         return attn_decode_reference
     return None
 
@@ -279,48 +275,43 @@ class StaticKV:
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
 
-def _mixer_layer_class():
-    from hybridize.modeling import MixerCacheLayer
+class StaticMixerLayer(MixerCacheLayer):
+    """A mixer's decode state; with `static` set the new state is copied into the held tensors
+    (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF).
 
-    class StaticMixerLayer(MixerCacheLayer):
-        """A mixer's decode state; with `static` set the new state is copied into the held tensors
-        (what a CUDA graph needs), otherwise the layer just keeps the returned state (like HF).
+    The layer owns the state it holds (the session's own copies), so it marks that state object
+    writable (`MixerState.writable`): a mixer that honours the mark updates the tensors in
+    place and returns them, and the static copy below finds nothing to copy."""
 
-        The layer owns the state it holds (the session's own copies), so it marks that state object
-        writable (`MixerState.writable`): a mixer that honours the mark updates the tensors in
-        place and returns them, and the static copy below finds nothing to copy."""
+    def __init__(self, state):
+        super().__init__()
+        self.static = False
+        self.state = state
+        self.is_initialized = True
 
-        def __init__(self, state):
-            super().__init__()
-            self.static = False
+    @property
+    def state(self):
+        return self.__dict__.get("_state")
+
+    @state.setter
+    def state(self, value):
+        if value is not None:
+            value.writable = True
+        self.__dict__["_state"] = value
+
+    def update_state(self, state, num_new_tokens: int) -> None:
+        if state is None:
+            raise RuntimeError("the mixer returned no state in a decode step")
+        if not self.static:
             self.state = state
-            self.is_initialized = True
-
-        @property
-        def state(self):
-            return self.__dict__.get("_state")
-
-        @state.setter
-        def state(self, value):
-            if value is not None:
-                value.writable = True
-            self.__dict__["_state"] = value
-
-        def update_state(self, state, num_new_tokens: int) -> None:
-            if state is None:
-                raise RuntimeError("the mixer returned no state in a decode step")
-            if not self.static:
-                self.state = state
-                return
-            dst, src = self.state.tensors(), state.tensors()
-            if len(dst) != len(src) or any(d.shape != s.shape for d, s in zip(dst, src)):
-                raise RuntimeError("a mixer's decode state changed layout between steps")
-            compiling = torch.compiler.is_compiling()   # a compiled step cannot trace data_ptr
-            for d, s in zip(dst, src):
-                if (d is not s) if compiling else (d.data_ptr() != s.data_ptr()):
-                    d.copy_(s)
-
-    return StaticMixerLayer
+            return
+        dst, src = self.state.tensors(), state.tensors()
+        if len(dst) != len(src) or any(d.shape != s.shape for d, s in zip(dst, src)):
+            raise RuntimeError("a mixer's decode state changed layout between steps")
+        compiling = torch.compiler.is_compiling()   # a compiled step cannot trace data_ptr
+        for d, s in zip(dst, src):
+            if (d is not s) if compiling else (d.data_ptr() != s.data_ptr()):
+                d.copy_(s)
 
 
 class StaticCache:
@@ -584,8 +575,6 @@ class FastGenerator:
         """The model's own forward on the prompt, as HF generate calls it. Returns (logits `[B, V]`
         fp32, cache, position ids `[B, T]`, mask or None)."""
         m = self.model
-        from hybridize.modeling import HybridCache, HybridConfig
-
         am = attention_mask
         if am is not None:
             pos = am.long().cumsum(-1) - 1
@@ -596,7 +585,6 @@ class FastGenerator:
             pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         cache = HybridCache(m.config) if isinstance(m.config, HybridConfig) else None
         if cache is None:
-            from transformers import DynamicCache
             cache = DynamicCache(config=m.config)
         out = m(input_ids=input_ids, attention_mask=am, position_ids=pos, past_key_values=cache,
                 use_cache=True, logits_to_keep=1)
@@ -617,7 +605,6 @@ class FastGenerator:
                 self._sessions[key] = sess   # most recently used last
                 self._load(sess, cache, T)
                 return sess
-        StaticMixerLayer = _mixer_layer_class()
         pos_slot = torch.zeros(1, device=device, dtype=torch.long)
         layers = []
         for i, layer in enumerate(m.model.layers):
@@ -772,7 +759,7 @@ def _compile_limits(model, on: bool):
     the user's own compiled code keeps its limits."""
     if not on:
         return nullcontext()
-    import torch._dynamo
+    import torch._dynamo   # deferred on purpose: slow to import, needed only with compile="on"
 
     n = len(model.model.layers)
     cfg = torch._dynamo.config

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridize.distill.config import _f, describe, load_config, save_config, to_dict  # noqa: F401 (re-exported)
-from hybridize.errors import UserError
+from hybridize.distill.config import (  # noqa: F401 (re-exported)
+    _f, describe, find_recipe, load_config, load_yaml, save_config, to_dict)
+from hybridize.errors import UserError, read_yaml
 from hybridize.eval.math import BOXED_INSTRUCTION
+from hybridize.generation.fast import COMPILE_MODES, CUDA_GRAPH_MODES
 
 
 @dataclass
@@ -105,6 +107,9 @@ class GRPORunConfig:
     logging_steps: int = _f(1, "metrics line every N optimizer steps", min=1)
     threads: int = _f(0, "torch CPU threads (0 = leave as is)", min=0)
     progress: bool = _f(True, "progress bar")
+    kernel_options: dict = _f({}, "kernel switches for this run, e.g. kernel_options.kernels=torch (fields and help: "
+                                  "hybridize/kernels/options.py); unset fields: the HYBRIDIZE_* environment, then "
+                                  "the defaults; config.yaml records all of them")
     data: DataArgs = field(default_factory=DataArgs)
     rewards: RewardArgs = field(default_factory=RewardArgs)
     lora: LoraArgs = field(default_factory=LoraArgs)
@@ -116,8 +121,6 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
     if recipe:
         check_recipe(recipe)
     cfg = load_config(GRPORunConfig, recipe, overrides)
-    from hybridize.generation.fast import COMPILE_MODES, CUDA_GRAPH_MODES
-
     # decode_gemm: FastGenConfig.gemm without "triton", which only forces the kernel for CPU interpreter tests
     for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", COMPILE_MODES),
                           ("decode_gemm", ("auto", "torch"))):
@@ -129,7 +132,4 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
 def check_recipe(recipe: str) -> None:
     """A recipe that is not UTF-8 or not valid YAML stops here with one line naming its file, line and
     column (the shared loader lets the YAML parser's multi-line error escape as a stack trace)."""
-    from hybridize.distill.config import find_recipe, load_yaml
-    from hybridize.errors import read_yaml
-
     read_yaml(find_recipe(recipe), load_yaml)

@@ -141,9 +141,9 @@ def test_writable_state_updated_in_place_on_gpu_path(cls):
 
 
 def test_fast_path_cache_marks_its_states_writable():
-    from hybridize.generation.fast import _mixer_layer_class
+    from hybridize.generation.fast import StaticMixerLayer
 
-    layer = _mixer_layer_class()(SSEState(sparse=torch.zeros(1, 2, 1, 2, 2)))
+    layer = StaticMixerLayer(SSEState(sparse=torch.zeros(1, 2, 1, 2, 2)))
     assert layer.state.writable
     layer.update_state(SSEState(sparse=torch.ones(1, 2, 1, 2, 2)), 1)
     assert layer.state.writable and layer.state.sparse.sum() == 8
