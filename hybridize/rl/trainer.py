@@ -38,6 +38,7 @@ from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
 from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
 from hybridize.generation.loading import load_model
+from hybridize.kernels.options import with_run_kernel_options
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
 
 
@@ -332,6 +333,7 @@ def _ensure_reloadable(model, tokenizer, run_dir: Path) -> None:
     model.config._name_or_path = str(ref)
 
 
+@with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | None = None) -> dict:
     """Train; returns the summary also written to `<output_dir>/summary.json`."""
     from hybridize.rl.data import build_records, to_dataset

@@ -240,3 +240,26 @@ def test_distill_run_records_and_uses_kernel_options(folders, tmp_path, monkeypa
     assert yaml.safe_load((run / "config.yaml").read_text())["kernel_options"]["ccq_rows"] == 32
     r = _distill(folders, tmp_path / "bad", "train.max_steps=1", "kernel_options.kernels=cuda")
     assert r.exit_code != 0 and isinstance(r.exception, UserError) and "kernel_options.kernels" in str(r.exception)
+
+
+def test_grpo_run_records_and_uses_kernel_options(tmp_path, monkeypatch):
+    import yaml
+    from typer.testing import CliRunner
+
+    from tests.rl.helpers import tiny_hybrid, write_problems
+    from tests.rl.test_cli import _app
+
+    tiny_hybrid(tmp_path / "m", mixer="gla")
+    write_problems(tmp_path / "p.jsonl")
+    seen = _seen_options(monkeypatch)
+    args = ["grpo", "--model", str(tmp_path / "m"), "--output-dir", str(tmp_path / "run"),
+            f"data.train=[{tmp_path / 'p.jsonl'}]", "grpo.num_generations=4", "grpo.per_device_train_batch_size=4",
+            "grpo.max_completion_length=8", "grpo.max_steps=1", "save_steps=0", "progress=false",
+            "kernel_options.gla_rows=512"]
+    r = CliRunner().invoke(_app(), args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["kernel_options"]
+    assert recorded == {**KernelOptions().to_dict(), "gla_rows": 512}
+    assert seen and {o.gla_rows for o in seen} == {512} and options._CURRENT is None
+    r = CliRunner().invoke(_app(), args[:-1] + ["kernel_options.gla_rows=0"])
+    assert r.exit_code != 0 and "kernel_options.gla_rows: must be >= 1" in str(r.exception)
