@@ -3,7 +3,7 @@
 For each T, side by side in one process at `[1, T, H, D]`, forward and forward+backward:
 - `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
   both directions (`auto`: the default choice; `0`: one pass per sequence);
-- `ccq seg=auto, products=<mode>`: the same with `HYBRIDIZE_CCQ_PRODUCTS=split` (bf16 hi/lo pairs for the
+- `ccq seg=auto, products=<mode>`: the same with the kernel option `ccq_products=split` (bf16 hi/lo pairs for the
   products with a carried fp32 operand, tf32 in the dk pass) and `=tf32` (fp32 tiles at tf32); the rows
   without it use the default, one bf16 product;
 - `gla`: the GLA backbone (`dispatch.run("gla", "chunk")`, fla's chunk_gla);
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.ops import kernels as bk   # the same backbone inputs and calls
 from benchmarks.timing import bench, gpu_stack, md_header, profile
+from hybridize.kernels.options import use_kernel_options
 
-MODES = ("single", "split", "tf32")   # HYBRIDIZE_CCQ_PRODUCTS settings, the default first
+MODES = ("single", "split", "tf32")   # ccq_products kernel options (HYBRIDIZE_CCQ_PRODUCTS), the default first
 
 
 def errors(fn, ref, q, k):
@@ -57,13 +57,10 @@ def run(T, segments):
     for s in segments:
         seg = None if s == "auto" else int(s)
         cases[f"ccq seg={s}"] = (lambda q, k, seg=seg: ccq_triton(q, k, segment_len=seg)[0], inp)
-    def with_products(mode):  # the same op with another HYBRIDIZE_CCQ_PRODUCTS setting
+    def with_products(mode):  # the same op with another ccq_products kernel option (HYBRIDIZE_CCQ_PRODUCTS)
         def call(q, k):
-            os.environ["HYBRIDIZE_CCQ_PRODUCTS"] = mode
-            try:
+            with use_kernel_options(ccq_products=mode):
                 return ccq_triton(q, k)[0]
-            finally:
-                os.environ.pop("HYBRIDIZE_CCQ_PRODUCTS")
         return call
     for mode in MODES[1:]:
         cases[f"ccq seg=auto, products={mode}"] = (with_products(mode), inp)

@@ -194,14 +194,13 @@ def sse_decode_check():
 
 def guard_probe():
     """Does fla's own #640 guard fire here? (informational: tells whether our dqkwg is needed)"""
-    os.environ["HYBRIDIZE_FLA_DQKWG"] = "fla"
+    from hybridize.kernels.options import use_kernel_options
     try:
-        row = check_one("delta/gdn", torch.bfloat16, False)
+        with use_kernel_options(fla_dqkwg="fla"):
+            row = check_one("delta/gdn", torch.bfloat16, False)
         note = "fla gated dqkwg ran (guard did not fire)"
     except RuntimeError as e:
         row, note = None, f"fla guard fired: {str(e)[:80]}"
-    finally:
-        os.environ["HYBRIDIZE_FLA_DQKWG"] = "torch"
     out = dict(case="probe/fla_dqkwg", dtype="bfloat16", layout="dense", worst=0.0, ok=True, errs={}, note=note)
     if row is not None:
         out["errs"], out["worst"] = row["errs"], row["worst"]
