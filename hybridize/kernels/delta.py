@@ -52,8 +52,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gla import acc_dtype
-from .varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
+from hybridize.kernels.gla import acc_dtype
+from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 
 def contraction_factor(k: torch.Tensor, beta: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:

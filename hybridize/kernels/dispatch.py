@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from .options import BACKENDS as _BACKENDS
-from .options import current_kernel_options, set_kernel_options
+from hybridize.kernels.options import BACKENDS as _BACKENDS
+from hybridize.kernels.options import current_kernel_options, set_kernel_options
 
 _GPU: dict[tuple[str, str], Callable] = {}
 _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
@@ -38,12 +38,20 @@ def register_gpu(op: str, mode: str, fn: Callable) -> None:
 
 
 _TORCH: dict[tuple[str, str], Callable] = {}
+# the module holding each op's PyTorch forms `<op>_chunk` / `<op>_recurrent`
+_TORCH_MODULES = {
+    "gla": "hybridize.kernels.gla",
+    "delta": "hybridize.kernels.delta",
+    "log_linear": "hybridize.kernels.log_linear",
+    "ccq": "hybridize.kernels.ccq",
+    "ccq_clean": "hybridize.kernels.ccq_clean",
+}
 
 
 def torch_impl(op: str, mode: str) -> Callable:
     fn = _TORCH.get((op, mode))
     if fn is None:   # looked up once: a dict read is also what torch.compile can trace (import_module is not)
-        module = importlib.import_module(f"hybridize.kernels.{op}")
+        module = importlib.import_module(_TORCH_MODULES[op])
         fn = _TORCH[(op, mode)] = getattr(module, f"{op}_{mode}")
     return fn
 
@@ -57,7 +65,7 @@ def run(op: str, mode: str, *args, **kwargs):
         global _gpu_tried
         if not _gpu_tried:
             _gpu_tried = True
-            from . import fla_adapter
+            from hybridize.kernels import fla_adapter
             fla_adapter.activate()
         fn = _GPU.get((op, mode))
         if fn is not None:

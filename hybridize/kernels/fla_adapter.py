@@ -49,8 +49,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import dispatch
-from .options import current_kernel_options
+from hybridize.kernels import dispatch
+from hybridize.kernels.options import current_kernel_options
 
 _ACTIVE = False
 _FLA: SimpleNamespace | None = None
@@ -80,7 +80,7 @@ _CAP = 0   # the autotune cap applied (kernel option autotune_top; 0: Triton's a
 
 def _apply_cap() -> None:
     global _CAP
-    from .triton.autotune import limit_from_options
+    from hybridize.kernels.triton.autotune import limit_from_options
     _CAP = limit_from_options()
 
 
@@ -180,12 +180,12 @@ def comba_p(p, g):
 def _erase_for_fla(q, k, p, lam, g):
     """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
     p = k + lam q) in one fused pass (`triton/erase.py`)."""
-    from .delta import check_erase
+    from hybridize.kernels.delta import check_erase
 
     check_erase(q, p, lam)
     if lam is None:
         return None if p is None else comba_p(p, g).contiguous()
-    from .triton.erase import comba_erase
+    from hybridize.kernels.triton.erase import comba_erase
     return comba_erase(q, k, lam, g)
 
 
@@ -218,7 +218,7 @@ class _GatedDelta(torch.autograd.Function):
     def backward(ctx, do, dht):
         F = fla()
         import contextlib
-        from .triton.dqkwg import patched
+        from hybridize.kernels.triton.dqkwg import patched
         q, k, v, gc, beta, A, h0, *rest = ctx.saved_tensors
         kw = dict(cu_seqlens=ctx.cu_seqlens, chunk_indices=ctx.chunk_indices)
         module = F.comba_module if ctx.comba else F.gdn_module
@@ -368,17 +368,17 @@ def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_
 
 
 def ccq_fused(*args, **kwargs):
-    from .triton.ccq_read import ccq_triton  # imports triton on the first CUDA call only
+    from hybridize.kernels.triton.ccq_read import ccq_triton  # imports triton on the first CUDA call only
     return ccq_triton(*args, **kwargs)
 
 
 def ccq_clean_fused(*args, **kwargs):
-    from .triton.ccq_clean import ccq_clean_fused as fused  # imports triton on the first CUDA call only
+    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused as fused  # imports triton on the first CUDA call only
     return fused(*args, **kwargs)
 
 
 def ccq_clean_fused_chunk(*args, **kwargs):
-    from .triton.ccq_clean import ccq_clean_fused_chunk as fused  # the chunk read cleans in its epilogue
+    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused_chunk as fused  # the chunk read cleans in its epilogue
     return fused(*args, **kwargs)
 
 

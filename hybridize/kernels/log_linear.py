@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 import torch
 
-from .gla import acc_dtype
-from .varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
+from hybridize.kernels.gla import acc_dtype
+from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 
 class LogLinearState(NamedTuple):

@@ -668,7 +668,7 @@ def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
 
 def _build_table(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
     if cu is not None and mask is None and seg_len is not None and (dev.type == "cuda" or _interpreting()):
-        from .piece_table import piece_table     # one kernel instead of ~20 small ops
+        from hybridize.kernels.triton.piece_table import piece_table     # one kernel instead of ~20 small ops
         return Pieces(*piece_table(cu, seg_len, B * T, n0))
     if n0 is None:
         n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=dev)

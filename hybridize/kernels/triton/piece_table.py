@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ccq_read import _interpreter_shim, _interpreting
+from hybridize.kernels.triton.ccq_read import _interpreter_shim, _interpreting
 
 
 @triton.jit
