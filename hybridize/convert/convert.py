@@ -19,44 +19,16 @@ import torch
 import torch.nn as nn
 
 from hybridize.modeling import (
-    ATTN,
-    AttentionSlot,
     HybridConfig,
     HybridForCausalLM,
     check_family,
     resolve_mixer_settings,
 )
 
-
-def split_settings(settings: dict[str, Any] | None, plan: list[str]) -> dict[str, dict]:
-    """User settings -> {mixer kind: settings}.
-
-    Accepts {kind: {...}} (per mixer), {"kind.key": v} (qualified) and {key: v} (applied to every
-    mixer kind in the plan whose config has that field; an error if none has it)."""
-    from dataclasses import fields
-
-    from hybridize import mixers
-
-    kinds = [k for k in dict.fromkeys(plan) if k != ATTN]
-    out: dict[str, dict] = {k: {} for k in kinds}
-    for key, value in (settings or {}).items():
-        if key in mixers.mixer_names() and isinstance(value, dict):
-            if key not in out:
-                raise ValueError(f"settings for mixer {key!r}, which the plan does not use (plan uses {kinds})")
-            out[key].update(value)
-            continue
-        if "." in key:
-            kind, field = key.split(".", 1)
-            if kind not in out:
-                raise ValueError(f"setting {key!r} names mixer {kind!r}, which the plan does not use (plan uses {kinds})")
-            out[kind][field] = value
-            continue
-        takers = [k for k in kinds if key in {f.name for f in fields(mixers.mixer_class(k).config_class)}]
-        if not takers:
-            raise ValueError(f"no mixer in the plan ({', '.join(kinds) or 'none'}) has a setting {key!r}")
-        for k in takers:
-            out[k][key] = value
-    return out
+from hybridize.convert.calibrate import calibrate_output_gain
+from hybridize.convert.layout import attention_prefix, new_parameter_names  # noqa: F401  (re-exported)
+from hybridize.convert.plan import parse_plan
+from hybridize.convert.settings import check_settings, split_settings  # noqa: F401  (split_settings: re-exported)
 
 
 def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[str, Any] | None = None,
@@ -65,7 +37,6 @@ def build_hybrid_config(teacher_config, plan: list[str], mixer_settings: dict[st
     check_family(src)
     if len(plan) != src.num_hidden_layers:
         raise ValueError(f"the plan has {len(plan)} entries but the teacher has {src.num_hidden_layers} layers")
-    from hybridize.convert.settings import check_settings
 
     per_kind = split_settings(mixer_settings, plan)
     check_settings(per_kind)  # every route that converts (demo, library calls) type-checks the settings
@@ -89,8 +60,6 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
     its teacher layer on them (`hybridize.convert.calibrate`).
     `seed`: new parameters are drawn from it and their own names (`seed_new_parameters`).
     The hybrid ends on the teacher's device and dtype, in the teacher's train/eval mode."""
-    from hybridize.convert.plan import parse_plan
-
     n = teacher.config.num_hidden_layers
     if isinstance(plan, str):
         plan = parse_plan(plan, n, mixer)
@@ -111,16 +80,9 @@ def convert_model(teacher: nn.Module, plan: list[str] | str, mixer: str = "sse",
     p = next(teacher.parameters())
     hybrid.to(device=p.device, dtype=p.dtype)
     if calibration_inputs:
-        from hybridize.convert.calibrate import calibrate_output_gain
         calibrate_output_gain(teacher, hybrid, calibration_inputs)
     hybrid.train(teacher.training)
     return hybrid
-
-
-def attention_prefix(hybrid: HybridForCausalLM, layer: int) -> str:
-    """`"model.layers.3.self_attn."`: where layer `layer`'s attention (or mixer) tensors live, per the family."""
-    f = hybrid.family
-    return f"{hybrid.base_model_prefix}.{f.layers}.{layer}.{f.attention}."
 
 
 def teacher_state_for(hybrid: HybridForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -144,16 +106,6 @@ def _copy_teacher(state: dict[str, torch.Tensor], hybrid: HybridForCausalLM) -> 
     lost = [k for k in missing if k not in new]
     if lost:
         raise ValueError(f"hybrid tensors the teacher lacks (not mixer parameters): {lost[:6]}")
-
-
-def new_parameter_names(hybrid: HybridForCausalLM) -> list[str]:
-    """Full names of every parameter the teacher does not have (mixers' new parameters)."""
-    names = []
-    for i, layer in enumerate(getattr(hybrid.model, hybrid.family.layers)):
-        slot = getattr(layer, hybrid.family.attention)
-        if isinstance(slot, AttentionSlot):
-            names += [attention_prefix(hybrid, i) + n for n in slot.new_parameter_names()]
-    return names
 
 
 def parameter_seed(seed: int, name: str) -> int:

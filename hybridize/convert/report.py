@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridize.convert.convert import new_parameter_names
+from hybridize.convert.layout import new_parameter_names
 from hybridize.modeling import ATTN, AttentionSlot
 
 SAMPLE_TEXTS = (

@@ -16,8 +16,13 @@ import json
 import math
 import types
 import typing
+from typing import Any
 
+import torch
+
+from hybridize import mixers
 from hybridize.errors import UserError
+from hybridize.modeling import ATTN, resolve_mixer_settings
 
 #: integer settings where 0 means something (the rest are sizes or counts and must be >= 1)
 ZERO_OK = frozenset({"varlen_min_len"})
@@ -79,13 +84,38 @@ def check_value(kind: str, key: str, value, accepted: tuple[type, ...]) -> None:
         raise UserError(f"{where} must be a finite number, got {value}")
 
 
+def split_settings(settings: dict[str, Any] | None, plan: list[str]) -> dict[str, dict]:
+    """User settings -> {mixer kind: settings}.
+
+    Accepts {kind: {...}} (per mixer), {"kind.key": v} (qualified) and {key: v} (applied to every
+    mixer kind in the plan whose config has that field; an error if none has it)."""
+    kinds = [k for k in dict.fromkeys(plan) if k != ATTN]
+    out: dict[str, dict] = {k: {} for k in kinds}
+    for key, value in (settings or {}).items():
+        if key in mixers.mixer_names() and isinstance(value, dict):
+            if key not in out:
+                raise ValueError(f"settings for mixer {key!r}, which the plan does not use (plan uses {kinds})")
+            out[key].update(value)
+            continue
+        if "." in key:
+            kind, field = key.split(".", 1)
+            if kind not in out:
+                raise ValueError(f"setting {key!r} names mixer {kind!r}, which the plan does not use (plan uses {kinds})")
+            out[kind][field] = value
+            continue
+        takers = [k for k in kinds if key in {f.name for f in dataclasses.fields(mixers.mixer_class(k).config_class)}]
+        if not takers:
+            raise ValueError(f"no mixer in the plan ({', '.join(kinds) or 'none'}) has a setting {key!r}")
+        for k in takers:
+            out[k][key] = value
+    return out
+
+
 def check_settings(per_kind: dict[str, dict]) -> None:
-    """Type- and range-check `{mixer kind: {key: value}}` (the output of `convert.split_settings`).
+    """Type- and range-check `{mixer kind: {key: value}}` (the output of `split_settings`).
 
     Raises a one-line UserError naming the key, the expected type and the value; unknown keys are named
     with the list of known ones."""
-    from hybridize import mixers
-
     for kind, settings in per_kind.items():
         types_ = field_types(mixers.mixer_class(kind).config_class)
         for key, value in settings.items():
@@ -95,12 +125,9 @@ def check_settings(per_kind: dict[str, dict]) -> None:
 
 
 def check_user_settings(config, plan: list[str], settings: dict | None) -> None:
-    """Type-, range- and build-check user `settings` (as `convert.split_settings` takes them) for `plan` on a
+    """Type-, range- and build-check user `settings` (as `split_settings` takes them) for `plan` on a
     teacher `config`: needs no weights, so every command that converts (convert, demo) runs it before the
     teacher loads."""
-    from hybridize.convert.convert import split_settings
-    from hybridize.modeling import resolve_mixer_settings
-
     per_kind = split_settings(settings, plan)
     check_settings(per_kind)
     check_buildable(resolve_mixer_settings(config, plan, per_kind))
@@ -116,10 +143,6 @@ def check_mixer_settings(kind: str, settings: dict | None, **common) -> None:
 def check_buildable(resolved: dict[str, dict]) -> None:
     """Build one mixer of each kind from its full settings on the meta device (no memory, no teacher), so
     the mixer's own checks (e.g. `top_k <= num_partitions`) fail before the teacher loads."""
-    import torch
-
-    from hybridize import mixers
-
     for kind, settings in resolved.items():
         cls = mixers.mixer_class(kind)
         try:

@@ -29,7 +29,7 @@ from .data import build_data, build_heldout
 from .losses import LAYER_LOSSES
 from .loop import run_loop, teacher_dtype
 from .metrics import perplexity
-from .loop import make_accelerator, save_final_model
+from .loop import make_accelerator, save_final, save_final_model  # noqa: F401  (save_final: re-exported)
 from .models import converted_layers, decoder_layers, mixer_of, load_student, load_teacher, select_trainable, \
     check_run_teacher, teacher_source_of, trainable_summary
 
@@ -233,25 +233,6 @@ class _StepTagged:
 
     def batch(self, step: int, micro: int) -> dict:
         return {**self.data.batch(step, micro), "_step": step}
-
-
-def save_final(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
-    """save_pretrained into `out` through a temporary folder (atomic, like the checkpoints);
-    `state_dict`: the weights to write instead of the model's own (gathered ZeRO-3 shards)."""
-    import shutil
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp, state_dict=state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    except Exception as e:  # e.g. a hand-built test model that HF cannot serialise
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"warning: final model not saved ({type(e).__name__}: {str(e)[:120]})")
-        return
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
 
 
 @with_run_kernel_options   # cfg.kernel_options in force for the run

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -189,10 +190,25 @@ def gathered_state_dict(acc, model: nn.Module) -> dict | None:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+def save_final(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained into `out` through a temporary folder (atomic, like the checkpoints);
+    `state_dict`: the weights to write instead of the model's own (gathered ZeRO-3 shards)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    except Exception as e:  # e.g. a hand-built test model that HF cannot serialise
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"warning: final model not saved ({type(e).__name__}: {str(e)[:120]})")
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
 def save_final_model(acc, model: nn.Module, tokenizer, out: Path) -> None:
     """`save_pretrained` into `out` from the main process only (gathering ZeRO-3 shards first)."""
-    from .align import save_final
-
     state = gathered_state_dict(acc, model)
     if acc.is_main_process:
         save_final(model, tokenizer, out, state_dict=state)

@@ -29,7 +29,7 @@ import torch
 from hybridize.errors import UserError
 from hybridize.kernels.options import with_run_kernel_options
 
-from .align import save_final
+from .loop import save_final
 from .checkpoint import check_trainer_resume
 from .config import SFTStageConfig, save_config
 from .data import load_rows, shared_data

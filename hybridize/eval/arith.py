@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 from hybridize.errors import UserError
 
+from .formats import BOXED_INSTRUCTION
+
 NAME = "arith"
 LEVELS = (1, 2, 3, 4, 5, 6)
 TEST_DEFAULT_PER_LEVEL = 50
@@ -197,9 +199,7 @@ def load(name: str, default_split: str = "test") -> list[dict]:
 def as_dataset(name: str, default_split: str = "train", max_rows: int = 0):
     """A `datasets.Dataset` of the rows for `distill traces`, with a `prompt` column too (the problem and
     the boxed-answer instruction on the next line; `prompt_field=problem` gives the bare problem)."""
-    import datasets
-
-    from .math import BOXED_INSTRUCTION
+    import datasets  # deferred: slow import (pyarrow); only `distill traces` needs it
 
     rows = [{**r, "prompt": f"{r['problem']}\n{BOXED_INSTRUCTION}"} for r in load(name, default_split)]
     if max_rows:

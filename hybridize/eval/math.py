@@ -41,10 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-NUMBER_INSTRUCTION = "Answer with the number only."
-#: answer formats: the instruction after the problem; `grade` checks the answer by the same format
-ANSWER_FORMATS = {"boxed": BOXED_INSTRUCTION, "number": NUMBER_INSTRUCTION}
+from .formats import ANSWER_FORMATS, BOXED_INSTRUCTION, NUMBER_INSTRUCTION  # noqa: F401  (re-exported)
 
 # ---- answer extraction and checking (pure) ------------------------------------------------------
 
