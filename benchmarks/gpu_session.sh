@@ -57,7 +57,7 @@ for s in "${STEPS_[@]}"; do
       # sharing the GPU hung past 300 s there
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py \
         tests/kernels/test_gpu_sse_decode.py tests/kernels/test_ccq_triton.py tests/generation/test_attn_decode.py \
-        tests/generation/test_fast.py tests/eval/test_generate.py tests/kernels/test_erase.py tests/kernels/test_ccq_clean.py -k "cuda or gpu" -rfE \
+        tests/generation/test_fast.py tests/eval/test_generate.py tests/ops/delta/test_erase.py tests/kernels/test_ccq_clean.py -k "cuda or gpu" -rfE \
         2>&1 | tail -40 \
         | tee "$OUT/tests.log"
       # every case of the decode GEMM runs on the GPU when there is one (autotuning included)

@@ -9,10 +9,10 @@ state it ends with is read with the keys: prediction_i = S^T k_i (this repo's `[
 
 Methods (the write rule; all read S^T q):
 - `linear_attn`: S_t = S_{t-1} + k_t v_t^T                     (`kernels.gla` with g = None)
-- `deltanet`:    S_t = (I - k_t k_t^T) S_{t-1} + k_t v_t^T     (`kernels.delta`, beta = 1)
-- `gdn`:         the same with a constant decay gamma          (`kernels.delta`, g = log gamma)
+- `deltanet`:    S_t = (I - k_t k_t^T) S_{t-1} + k_t v_t^T     (`ops.delta.reference`, beta = 1)
+- `gdn`:         the same with a constant decay gamma          (`ops.delta.reference`, g = log gamma)
 - `gla`:         linear attention with a constant decay gamma  (`kernels.gla`, scalar g)
-- `qdelta`:      erase direction k + lambda q with q = k       (`kernels.delta`, p = (1 + lambda) k)
+- `qdelta`:      erase direction k + lambda q with q = k       (`ops.delta.reference`, p = (1 + lambda) k)
 - `rls`:         the least-squares optimum S = (K^T K + eps I)^{-1} K^T V (closed form, fp64;
                  `rls_recurrent` is its O(d^2)-per-step recursive form, used by the tests)
 
@@ -95,7 +95,7 @@ def _state_linear(k, v, decay: float | None = None):
 
 
 def _state_delta(k, v, decay: float | None = None, p_scale: float = 1.0):
-    from hybridize.kernels.delta import delta_chunk
+    from hybridize.ops.delta.reference import delta_chunk
 
     B, T, _ = k.shape
     beta = torch.ones(B, T, 1, dtype=k.dtype)

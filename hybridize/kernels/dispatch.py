@@ -41,8 +41,8 @@ _TORCH: dict[tuple[str, str], Callable] = {}
 # the module holding each op's PyTorch forms `<op>_chunk` / `<op>_recurrent`
 _TORCH_MODULES = {
     "gla": "hybridize.kernels.gla",
-    "delta": "hybridize.kernels.delta",
-    "log_linear": "hybridize.kernels.log_linear",
+    "delta": "hybridize.ops.delta.reference",
+    "log_linear": "hybridize.ops.log_linear.reference",
     "ccq": "hybridize.kernels.ccq",
     "ccq_clean": "hybridize.kernels.ccq_clean",
 }

@@ -31,7 +31,7 @@ Conventions mapped here:
 - fla's `chunk_size` is fixed (64); a `chunk_size` argument is accepted and ignored on GPU.
 
 Training path for Gated DeltaNet / CCQ-GDN / Q-Delta (fla issue #640): fla 0.6.0 raises in the gated
-`chunk_bwd_dqkwg` on Hopper with Triton 3.4-3.7.0. `hybridize.kernels.triton.dqkwg` replaces exactly
+`chunk_bwd_dqkwg` on Hopper with Triton 3.4-3.7.0. `hybridize.ops.delta.fla_dqkwg` replaces exactly
 that chunk-local kernel by batched fp32 PyTorch inside our own autograd Functions; the rest of the
 backward is fla's. `benchmarks/ops/gpu_check.py` verifies every gradient against the fp32 reference.
 (Scalar-gate GLA avoids the same kernel by using `chunk_gla` with the gate broadcast over keys.)
@@ -180,12 +180,12 @@ def comba_p(p, g):
 def _erase_for_fla(q, k, p, lam, g):
     """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
     p = k + lam q) in one fused pass (`triton/erase.py`)."""
-    from hybridize.kernels.delta import check_erase
+    from hybridize.ops.delta.reference import check_erase
 
     check_erase(q, p, lam)
     if lam is None:
         return None if p is None else comba_p(p, g).contiguous()
-    from hybridize.kernels.triton.erase import comba_erase
+    from hybridize.ops.delta.triton_erase import comba_erase
     return comba_erase(q, k, lam, g)
 
 
@@ -218,7 +218,7 @@ class _GatedDelta(torch.autograd.Function):
     def backward(ctx, do, dht):
         F = fla()
         import contextlib
-        from hybridize.kernels.triton.dqkwg import patched
+        from hybridize.ops.delta.fla_dqkwg import patched
         q, k, v, gc, beta, A, h0, *rest = ctx.saved_tensors
         kw = dict(cu_seqlens=ctx.cu_seqlens, chunk_indices=ctx.chunk_indices)
         module = F.comba_module if ctx.comba else F.gdn_module

@@ -3,7 +3,7 @@
 Per head: S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = scale * S_t^T q_t,
 with q, k L2-normalised per head, beta_t = sigmoid(b_proj(x_t)) per head, and alpha_t = 1 (DeltaNet)
 or alpha_t = exp(g_t) with a scalar log-decay per head (Gated DeltaNet). The op is
-`hybridize.kernels.delta` (called through `dispatch.run("delta", mode, ...)`); the chunked form is
+`hybridize.ops.delta.reference` (called through `dispatch.run("delta", mode, ...)`); the chunked form is
 its WY / UT-transform, the recurrent form the per-token ground truth.
 
 Front end (shared with every mixer, base.py): teacher q/k/v/o projections, optional short conv,

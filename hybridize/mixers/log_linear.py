@@ -5,7 +5,7 @@ Per head, with phi(q), phi(k) the teacher's q/k through a feature map and a scal
     o_t = scale * sum_l lambda_t^l (M_t^l)^T phi(q_t),   M_t^l = sum_{s in level l of t} exp(G_t - G_s) phi(k_s) v_s^T
 
 where the levels are the Fenwick buckets of the prefix [0, t] (level 0 = token t, level l = the 2^(l-1)
-tokens that differ from t first in bit l-1; see `hybridize/kernels/log_linear.py`, which holds both
+tokens that differ from t first in bit l-1; see `hybridize/ops/log_linear/reference.py`, which holds both
 forms and the O(log T) decode state), and
     y_t = W_o [ act(x_t W_g + b_g) * RMSNorm_head(o_t) ]      (gate and norm optional).
 
@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.kernels import dispatch
-from hybridize.kernels.log_linear import LogLinearState
+from hybridize.ops.log_linear.reference import LogLinearState
 
 from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, repeat_kv
 from .gla import SIGMOID_GATE_BIAS, SILU_ONE

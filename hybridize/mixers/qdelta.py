@@ -6,7 +6,7 @@ Per head (state `[K, V]`, the transpose of the paper's `[V, K]` layout):
 
 i.e. the state is corrected by the hybrid error v_t - S'^T k_t - lambda S'^T q_t (key retrieval plus
 query read-out), written along k. Everything else (L2-normalised q/k, beta, decay, output gate/norm,
-init rules) is `GatedDeltaNet`'s; the op is `hybridize.kernels.delta` with `p = x`.
+init rules) is `GatedDeltaNet`'s; the op is `hybridize.ops.delta.reference` with `p = x`.
 
 lambda in [0, 1] is one learnable scalar per head, lambda = sigmoid(lambda_logit); the paper writes
 lambda_t but describes it as "a learnable per-head query feedback coefficient" - this module reads it
@@ -73,7 +73,7 @@ class QDelta(GatedDeltaNet):
 
     def erase_feedback(self) -> torch.Tensor:
         """lambda `[H]`: the delta op forms x = k + lambda q itself (q, k already L2-normalised), in one fused
-        pass with fla's exp(g) factor on the GPU (`kernels/triton/erase.py`)."""
+        pass with fla's exp(g) factor on the GPU (`ops/delta/triton_erase.py`)."""
         return self.query_feedback()
 
 

@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import ccq, ccq_clean
+from hybridize.kernels import ccq
+from hybridize.kernels import ccq_clean
 
-from .triton_gates import cuda_only, interp_only, rel
+from tests.ops.triton_gates import cuda_only, interp_only, rel
 
 
 def torch_read(q, k_unit):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .triton_gates import HAS_TRITON, cuda_only, interp_only, rel
+from tests.ops.triton_gates import HAS_TRITON, cuda_only, interp_only, rel
 
 
 def inputs(B, T, H, K, dtype=torch.float32, device="cpu", seed=0):
@@ -386,7 +386,8 @@ def test_cuda_varlen(dtype, split):
 def test_cuda_mixer_through_dispatch():
     """CCQ-GLA with the fused read registered for ccq/chunk: same output and gradients as the current
     GPU path (fla `chunk_gla` read), fp32."""
-    from hybridize.kernels import dispatch, fla_adapter
+    from hybridize.kernels import dispatch
+    from hybridize.kernels import fla_adapter
     from hybridize.kernels.triton.ccq_read import ccq_triton
     from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hybridize.errors import UserError
 from hybridize.kernels.gla import gla_recurrent
 
-from .triton_gates import cuda_only, interp_only, rel
+from tests.ops.triton_gates import cuda_only, interp_only, rel
 
 
 def inputs(B, T, H, K, V, device="cpu", seed=0, strength=1.0):

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridize.kernels import dispatch, fla_adapter
+from hybridize.kernels import dispatch
+from hybridize.kernels import fla_adapter
 from hybridize.kernels.ccq import ccq_recurrent
-from hybridize.kernels.delta import delta_recurrent
+from hybridize.ops.delta.reference import delta_recurrent
 from hybridize.kernels.gla import gla_chunk, gla_recurrent
 
 

@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import options, sse
+from hybridize.kernels import options
+from hybridize.kernels import sse
 from hybridize.kernels.sse import PathInputs, Routing, route
 
 triton_ok = importlib.util.find_spec("triton") is not None
@@ -431,7 +432,8 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     """bf16, with and without gradient: the varlen call runs the pieces GLA, and the output, the final states and
     every leaf's gradient match the same call through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the
     PyTorch path."""
-    from hybridize.kernels.triton import gla_bwd, gla_fwd
+    from hybridize.kernels.triton import gla_bwd
+    from hybridize.kernels.triton import gla_fwd
 
     H, D, N, K = 2, 64, 4, 1
     if case == "packed":

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from hybridize.kernels import options, sse
+from hybridize.kernels import options
+from hybridize.kernels import sse
 
 interp = (importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
           and not torch.cuda.is_available())

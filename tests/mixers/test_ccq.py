@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.delta import delta_recurrent
+from hybridize.ops.delta.reference import delta_recurrent
 from hybridize.kernels.gla import gla_recurrent
 from hybridize.mixers.ccq import CCQGDN, CCQGLA
 from hybridize.mixers.deltanet import GatedDeltaNet

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybridize.mixers import build_mixer, mixer_class
 from hybridize.mixers.deltanet import DeltaNet, DeltaState, GatedDeltaNet
-from tests.kernels.test_delta_op import naive
+from tests.ops.delta.test_delta_op import naive
 from tests.mixers.helpers import (FP32_TOL, check_backward, check_chunk_equals_recurrent, check_left_padding,
                                   check_padding_keeps_state, check_prefill_then_steps, check_runs_in_dtype,
                                   call, check_varlen_equals_separate, make_mixer, random_hidden, rel_err)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.kernels.gla import gla_chunk
-from hybridize.kernels.log_linear import occupied_levels
+from hybridize.ops.log_linear.reference import occupied_levels
 from hybridize.mixers import mixer_class
 from hybridize.mixers.base import repeat_kv
 from hybridize.mixers.linear_attn import apply_feature_map

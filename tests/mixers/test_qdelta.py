@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridize.kernels.delta import contraction_factor, query_erase
+from hybridize.ops.delta.reference import contraction_factor, query_erase
 from hybridize.mixers import build_mixer
 from hybridize.mixers.qdelta import QDelta
 from tests.mixers.helpers import (FP32_TOL, call, check_backward, check_chunk_equals_recurrent, check_left_padding,

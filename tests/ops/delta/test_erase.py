@@ -1,4 +1,4 @@
-"""Q-Delta's fused erase direction p = exp(g) (k + lam q) (`kernels/triton/erase.py`) and the delta op's `lam`
+"""Q-Delta's fused erase direction p = exp(g) (k + lam q) (`ops/delta/triton_erase.py`) and the delta op's `lam`
 input. Reference: the formula in fp64 autograd. The Triton kernel runs under TRITON_INTERPRET=1 on CPU and on
 CUDA; the op with `lam` must equal the op with the explicit p = k + lam q, forward and gradients."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.delta import delta_chunk, delta_recurrent, query_erase
-from hybridize.kernels.triton.erase import comba_erase, comba_erase_reference
+from hybridize.ops.delta.reference import delta_chunk, delta_recurrent, query_erase
+from hybridize.ops.delta.triton_erase import comba_erase, comba_erase_reference
 
 TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

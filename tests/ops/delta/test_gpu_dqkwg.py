@@ -1,13 +1,13 @@
 """The PyTorch `chunk_bwd_dqkwg` replacement (fla issue #640 workaround) against autograd.
 
 Runs on CPU: the function is plain PyTorch. The reference differentiates the chunk-local function
-the kernel's outputs are gradients of (module doc of `hybridize.kernels.triton.dqkwg`)."""
+the kernel's outputs are gradients of (module doc of `hybridize.ops.delta.fla_dqkwg`)."""
 import math
 
 import pytest
 import torch
 
-from hybridize.kernels.triton.dqkwg import chunk_bwd_dqkwg_torch, chunk_token_index
+from hybridize.ops.delta.fla_dqkwg import chunk_bwd_dqkwg_torch, chunk_token_index
 
 
 def _chunk_objective(q, k, v, w, G, h, do, dh, dv, scale, C, lens):

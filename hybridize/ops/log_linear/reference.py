@@ -28,7 +28,7 @@ the fixed C x C level-index table bit_length(i XOR j) <= c; (2) inter-chunk read
 chunk-level states, each weighted by the query's lambda at level c + j; (3) the chunk's summary
 joins the chunk-level states with the same Fenwick carry. Cost O(T C (K + V) + T L K V) time,
 O(T C + (T / C) L K V) memory for autograd: log-linear in T for fixed C, against O(T^2) for the fully
-parallel masked form (which `tests/kernels/test_log_linear_op.py` builds as the reference). The fully
+parallel masked form (which `tests/ops/log_linear/test_log_linear_op.py` builds as the reference). The fully
 parallel form would be simpler but quadratic; the chunked one is what fla's kernel does on GPU.
 Rows whose start position `t` is not a multiple of C are shifted right by `t mod C` (zero tokens,
 which change nothing) so that their chunks are aligned too.

@@ -1,4 +1,4 @@
-"""The generalised delta-rule op (hybridize/kernels/delta.py).
+"""The generalised delta-rule op (hybridize/ops/delta/reference.py).
 
 References: an independent per-head matrix-form loop (S <- exp(g) (I - beta k p^T) S + beta k v^T,
 explicit identity matrix, fp64) for the recurrent form; the recurrent form for the chunked one."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.delta import contraction_factor, delta_chunk, delta_recurrent
+from hybridize.ops.delta.reference import contraction_factor, delta_chunk, delta_recurrent
 
 TOL = 1e-5
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.kernels.gla import gla_chunk, gla_recurrent
-from hybridize.kernels.log_linear import (
+from hybridize.ops.log_linear.reference import (
     LogLinearState, bit_length, log_linear_chunk, log_linear_recurrent, occupied_levels)
 
 
