@@ -1,4 +1,4 @@
-"""GLA in pieces (`kernels/triton/gla_fwd.py` + `gla_bwd.py`, built toward SSE's target) vs fla's chunk_gla.
+"""GLA in pieces (`ops/gla/triton_fwd.py` + `gla_bwd.py`, built toward SSE's target) vs fla's chunk_gla.
 
 For each T, side by side in one process, forward only and forward+backward, bf16, H=16, K=V=128, gates
 logsigmoid / 16 as GLA's and SSE's mixers make them:
@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--directions", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd")
     ap.add_argument("--layouts", default="T,2T", help="T (T tokens) and/or 2T (SSE's 2T layout)")
     args = ap.parse_args()
-    from hybridize.kernels.triton.gla_bwd import gla_triton
+    from hybridize.ops.gla.triton_bwd import gla_triton
 
     print(f"{gpu_stack('ops/gla_pieces.py')} | B=1 H={bk.H} D={bk.D} bf16 (gates fp32); ms")
     print()

@@ -101,7 +101,7 @@ OPS = {"gla": ("gla", "chunk"), "ccq": ("ccq", "chunk"), "log_linear": ("log_lin
 
 def op_of(case):
     name = case.split("/")[0]
-    if name == "gla_pieces":   # our pieces GLA (`kernels/triton/gla_bwd.py`), SSE's varlen call; not in dispatch
+    if name == "gla_pieces":   # our pieces GLA (`ops/gla/triton_bwd.py`), SSE's varlen call; not in dispatch
         return "gla", "pieces"
     if name.endswith("@rec"):
         return name[:-4], "recurrent"
@@ -118,7 +118,7 @@ def gpu_call(case, x, kw):
     from hybridize.kernels import dispatch
     op, mode = op_of(case)
     if mode == "pieces":
-        from hybridize.kernels.triton.gla_bwd import gla_triton
+        from hybridize.ops.gla.triton_bwd import gla_triton
         return gla_triton(**x, **kw)
     return dispatch.run(op, mode, **x, **kw)
 

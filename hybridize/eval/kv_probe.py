@@ -8,10 +8,10 @@ nonlinearity"), "unnormalised" leaves v_t = f(k_t). Each method writes the T pai
 state it ends with is read with the keys: prediction_i = S^T k_i (this repo's `[K, V]` layout).
 
 Methods (the write rule; all read S^T q):
-- `linear_attn`: S_t = S_{t-1} + k_t v_t^T                     (`kernels.gla` with g = None)
+- `linear_attn`: S_t = S_{t-1} + k_t v_t^T                     (`ops.gla.reference` with g = None)
 - `deltanet`:    S_t = (I - k_t k_t^T) S_{t-1} + k_t v_t^T     (`ops.delta.reference`, beta = 1)
 - `gdn`:         the same with a constant decay gamma          (`ops.delta.reference`, g = log gamma)
-- `gla`:         linear attention with a constant decay gamma  (`kernels.gla`, scalar g)
+- `gla`:         linear attention with a constant decay gamma  (`ops.gla.reference`, scalar g)
 - `qdelta`:      erase direction k + lambda q with q = k       (`ops.delta.reference`, p = (1 + lambda) k)
 - `rls`:         the least-squares optimum S = (K^T K + eps I)^{-1} K^T V (closed form, fp64;
                  `rls_recurrent` is its O(d^2)-per-step recursive form, used by the tests)
@@ -87,7 +87,7 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def _state_linear(k, v, decay: float | None = None):
-    from hybridize.kernels.gla import gla_chunk
+    from hybridize.ops.gla.reference import gla_chunk
 
     g = None if decay is None else torch.full(k.shape[:2] + (1,), math.log(decay), dtype=k.dtype)
     _, S = gla_chunk(_heads(k), _heads(k), _heads(v), g=g, scale=1.0, output_final_state=True, chunk_size=64)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridize.kernels.gla import acc_dtype, gla_chunk
+from hybridize.ops.gla.reference import acc_dtype, gla_chunk
 from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 CCQStats = tuple  # (C [N, H, K, K], mu [N, H, K], t [N] int64)

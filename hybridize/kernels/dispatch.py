@@ -40,7 +40,7 @@ def register_gpu(op: str, mode: str, fn: Callable) -> None:
 _TORCH: dict[tuple[str, str], Callable] = {}
 # the module holding each op's PyTorch forms `<op>_chunk` / `<op>_recurrent`
 _TORCH_MODULES = {
-    "gla": "hybridize.kernels.gla",
+    "gla": "hybridize.ops.gla.reference",
     "delta": "hybridize.ops.delta.reference",
     "log_linear": "hybridize.ops.log_linear.reference",
     "ccq": "hybridize.kernels.ccq",

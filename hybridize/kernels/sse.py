@@ -426,7 +426,7 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
     if _gla_gathers(op, shared, sparse, w):
-        from hybridize.kernels.triton.gla_fwd import Gather, gla_fwd_triton
+        from hybridize.ops.gla.triton_fwd import Gather, gla_fwd_triton
         src = shared if shared is not None else sparse            # (no shared path: never read)
         gather = Gather(sparse.q, sparse.k, sparse.v, sparse.g, plan.order, w, K, 0 if shared is None else L,
                         emulq, emulk)
@@ -437,7 +437,7 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
     x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
                    v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
     if _gla_in_pieces(op, x):
-        from hybridize.kernels.triton.gla_bwd import gla_triton
+        from hybridize.ops.gla.triton_bwd import gla_triton
         g = x.g if x.g.dim() == 4 else x.g.unsqueeze(-1).expand_as(x.q)
         o_all, st = gla_triton(x.q, x.k, x.v, g, scale=scale, initial_state=h0,
                                output_final_state=output_final_state, cu_seqlens=seg_cu)

@@ -14,7 +14,7 @@ from hybridize.kernels import dispatch
 from hybridize.kernels import fla_adapter
 from hybridize.kernels.ccq import ccq_recurrent
 from hybridize.ops.delta.reference import delta_recurrent
-from hybridize.kernels.gla import gla_chunk, gla_recurrent
+from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
 
 
 def _rel(a, b):

@@ -432,8 +432,8 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     """bf16, with and without gradient: the varlen call runs the pieces GLA, and the output, the final states and
     every leaf's gradient match the same call through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the
     PyTorch path."""
-    from hybridize.kernels.triton import gla_bwd
-    from hybridize.kernels.triton import gla_fwd
+    from hybridize.ops.gla import triton_bwd as gla_bwd
+    from hybridize.ops.gla import triton_fwd as gla_fwd
 
     H, D, N, K = 2, 64, 4, 1
     if case == "packed":

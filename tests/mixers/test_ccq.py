@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.delta.reference import delta_recurrent
-from hybridize.kernels.gla import gla_recurrent
+from hybridize.ops.gla.reference import gla_recurrent
 from hybridize.mixers.ccq import CCQGDN, CCQGLA
 from hybridize.mixers.deltanet import GatedDeltaNet
 from hybridize.mixers.gla import GLA

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.gla import gla_chunk
+from hybridize.ops.gla.reference import gla_chunk
 from hybridize.ops.log_linear.reference import occupied_levels
 from hybridize.mixers import mixer_class
 from hybridize.mixers.base import repeat_kv

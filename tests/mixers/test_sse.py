@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.gla import gla_recurrent
+from hybridize.ops.gla.reference import gla_recurrent
 from hybridize.kernels.sse import route
 from hybridize.mixers import build_mixer
 from hybridize.mixers.sse import SSE, SSEGDN, SSEState

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.gla import acc_dtype
+from hybridize.ops.gla.reference import acc_dtype
 from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from hybridize.kernels.gla import acc_dtype
+from hybridize.ops.gla.reference import acc_dtype
 from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.gla import gla_chunk, gla_recurrent
+from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
 from hybridize.ops.log_linear.reference import (
     LogLinearState, bit_length, log_linear_chunk, log_linear_recurrent, occupied_levels)
 

@@ -1,4 +1,4 @@
-"""Tests of the GLA op (hybridize/kernels/gla.py): recurrent == an independent quadratic fp64 formula,
+"""Tests of the GLA op (hybridize/ops/gla/reference.py): recurrent == an independent quadratic fp64 formula,
 chunk == recurrent (outputs, final state, gradients), varlen == separate sequences, fp64 gradcheck,
 strong decays without overflow, bf16."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.kernels import dispatch
-from hybridize.kernels.gla import gla_chunk, gla_recurrent
+from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
 from tests.mixers.helpers import cu_seqlens_of, rel_err
 
 H, K, V = 2, 8, 6
@@ -192,7 +192,7 @@ def test_bad_cu_seqlens_raise():
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 def test_factorised_and_pairwise_intra_chunk_scores_agree(monkeypatch, gate):
     """The fast factorised intra-chunk path and the explicit pairwise path give the same op output."""
-    import hybridize.kernels.gla as gla_mod
+    import hybridize.ops.gla.reference as gla_mod
 
     torch.manual_seed(3)
     B, T, H, K, V = 2, 70, 2, 8, 6

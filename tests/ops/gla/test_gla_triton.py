@@ -1,11 +1,11 @@
-"""GLA in pieces (`kernels/triton/gla_fwd.py`, `gla_bwd.py`) against `gla_recurrent`, forward and gradients.
+"""GLA in pieces (`ops/gla/triton_fwd.py`, `gla_bwd.py`) against `gla_recurrent`, forward and gradients.
 
 Gates: interpreter (`TRITON_INTERPRET=1`, triton importable): fp32 against the fp64 recurrent reference,
 odd lengths, K != V, pieces that cut tiles, an initial and a final state, varlen documents with an empty one,
 strong and weak decay, the gradients of q, k, v, g and the initial state through the output and the final state;
 CUDA: bf16 and fp32 at ~4k tokens, both directions.
 
-    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_gla_triton.py
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/gla/test_gla_triton.py
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.errors import UserError
-from hybridize.kernels.gla import gla_recurrent
+from hybridize.ops.gla.reference import gla_recurrent
 
 from tests.ops.triton_gates import cuda_only, interp_only, rel
 
@@ -30,7 +30,7 @@ def inputs(B, T, H, K, V, device="cpu", seed=0, strength=1.0):
 
 def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, strong=None, **kw):
     """Kernel (given `strong` gates instead of `gate`, if any) against the fp64 recurrent op with `gate`."""
-    from hybridize.kernels.triton.gla_fwd import gla_fwd_triton
+    from hybridize.ops.gla.triton_fwd import gla_fwd_triton
 
     want, want_end = gla_recurrent(q, k, v, gate, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     with torch.no_grad():
@@ -46,7 +46,7 @@ def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, stro
 def test_interp_strong_decay_is_floored_not_nan():
     """Log-decays far below G_MIN (-30 per token in some channels): finite, and equal to the op with the gates
     floored at G_MIN (the documented departure); moderate gates (above the floor) are exact."""
-    from hybridize.kernels.triton.gla_fwd import G_MIN
+    from hybridize.ops.gla.triton_fwd import G_MIN
 
     torch.set_num_threads(1)
     q, k, v, gate, h0 = inputs(1, 40, 2, 16, 16, seed=9)
@@ -57,7 +57,7 @@ def test_interp_strong_decay_is_floored_not_nan():
 
 @interp_only
 def test_interp_refuses_gradient_and_bad_gates():
-    from hybridize.kernels.triton.gla_fwd import gla_fwd_triton
+    from hybridize.ops.gla.triton_fwd import gla_fwd_triton
 
     q, k, v, gate, _ = (t.float() for t in inputs(1, 8, 1, 16, 16))
     with pytest.raises(ValueError, match="no backward"):
@@ -71,8 +71,8 @@ def compare_grads(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5
     """`gla_triton`'s output, final state and the gradients of q, k, v, g, h0 (loss: a random projection of the
     output plus one of the final state) against the fp64 recurrent op's (given `strong` gates, if any, the
     kernel runs on those; its gate gradient is then compared with the reference's through a clamp at G_MIN)."""
-    from hybridize.kernels.triton.gla_bwd import gla_triton
-    from hybridize.kernels.triton.gla_fwd import G_MIN
+    from hybridize.ops.gla.triton_bwd import gla_triton
+    from hybridize.ops.gla.triton_fwd import G_MIN
 
     gen = torch.Generator().manual_seed(11)
     N = q.shape[0] if cu is None else len(cu) - 1
@@ -134,7 +134,7 @@ def test_interp_floored_gates_get_no_gradient():
 @interp_only
 def test_interp_gradient_from_the_final_state_alone():
     """Only the final state is used (the output's gradient is None): dq is zero, the rest flows."""
-    from hybridize.kernels.triton.gla_bwd import gla_triton
+    from hybridize.ops.gla.triton_bwd import gla_triton
 
     torch.set_num_threads(1)
     q, k, v, gate, h0 = (t.float().requires_grad_() for t in inputs(1, 30, 1, 16, 16, seed=4))
@@ -155,7 +155,7 @@ def test_interp_gather_reads_the_sse_layout_in_place(shared, K, emul, split):
     the packer builds (`sse.pack_rows_torch`), on every row and state the caller keeps (the trash segment of
     dropped pairs aside): two documents, a padding token, K = 1 and 2, router scales on q and / or k, pieces."""
     from hybridize.kernels import sse
-    from hybridize.kernels.triton.gla_fwd import Gather, gla_fwd_triton
+    from hybridize.ops.gla.triton_fwd import Gather, gla_fwd_triton
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(21)
@@ -213,7 +213,7 @@ def test_cuda_matches_recurrent(dtype, tol):
 
 @interp_only
 def test_interp_bad_products_setting_fails_at_the_call(monkeypatch):
-    from hybridize.kernels.triton.gla_bwd import gla_triton
+    from hybridize.ops.gla.triton_bwd import gla_triton
 
     monkeypatch.setenv("HYBRIDIZE_GLA_PRODUCTS", "fast")
     q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, 8, 1, 16, 16))
