@@ -1,7 +1,7 @@
 """CCQ covariance read: the fused Triton kernel at several piece lengths vs its two backbones (issue 6).
 
 For each T, side by side in one process at `[1, T, H, D]`, forward and forward+backward:
-- `ccq seg=<n>`: `kernels.triton.ccq_read.ccq_triton` with the sequence cut into pieces of n tokens in
+- `ccq seg=<n>`: `ops.ccq.triton_read.ccq_triton` with the sequence cut into pieces of n tokens in
   both directions (`auto`: the default choice; `0`: one pass per sequence);
 - `ccq seg=auto, products=<mode>`: the same with the kernel option `ccq_products=split` (bf16 hi/lo pairs for the
   products with a carried fp32 operand, tf32 in the dk pass) and `=tf32` (fp32 tiles at tf32); the rows
@@ -47,8 +47,8 @@ def errors(fn, ref, q, k):
 
 
 def run(T, segments):
-    from hybridize.kernels.ccq import ccq_chunk
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.reference import ccq_chunk
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.manual_seed(0)
     x = bk.gla_inputs(T)

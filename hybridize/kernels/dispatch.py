@@ -43,8 +43,8 @@ _TORCH_MODULES = {
     "gla": "hybridize.ops.gla.reference",
     "delta": "hybridize.ops.delta.reference",
     "log_linear": "hybridize.ops.log_linear.reference",
-    "ccq": "hybridize.kernels.ccq",
-    "ccq_clean": "hybridize.kernels.ccq_clean",
+    "ccq": "hybridize.ops.ccq.reference",
+    "ccq_clean": "hybridize.ops.ccq.clean",
 }
 
 

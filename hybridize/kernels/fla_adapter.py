@@ -368,17 +368,17 @@ def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_
 
 
 def ccq_fused(*args, **kwargs):
-    from hybridize.kernels.triton.ccq_read import ccq_triton  # imports triton on the first CUDA call only
+    from hybridize.ops.ccq.triton_read import ccq_triton  # imports triton on the first CUDA call only
     return ccq_triton(*args, **kwargs)
 
 
 def ccq_clean_fused(*args, **kwargs):
-    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused as fused  # imports triton on the first CUDA call only
+    from hybridize.ops.ccq.triton_clean import ccq_clean_fused as fused  # imports triton on the first CUDA call only
     return fused(*args, **kwargs)
 
 
 def ccq_clean_fused_chunk(*args, **kwargs):
-    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused_chunk as fused  # the chunk read cleans in its epilogue
+    from hybridize.ops.ccq.triton_clean import ccq_clean_fused_chunk as fused  # the chunk read cleans in its epilogue
     return fused(*args, **kwargs)
 
 

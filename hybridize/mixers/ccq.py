@@ -8,9 +8,9 @@ The backbone (GLA or Gated DeltaNet) is used unchanged; only the query it reads 
 
 with kbar, qbar the L2-normalised keys/queries, token t included in the statistics, no decay, t the
 number of real tokens of the sequence so far (restarting for every `cu_seqlens` document; padding not
-counted). Sigma_t q_t is `hybridize.kernels.ccq` (chunked: linear attention with values = keys;
+counted). Sigma_t q_t is `hybridize.ops.ccq.reference` (chunked: linear attention with values = keys;
 recurrent: the paper's Algorithm 2); the normalisations, the gate and the update of q around it are
-`hybridize.kernels.ccq_clean` (fused Triton passes on CUDA). The decode state is the backbone state
+`hybridize.ops.ccq.clean` (fused Triton passes on CUDA). The decode state is the backbone state
 plus (C_t, mu_t, t).
 
 Reuse of the backbone: `CCQGLA` subclasses `GLA`, `CCQGDN` subclasses `GatedDeltaNet`; each
@@ -125,7 +125,7 @@ class _CCQRead:
             self.ccq_bias.fill_(math.log(p / (1.0 - p)))
 
     def _gate_args(self):
-        """(weight, bias, fixed lambda) for `kernels.ccq_clean`: the gate parameters, or a fixed lambda."""
+        """(weight, bias, fixed lambda) for `ops.ccq.clean`: the gate parameters, or a fixed lambda."""
         fixed = self.config.ccq_fixed_lambda
         if fixed is not None:
             return None, None, fixed
@@ -144,7 +144,7 @@ class _CCQRead:
             return dispatch.run("ccq", mode, query, k_unit, mask=attention_mask, initial_state=stats,
                                 output_final_state=output_state, cu_seqlens=cu_seqlens, **kw, **extra)
 
-        # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (kernels/ccq_clean.py)
+        # normalising k, the gate and q - lambda Sigma q: fused around the read on the GPU (ops/ccq/clean.py)
         q_clean, new = dispatch.run("ccq_clean", mode, q, k, *self._gate_args(), read, unit_keys=self.keys_are_unit)
         if not output_state:
             return q_clean, {}

@@ -12,7 +12,7 @@ import torch
 
 from hybridize.kernels import dispatch
 from hybridize.kernels import fla_adapter
-from hybridize.kernels.ccq import ccq_recurrent
+from hybridize.ops.ccq.reference import ccq_recurrent
 from hybridize.ops.delta.reference import delta_recurrent
 from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.kernels.triton.ccq_read import _interpreter_shim, _interpreting
+from hybridize.ops.ccq.triton_read import _interpreter_shim, _interpreting
 
 
 @triton.jit

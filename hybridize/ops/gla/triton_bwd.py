@@ -35,7 +35,7 @@ import triton.language as tl
 
 from hybridize.kernels.options import current_kernel_options
 
-from hybridize.kernels.triton.ccq_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
+from hybridize.ops.ccq.triton_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
                        _tune_buckets)
 from hybridize.ops.gla.triton_fwd import G_MIN, _pieces_for, _precision, _state_configs, check_inputs, forward_pieces, scan_pieces
 

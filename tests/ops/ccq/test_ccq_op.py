@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.ccq import ccq_chunk, ccq_recurrent
+from hybridize.ops.ccq.reference import ccq_chunk, ccq_recurrent
 
 B, H, K = 2, 3, 8
 

@@ -1,4 +1,4 @@
-"""The piece table kernel (`kernels/triton/piece_table.py`) against the PyTorch table it replaces (interpreter)."""
+"""The piece table kernel (`ops/ccq/triton_piece_table.py`) against the PyTorch table it replaces (interpreter)."""
 import importlib.util
 import os
 
@@ -11,7 +11,7 @@ needs_interp = pytest.mark.skipif(not interp, reason="needs TRITON_INTERPRET=1, 
 
 
 def torch_table(B, T, cu, n0, seg_len, monkeypatch):
-    from hybridize.kernels.triton import ccq_read
+    from hybridize.ops.ccq import triton_read as ccq_read
     monkeypatch.setenv("TRITON_INTERPRET", "0")       # the PyTorch form (`_build_table` takes it off the GPU)
     try:
         return ccq_read._build_table(B, T, cu, None, n0, seg_len, cu.device)
@@ -28,7 +28,7 @@ def torch_table(B, T, cu, n0, seg_len, monkeypatch):
     (list(range(0, 2600, 1)), 512, False),            # 2599 one-token documents: several blocks of earlier ones
 ])
 def test_kernel_table_equals_torch_table(cu, seg_len, with_n0, monkeypatch):
-    from hybridize.kernels.triton.piece_table import piece_table
+    from hybridize.ops.ccq.triton_piece_table import piece_table
     cu_t = torch.tensor(cu)
     N, total = len(cu) - 1, cu[-1]
     n0 = torch.arange(N) * 3 + 1 if with_n0 else None
@@ -43,7 +43,7 @@ def test_kernel_table_equals_torch_table(cu, seg_len, with_n0, monkeypatch):
 @pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None),
                     reason="needs CUDA and triton")
 def test_cuda_kernel_table_equals_cpu_table():
-    from hybridize.kernels.triton import ccq_read
+    from hybridize.ops.ccq import triton_read as ccq_read
     cu = torch.tensor([0, 1000, 1000, 3001, 8192])
     want = ccq_read._build_table(1, 8192, cu, None, None, 512, cu.device)
     got = ccq_read._build_table(1, 8192, cu.cuda(), None, None, 512, torch.device("cuda"))

@@ -1,6 +1,6 @@
 """CCQ covariance read (seed 000, appendix B) as one fused Triton chunked pass, forward and backward.
 
-Computes what `hybridize.kernels.ccq.ccq_chunk` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
+Computes what `hybridize.ops.ccq.reference.ccq_chunk` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
 for q, k `[B, T, H, K]`, with the same arguments (mask `[B, T]`, initial / final state `(C, mu, t)`,
 packed `cu_seqlens`), but instead of a second full linear-attention call plus an fp32 elementwise
 epilogue it keeps the un-normalised sums in registers and walks the sequence once:
@@ -49,7 +49,7 @@ direction (CCQ's unit keys usually do), so a 16-bit rounding of the carried sums
 difference (3.7e-2 max relative error measured at 16k with one bf16 product); about the mean the carried
 sums are of the size of the result, and one bf16 product is as accurate as the hi/lo pair was about zero.
 
-Inference (`clean=`, no gradient): the output pass also applies CCQ's query cleaning (`kernels/ccq_clean.py`):
+Inference (`clean=`, no gradient): the output pass also applies CCQ's query cleaning (`ops/ccq/clean.py`):
 lambda from the query tile it holds, q - lambda Sigma q written from the fp32 read, so the separate gate pass
 over q and Sigma q does not run. Training keeps that pass (its backward needs Sigma q).
 
@@ -668,7 +668,7 @@ def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
 
 def _build_table(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
     if cu is not None and mask is None and seg_len is not None and (dev.type == "cuda" or _interpreting()):
-        from hybridize.kernels.triton.piece_table import piece_table     # one kernel instead of ~20 small ops
+        from hybridize.ops.ccq.triton_piece_table import piece_table     # one kernel instead of ~20 small ops
         return Pieces(*piece_table(cu, seg_len, B * T, n0))
     if n0 is None:
         n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=dev)
@@ -890,8 +890,8 @@ class _CCQReadFn(torch.autograd.Function):
 # ---- the op ----------------------------------------------------------------------------------------
 
 def _clean_torch(q, sigma_q, clean):
-    """q - lambda Sigma q in PyTorch (`kernels.ccq_clean`), for the inputs the fused epilogue does not take."""
-    from hybridize.kernels import ccq_clean as ref
+    """q - lambda Sigma q in PyTorch (`ops.ccq.clean`), for the inputs the fused epilogue does not take."""
+    from hybridize.ops.ccq import clean as ref
 
     lam = ref.gate(ref.unit_rows(q), *clean)
     return (q.to(lam.dtype) - lam.unsqueeze(-1) * sigma_q.to(lam.dtype)).to(q.dtype)
@@ -899,16 +899,16 @@ def _clean_torch(q, sigma_q, clean):
 
 def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
                segment_len: int | None = None, clean=None):
-    """Sigma_t q_t with the signature of `kernels.ccq.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
+    """Sigma_t q_t with the signature of `ops.ccq.reference.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
     in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
 
     `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
     sequence into pieces of that many tokens in both directions (None: automatic on GPU, off in the
     interpreter; 0: off). `clean` = (weight `[H, K]`, bias `[H]`, fixed lambda): o is CCQ's cleaned query
-    q - lambda Sigma q instead (`kernels.ccq_clean`'s gate), computed in the output pass's epilogue: one pass
+    q - lambda Sigma q instead (`ops.ccq.clean`'s gate), computed in the output pass's epilogue: one pass
     over q and Sigma q less. Without gradient only (inference); training runs the cleaning as its own op."""
-    from hybridize.kernels import ccq as ref
-    from hybridize.kernels import ccq_clean as ref_clean
+    from hybridize.ops.ccq import reference as ref
+    from hybridize.ops.ccq import clean as ref_clean
 
     ref._check(q, k, mask)
     if clean is not None:

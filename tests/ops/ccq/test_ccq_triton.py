@@ -1,4 +1,4 @@
-"""Fused Triton CCQ read (`kernels.triton.ccq_read.ccq_triton`) against the PyTorch op.
+"""Fused Triton CCQ read (`ops.ccq.triton_read.ccq_triton`) against the PyTorch op.
 
 Gates:
 - triton importable (CPU, no kernel): the device-side piece table's bounds at the CUDA tests' shapes;
@@ -7,8 +7,8 @@ Gates:
   (autograd through the reference), with mask, initial state, varlen (incl. an empty document);
 - CUDA: the compiled kernels at T ~ 4k, fp32 and bf16, against the fp64 PyTorch chunked op on the GPU.
 
-    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_ccq_triton.py
-    python -m pytest tests/kernels/test_ccq_triton.py        # on a CUDA machine with triton
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/ccq/test_ccq_triton.py
+    python -m pytest tests/ops/ccq/test_ccq_triton.py        # on a CUDA machine with triton
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ FP32 = {"*": 1e-5}
 
 def _ops(segment_len=None):
     """(kernel op at chunk 16, optionally with the forward split into pieces, reference)."""
-    from hybridize.kernels.ccq import ccq_recurrent
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.reference import ccq_recurrent
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     def test_op(*a, **kw):
         return ccq_triton(*a, chunk_size=16, segment_len=segment_len, **kw)
@@ -142,7 +142,7 @@ def test_interp_varlen(split):
 
 @interp_only
 def test_interp_no_grad_and_errors():
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.triton_read import ccq_triton
     q, k = inputs(1, 20, 1, 16)
     with torch.no_grad():
         o, fs = ccq_triton(q, k, output_final_state=False, chunk_size=16)
@@ -157,8 +157,8 @@ def test_interp_no_grad_and_errors():
 
 def _cleaned_ref(q, k, w, b, fixed, **kw):
     """q - lambda Sigma q and the final statistics from the fp64 PyTorch read and gate."""
-    from hybridize.kernels import ccq_clean
-    from hybridize.kernels.ccq import ccq_recurrent
+    from hybridize.ops.ccq import clean as ccq_clean
+    from hybridize.ops.ccq.reference import ccq_recurrent
 
     q64, k64 = q.double(), k.double()
     sig, fs = ccq_recurrent(q64, k64, output_final_state=True, **kw)
@@ -173,7 +173,7 @@ def _cleaned_ref(q, k, w, b, fixed, **kw):
 def test_interp_read_cleans_in_its_epilogue(fixed, split):
     """`clean=`: the output pass writes q - lambda Sigma q itself (inference), with padding, an initial state
     and varlen documents; the statistics are the plain read's. With a gradient wanted it refuses."""
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.set_num_threads(1)
     H, K = 2, 16
@@ -204,9 +204,9 @@ def test_interp_read_cleans_in_its_epilogue(fixed, split):
 def test_interp_gpu_cleaning_uses_the_read_epilogue_without_grad(monkeypatch):
     """The chunk-mode GPU cleaning hands the gate to the read when nothing needs a gradient (no separate
     gate pass), and runs the separate pass when something does; both equal the PyTorch cleaning."""
-    from hybridize.kernels import ccq_clean
-    from hybridize.kernels.triton import ccq_clean as fused
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq import clean as ccq_clean
+    from hybridize.ops.ccq import triton_clean as fused
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.set_num_threads(1)
     H, K = 2, 16
@@ -220,7 +220,7 @@ def test_interp_gpu_cleaning_uses_the_read_epilogue_without_grad(monkeypatch):
         return ccq_triton(qq, kk, output_final_state=True, chunk_size=16, **extra)
 
     def torch_read(qq, kk):
-        from hybridize.kernels.ccq import ccq_chunk
+        from hybridize.ops.ccq.reference import ccq_chunk
         return ccq_chunk(qq, kk, output_final_state=True)
     want, _ = ccq_clean.ccq_clean_chunk(q.double(), k.double(), w.double(), b.double(), None, torch_read,
                                         unit_keys=True)
@@ -243,7 +243,7 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
     """The device-side piece table (`_table`, pure PyTorch) at the CUDA tests' shapes, on the CPU (where
     an index out of range raises instead of a device assert): every piece lies inside the row, pieces
     of a sequence are contiguous and cover exactly its tokens, counts match the mask."""
-    from hybridize.kernels.triton.ccq_read import _segment_len, _table
+    from hybridize.ops.ccq.triton_read import _segment_len, _table
     cu_t = None if cu is None else torch.tensor(cu)
     N = B if cu is None else len(cu) - 1
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.1
@@ -279,7 +279,7 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
 def test_segment_len_rule(monkeypatch):
     """Piece length: ~128 (piece, head) rows, 512..4096 tokens, none when one piece would hold the whole
     sequence; the environment overrides."""
-    from hybridize.kernels.triton.ccq_read import _segment_len
+    from hybridize.ops.ccq.triton_read import _segment_len
     monkeypatch.delenv("HYBRIDIZE_CCQ_SEGMENT", raising=False)
     monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS", raising=False)
     assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
@@ -297,7 +297,7 @@ def test_segment_len_rule(monkeypatch):
 def test_autotuners_keep_their_whole_lists_under_the_global_cap(monkeypatch):
     """The read's autotuners (passes and piece sums) are exempt from HYBRIDIZE_AUTOTUNE_TOP (meant for fla's
     long lists): capped to one config, each still tunes over its whole short list."""
-    from hybridize.kernels.triton import ccq_read as cr
+    from hybridize.ops.ccq import triton_read as cr
     from hybridize.kernels.triton.autotune import limit_autotune
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)   # the read's own cap (tests that check numbers)
@@ -324,7 +324,7 @@ def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
     """The passes' autotune key holds power-of-two buckets of the token count and of the rows, so a tile picked
     at 4k is not reused at 32k (session 9: the best tile at 16k was 2x slow at 32k), nor one picked for a
     training step's rows by a forward alone with half as many."""
-    from hybridize.kernels.triton import ccq_read as cr
+    from hybridize.ops.ccq import triton_read as cr
 
     seen = []
 
@@ -345,8 +345,8 @@ def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
 
 def _cuda_ops(segment_len=None):
     """(compiled op: forward split automatically, or 0 = one pass per sequence; fp64 PyTorch chunk op)."""
-    from hybridize.kernels.ccq import ccq_chunk
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.reference import ccq_chunk
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     def test_op(*a, **kw):
         return ccq_triton(*a, segment_len=segment_len, **kw)
@@ -388,7 +388,7 @@ def test_cuda_mixer_through_dispatch():
     GPU path (fla `chunk_gla` read), fp32."""
     from hybridize.kernels import dispatch
     from hybridize.kernels import fla_adapter
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.triton_read import ccq_triton
     from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
 
     if not fla_adapter.activate():
@@ -439,7 +439,7 @@ def test_cuda_bf16_keys_sharing_a_direction(products, monkeypatch):
 def test_cuda_bf16_single_products_need_the_centre(monkeypatch):
     """The same case with the sums carried about zero instead of the keys' mean: the single bf16 product's
     output error leaves the tolerance, so the centre is what makes the default setting accurate."""
-    from hybridize.kernels.triton import ccq_read
+    from hybridize.ops.ccq import triton_read as ccq_read
 
     monkeypatch.setenv("HYBRIDIZE_CCQ_PRODUCTS", "single")
     monkeypatch.setattr(ccq_read, "_mean_key", lambda M, n: torch.zeros_like(M))
@@ -450,7 +450,7 @@ def test_cuda_bf16_single_products_need_the_centre(monkeypatch):
 
 def _cuda_cleaned(q, k, segment_len, dtype=torch.bfloat16, **kw):
     """(the read's cleaning epilogue on CUDA in `dtype`, the fp64 PyTorch read + gate) for a random gate."""
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     H, K = q.shape[-2:]
     g = torch.Generator().manual_seed(21)
@@ -478,7 +478,7 @@ def test_cuda_read_cleans_in_its_epilogue(dtype, tol):
 def test_cuda_every_autotune_config(monkeypatch):
     """Each tile configuration the autotuner may pick, alone (tests elsewhere run the first one only):
     bf16 forward and gradients against fp64, default products, pieces on."""
-    from hybridize.kernels.triton import ccq_read
+    from hybridize.ops.ccq import triton_read as ccq_read
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)
     q, k = _shared_direction_keys(1, 2500, 4, 128, seed=14)
@@ -503,8 +503,8 @@ def test_cuda_every_autotune_config(monkeypatch):
 def test_interp_only_the_final_state_used():
     """A loss on the final statistics alone (the output unused: autograd hands the op no output gradient):
     dk as the reference's, dq zero."""
-    from hybridize.kernels.ccq import ccq_recurrent
-    from hybridize.kernels.triton.ccq_read import ccq_triton
+    from hybridize.ops.ccq.reference import ccq_recurrent
+    from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.set_num_threads(1)
     q, k = inputs(1, 37, 2, 16, seed=9)

@@ -1,7 +1,7 @@
 """CCQ query cleaning around the covariance read (seed 000, eq. 9 and Algorithm 2), PyTorch form.
 
     kbar = k / ||k||     qbar = q / ||q||     lambda_t = sigmoid(w_h . qbar_t + b_h)  (or a fixed lambda)
-    q_clean = q - lambda_t * Sigma_t q_t,  with Sigma_t q_t = read(q, kbar)  (`hybridize.kernels.ccq`)
+    q_clean = q - lambda_t * Sigma_t q_t,  with Sigma_t q_t = read(q, kbar)  (`hybridize.ops.ccq.reference`)
 
 q, k `[B, T, H, K]` as the backbone's op gets them; weight `[H, K]`, bias `[H]` (None with a fixed
 lambda); `read(q, kbar) -> (Sigma_t q_t, statistics)` is the covariance read with its mask / state /

@@ -1,4 +1,4 @@
-"""CCQ query cleaning: the fused Triton passes (`kernels.triton.ccq_clean`) against the PyTorch form.
+"""CCQ query cleaning: the fused Triton passes (`ops.ccq.triton_clean`) against the PyTorch form.
 
 Gates:
 - always (CPU): the PyTorch form's argument checks, and that it is what the mixer computed before
@@ -8,7 +8,7 @@ Gates:
   lambda, odd sizes, an all-zero key and query row (F.normalize's clamp);
 - CUDA: the compiled kernels, fp32 and bf16, ~4k tokens, and a CCQ-GLA layer with and without them.
 
-    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_ccq_clean.py
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/ccq/test_ccq_clean.py
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import ccq
-from hybridize.kernels import ccq_clean
+from hybridize.ops.ccq import reference as ccq
+from hybridize.ops.ccq import clean as ccq_clean
 
 from tests.ops.triton_gates import cuda_only, interp_only, rel
 
@@ -76,7 +76,7 @@ def test_reference_rejects_bad_gate():
 def test_fused_matches_reference(shape, fixed, zero_row):
     """Element-wise: an all-zero row's key gradient is dk / 1e-12 (F.normalize's clamp), which would swamp
     a norm-wise comparison of the other rows."""
-    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused
+    from hybridize.ops.ccq.triton_clean import ccq_clean_fused
 
     B, T, H, K = shape
     test = grads(ccq_clean_fused, *make(B, T, H, K, torch.float32, zero_row=zero_row), fixed)
@@ -88,7 +88,7 @@ def test_fused_matches_reference(shape, fixed, zero_row):
 @cuda_only
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
 def test_fused_cuda(dtype, tol):
-    from hybridize.kernels.triton.ccq_clean import ccq_clean_fused
+    from hybridize.ops.ccq.triton_clean import ccq_clean_fused
 
     shape = (1, 4099, 4, 128)
     test = grads(ccq_clean_fused, *make(*shape, dtype, device="cuda", zero_row=False), None)
@@ -128,7 +128,7 @@ def test_layer_inference_cleans_in_the_read(name, monkeypatch):
     """Without gradient the CUDA layer cleans q in the read's epilogue (the separate gate pass is not run)
     and agrees with the all-PyTorch layer, fp32, learned gate and padding."""
     from hybridize.kernels.options import use_kernel_options
-    from hybridize.kernels.triton import ccq_clean as fused
+    from hybridize.ops.ccq import triton_clean as fused
     from hybridize.mixers import build_mixer
 
     torch.manual_seed(1)

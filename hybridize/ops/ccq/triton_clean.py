@@ -1,6 +1,6 @@
 """CCQ query cleaning on the GPU: the PyTorch glue around the covariance read as two fused passes.
 
-Computes what `hybridize.kernels.ccq_clean.ccq_clean_chunk` computes (same arguments):
+Computes what `hybridize.ops.ccq.clean.ccq_clean_chunk` computes (same arguments):
 - `unit_rows`: kbar = k / max(||k||, 1e-12), one pass forward and one backward
   (dk = (dkbar - kbar (kbar . dkbar)) / ||k||; dkbar / 1e-12 on rows below the clamp, as F.normalize);
 - the read itself is the caller's (`read(q, kbar)`, the Triton covariance read on CUDA);
@@ -200,7 +200,7 @@ def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
     (`unit_keys`: k is used as it is, no normalisation pass either way). `read_cleans`: `read` takes
     `clean=(weight, bias, fixed lambda)` and then returns the cleaned query itself (the Triton read's epilogue,
     `triton/ccq_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
-    from hybridize.kernels import ccq_clean as ref
+    from hybridize.ops.ccq import clean as ref
 
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:

@@ -6,7 +6,7 @@ at 4k tokens is a tenth of SSE's whole forward (benchmarks/RESULTS.md, session 1
 document writes its own rows: its first piece is the sum of the earlier documents' piece counts (each program
 adds them up itself, O(N^2) over documents but in blocks of 1024), then its pieces. The last document also
 writes the table's unused slots, as the PyTorch form does (length 0, clamped to the row's end), so both give
-the same table, which `tests/kernels/test_piece_table.py` checks.
+the same table, which `tests/ops/ccq/test_piece_table.py` checks.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.kernels.triton.ccq_read import _interpreter_shim, _interpreting
+from hybridize.ops.ccq.triton_read import _interpreter_shim, _interpreting
 
 
 @triton.jit
