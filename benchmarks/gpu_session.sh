@@ -55,8 +55,8 @@ for s in "${STEPS_[@]}"; do
     tests)
       # the CUDA cases only (the CPU cases run in CI); ~45 s on an H100. Not under pytest-xdist: 8 workers
       # sharing the GPU hung past 300 s there
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sse_gpu_paths.py \
-        tests/kernels/test_gpu_sse_decode.py tests/ops/ccq/test_ccq_triton.py tests/generation/test_attn_decode.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/ops/sse/test_sse_gpu_paths.py \
+        tests/ops/sse/test_gpu_sse_decode.py tests/ops/ccq/test_ccq_triton.py tests/generation/test_attn_decode.py \
         tests/generation/test_fast.py tests/eval/test_generate.py tests/ops/delta/test_erase.py tests/ops/ccq/test_ccq_clean.py -k "cuda or gpu" -rfE \
         2>&1 | tail -40 \
         | tee "$OUT/tests.log"

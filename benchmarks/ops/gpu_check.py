@@ -162,7 +162,7 @@ def check_one(case, dtype, varlen, grad=True):
 
 
 def sse_decode_check():
-    from hybridize.kernels.triton.sse_decode import sse_decode_step, sse_decode_step_reference
+    from hybridize.ops.sse.triton_decode import sse_decode_step, sse_decode_step_reference
     rows = []
     for backbone in ("gla", "delta", "qdelta"):
         B, P, S = 3, 16, 1

@@ -3,9 +3,9 @@
 Sections (each row: forward and forward+backward milliseconds):
 - gla:     chunk_gla (per-key gate) on T tokens - the baseline for SSE and CCQ-GLA;
 - sse:     SSE with N partitions, top-1, shared partition, GLA backbone: varlen and masking layouts
-           (`kernels.sse.sse_varlen` / `sse_masking`, routing from random logits), N in `--sse-n`
+           (`ops.sse.reference.sse_varlen` / `sse_masking`, routing from random logits), N in `--sse-n`
            (default 4,8,16). varlen uses the device-side plan and our Triton row movers
-           (`kernels/triton/sse_route.py`); `sse_varlen_torchmove_n{N}k1` is the same plan with the
+           (`ops/sse/triton_route.py`); `sse_varlen_torchmove_n{N}k1` is the same plan with the
            PyTorch row movers (kernel option `sse_triton=False`), to show what the kernels buy;
 - ccq:     the CCQ covariance read alone (`ccq` op, GPU path), next to GLA and GDN: overhead = ccq / backbone;
 - delta:   Gated DeltaNet vs Q-Delta (lam: p = k + lambda q formed by the op) through the delta op (fla fwd +
@@ -101,7 +101,7 @@ def run_ccq(q, k):
 
 
 def sse_setup(T, N, layout):
-    from hybridize.kernels import sse
+    from hybridize.ops.sse import reference as sse
     r = lambda *s: torch.randn(*s, device="cuda", dtype=DT)  # noqa: E731
     g = lambda: (F.logsigmoid(torch.randn(1, T, H, D, device="cuda")) / 16).requires_grad_()  # noqa: E731
     shared = sse.PathInputs(q=r(1, T, H, D).requires_grad_(), k=(r(1, T, H, D) * D ** -0.5).requires_grad_(),
@@ -170,7 +170,7 @@ def section_delta(rows, T, warm):
 
 def sse_decode_setup(N=4):
     """Inputs of one SSE n{N}k1 decode step (B = 1, shared partition, GLA backbone) and the step."""
-    from hybridize.kernels import sse
+    from hybridize.ops.sse import reference as sse
     unit = lambda *s: F.normalize(torch.randn(*s, device="cuda", dtype=DT), dim=-1)  # noqa: E731
     gate = lambda: F.logsigmoid(torch.randn(1, 1, H, D, device="cuda")) / 16  # noqa: E731
     v = torch.randn(1, 1, H, D, device="cuda", dtype=DT)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json
 
-For each T: `kernels.sse.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
+For each T: `ops.sse.reference.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
 as `python -m benchmarks.ops.kernels --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
 varlen layout (shared path + routed tokens grouped by partition: the floor of that layout), forward and forward+backward,
 bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
@@ -26,7 +26,7 @@ def same_layout_inputs(T, n):
     """Fresh GLA inputs in the exact token layout SSE's varlen call hands to chunk_gla: the shared path's T
     tokens, then the T routed tokens grouped by partition (segment lengths from one top-1 routing of random
     logits), as `cu_seqlens`. The floor of the layout: what fla's kernels cost before any routing work."""
-    from hybridize.kernels import sse
+    from hybridize.ops.sse import reference as sse
     logits = torch.randn(1, T, n, device="cuda")
     plan = sse.varlen_plan(sse.route(logits, 1), torch.tensor([0, T], device="cuda"))
     x = bk.gla_inputs(2 * T)

@@ -18,7 +18,7 @@ Two profiles:
 do work - an op that is not a view / allocation / cast wrapper (`NO_KERNEL`) with no such op above it - the
 proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launch several kernels on CUDA,
 e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
-(`kernels.sse._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel
+(`ops.sse.reference._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel
 (`emulated_decode_kernel`), counted as one kernel per call (`decode_kernel="torch"`: the CPU reference path,
 gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
 listed. The decode step's op budget test (`test_decode_ops.py`) counts with it.
@@ -160,7 +160,7 @@ KERNEL = "kernel:"   # scope prefix: every op inside counts as one kernel named 
 
 
 def _emulated_sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, scale=None, wq=None, wk=None):
-    """The contract of `hybridize/kernels/triton/sse_decode.py` (update the selected partitions of `state`
+    """The contract of `hybridize/ops/sse/triton_decode.py` (update the selected partitions of `state`
     in place, return per-slot outputs `[B, S, H, V]` fp32) in PyTorch ops, inside one `kernel:` scope."""
     with record_function(SCOPE + KERNEL + "sse_decode_step"):
         B, P, H, K, V = state.shape
@@ -196,9 +196,9 @@ def emulated_decode_kernel():
     """On CPU: the SSE decode step takes its GPU path (`_recurrent_loop_triton`) with the stand-in kernel."""
     import types
 
-    from hybridize.kernels import sse as ks
+    from hybridize.ops.sse import reference as ks
 
-    name = "hybridize.kernels.triton.sse_decode"
+    name = "hybridize.ops.sse.triton_decode"
     saved_mod, saved_ok = sys.modules.get(name), ks._decode_kernel_ok
     stub = types.ModuleType(name)
     stub.sse_decode_step = _emulated_sse_decode_step

@@ -23,7 +23,7 @@ which reading this is (DESIGN.md sec. 2): the resolution of fla's unmerged PR #8
   (`q_map`, `k_map`, `v_map` switch them); GLA diagonal gate logsigmoid(x W_g1 W_g2 + b) / 16;
 - balance loss alpha * (N / K) * sum_i f_i P_i (alpha = 0.01, partitions, real tokens only),
   returned as `MixerOutput.aux_loss` in training mode; in eval mode aux_loss is None (nothing
-  trains on it, and decode steps would make it per-token noise); `kernels.sse.balance_loss` gives
+  trains on it, and decode steps would make it per-token noise); `ops.sse.reference.balance_loss` gives
   it on demand for logging;
 - reads go to the written partitions only (the paper's T' = T); no separate top-K' read.
 
@@ -47,7 +47,7 @@ decays data-independent at init (gate up-projection / a_proj weight 0) and sprea
 1 - alpha over [1 - decay_max, 1 - decay_min] across key channels (SSE) or heads (SSEGDN): long
 memory; SSEGDN beta = `beta_init`; output gate exactly 1 (weight 0, bias silu^-1(1)); norm weight 1.
 
-Layouts (`layout`, kernels/sse.py): "masking" (partitions folded into heads, one op call),
+Layouts (`layout`, ops/sse/reference.py): "masking" (partitions folded into heads, one op call),
 "varlen" (tokens reordered by partition, new cu_seqlens, one op call) or "auto" (varlen once the
 mean sequence length reaches `varlen_min_len`). `mode="recurrent"` gathers only the selected
 partitions per token (decode); unselected partitions stay bit-identical.
@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.kernels.decode_linear import decode_linear
-from hybridize.kernels.sse import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
+from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
                    repeat_kv)

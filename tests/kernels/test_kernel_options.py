@@ -12,7 +12,7 @@ import torch
 from hybridize.errors import UserError
 from hybridize.kernels import dispatch
 from hybridize.kernels import options
-from hybridize.kernels import sse
+from hybridize.ops.sse import reference as sse
 from hybridize.kernels.options import KernelOptions, current_kernel_options, use_kernel_options
 
 ENV = {f.metadata["env"]: f.name for f in __import__("dataclasses").fields(KernelOptions) if f.metadata["env"]}

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.gla.reference import gla_recurrent
-from hybridize.kernels.sse import route
+from hybridize.ops.sse.reference import route
 from hybridize.mixers import build_mixer
 from hybridize.mixers.sse import SSE, SSEGDN, SSEState
 from tests.mixers.helpers import (call, check_backward, check_chunk_equals_recurrent, check_left_padding,

@@ -6,7 +6,7 @@ an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. Written for SSE
 runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per token than fla's
 `chunk_gla`; this forward runs at ~0.6x of chunk_gla per token (H100, benchmarks/RESULTS.md, sessions 10-11).
 `gla_fwd_triton` is the forward alone (no gradient); `gla_bwd.gla_triton` is the op with its backward. SSE's
-varlen call uses it (`kernels/sse.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
+varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
 
 Every sequence is cut into pieces (`ccq_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
@@ -244,7 +244,7 @@ def scan_pieces(own, decay, s0, segs, H, K, V, reverse=False):
 
 
 class Gather(NamedTuple):
-    """SSE's varlen layout read where it is (`kernels/sse.py`) instead of packed by `triton/sse_route.pack_rows`.
+    """SSE's varlen layout read where it is (`ops/sse/reference.py`) instead of packed by `triton/sse_route.pack_rows`.
     Row r < L0 of the call is row r of the tensors passed as q, k, v, g (the shared path); row L0 + j is row
     order[j] // K of the sparse tensors below, its q / k times scale[order[j]] where `scale_q` / `scale_k`. The
     rows of dropped (padding) pairs are read as they are: they sort into their own trailing segment, whose output

@@ -154,7 +154,7 @@ def test_interp_gather_reads_the_sse_layout_in_place(shared, K, emul, split):
     """`Gather`: the forward reading SSE's shared and sparse tensors where they are equals the forward on the rows
     the packer builds (`sse.pack_rows_torch`), on every row and state the caller keeps (the trash segment of
     dropped pairs aside): two documents, a padding token, K = 1 and 2, router scales on q and / or k, pieces."""
-    from hybridize.kernels import sse
+    from hybridize.ops.sse import reference as sse
     from hybridize.ops.gla.triton_fwd import Gather, gla_fwd_triton
 
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not triton_ok or not (cuda or os.environ.get("TR
 
 @pytest.mark.parametrize("backbone", ["gla_vec", "gla_scalar", "delta", "qdelta"])
 def test_sse_decode_matches_reference(backbone):
-    from hybridize.kernels.triton.sse_decode import sse_decode_step, sse_decode_step_reference
+    from hybridize.ops.sse.triton_decode import sse_decode_step, sse_decode_step_reference
     dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     B, P, S, H, K, V = 2, 5, 2, 3, 16, 24

@@ -1,4 +1,4 @@
-"""SSE's varlen plan as a counting sort (`kernels/triton/sse_plan.py`) against the PyTorch plan (interpreter)."""
+"""SSE's varlen plan as a counting sort (`ops/sse/triton_plan.py`) against the PyTorch plan (interpreter)."""
 import importlib.util
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridize.kernels import options
-from hybridize.kernels import sse
+from hybridize.ops.sse import reference as sse
 
 interp = (importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
           and not torch.cuda.is_available())

@@ -1,4 +1,4 @@
-"""SSE routing and layouts (hybridize/kernels/sse.py) against an independent per-partition loop.
+"""SSE routing and layouts (hybridize/ops/sse/reference.py) against an independent per-partition loop.
 
 The reference `naive_sse` walks every token and every partition with the textbook update (only the
 selected partitions are decayed and written, read after write), so it shares no code with the
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.sse import (PathInputs, Routing, balance_loss, pick_layout, route, sse_masking,
+from hybridize.ops.sse.reference import (PathInputs, Routing, balance_loss, pick_layout, route, sse_masking,
                                    sse_recurrent, sse_varlen, varlen_index)
 
 LAYOUT_FNS = {"masking": sse_masking, "varlen": sse_varlen, "recurrent": sse_recurrent}

@@ -304,7 +304,7 @@ def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
     keep = None if routing.dense else routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
     if _triton_ok(routing.index):
-        from hybridize.kernels.triton.sse_plan import MAX_PARTITIONS, plan_triton
+        from hybridize.ops.sse.triton_plan import MAX_PARTITIONS, plan_triton
         if n <= MAX_PARTITIONS:
             order, inv, seg_cu, layout_cu = plan_triton(routing.index[0], keep, cu.contiguous(), n,
                                                         L if shared else None)
@@ -369,7 +369,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 def _row_movers(x: torch.Tensor):
     if _triton_ok(x):
-        from hybridize.kernels.triton.sse_route import combine_rows, pack_rows
+        from hybridize.ops.sse.triton_route import combine_rows, pack_rows
         return pack_rows, combine_rows
     return pack_rows_torch, combine_rows_torch
 
@@ -569,7 +569,7 @@ def _slot_index(routing: Routing):
 
 def _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state,
                            inplace):
-    from hybridize.kernels.triton.sse_decode import sse_decode_step
+    from hybridize.ops.sse.triton_decode import sse_decode_step
     B, T, H = sparse.q.shape[:3]
     n = routing.probs.shape[-1]
     sh_state, sp_state = _init_states(sparse, shared, n, B, initial_state)

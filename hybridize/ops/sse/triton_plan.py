@@ -1,4 +1,4 @@
-"""SSE's varlen plan (`kernels.sse.varlen_plan`) as three Triton kernels: a stable counting sort of the pairs.
+"""SSE's varlen plan (`ops.sse.reference.varlen_plan`) as three Triton kernels: a stable counting sort of the pairs.
 
 The PyTorch plan sorts the M = L * K (token, slot) pairs by key = sequence * N + partition with a device radix
 sort, then finds the segments with `searchsorted`: about twenty launches, 1-3 us each on the H100, plus the sort
@@ -14,7 +14,7 @@ pairs, its kept pairs per partition; (2) `_bounds_kernel` per sequence boundary,
 chunks before it, summed by the program itself, plus the part of its chunk before it); (3) `_place_kernel` per
 chunk, every pair's sorted position (`order`, `inv`), and in its first program the segment offsets `seg_cu` and
 the op call's offsets with the shared documents in front. Same results as the PyTorch plan, exactly
-(`tests/kernels/test_sse_plan.py`).
+(`tests/ops/sse/test_sse_plan.py`).
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ MAX_PARTITIONS = 128
 def plan_triton(index: torch.Tensor, keep: torch.Tensor | None, cu: torch.Tensor, n: int, shared_len: int | None):
     """index `[L, K]` int64 partitions of the pairs (token-major), keep `[L * K]` bool or None (all kept),
     cu `[S + 1]` int64, n partitions -> (order `[M]`, inv `[M]`, seg_cu `[S * n + 2]`, layout_cu): as
-    `kernels.sse.varlen_plan`; layout_cu is seg_cu, or with `shared_len` (the shared path's L rows in front)
+    `ops.sse.reference.varlen_plan`; layout_cu is seg_cu, or with `shared_len` (the shared path's L rows in front)
     `[cu, seg_cu[1:] + L]`."""
     L, K = index.shape
     M, S = L * K, cu.numel() - 1

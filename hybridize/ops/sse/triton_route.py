@@ -1,7 +1,7 @@
 """Fused row movement of SSE's varlen layout (seed 001, appendix 11, Algorithm 2) as Triton kernels.
 
-`kernels.sse.sse_varlen` reorders the (token, slot) pairs of a packed row by (sequence, partition)
-(`kernels.sse.varlen_plan`: `order` [M] sorted pair ids, pair p = t * K + s; `inv` [L * K] the sorted
+`ops.sse.reference.sse_varlen` reorders the (token, slot) pairs of a packed row by (sequence, partition)
+(`ops.sse.reference.varlen_plan`: `order` [M] sorted pair ids, pair p = t * K + s; `inv` [L * K] the sorted
 position of every pair; `keep` [L * K] False for padding pairs, which sort into one trailing trash
 segment). Two row movements surround the single varlen op call, and both are gathers (no atomics):
 
@@ -16,7 +16,7 @@ segment). Two row movements surround the single varlen op call, and both are gat
 This replaces, per tensor, the PyTorch chain gather copy -> multiply -> `torch.cat` with the shared
 path (three full passes, plus an `index_put` with atomics in the backward), and the `index_add`
 scatter of the output. Math in fp32, results in the input dtype (the PyTorch reference
-`kernels.sse.pack_rows_torch` / `combine_rows_torch` does the same, so fp32 results agree exactly
+`ops.sse.reference.pack_rows_torch` / `combine_rows_torch` does the same, so fp32 results agree exactly
 up to summation order). Only CUDA (or the Triton interpreter) tensors; fp64 stays on PyTorch.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SSE GPU paths (kernels/sse.py + kernels/triton/sse_route.py, sse_decode.py) against the PyTorch paths.
+"""SSE GPU paths (ops/sse/reference.py + ops/sse/triton_route.py, sse_decode.py) against the PyTorch paths.
 
 Three groups:
 - always: the device-side varlen plan against the host-side `varlen_index` (same reorder), and its
@@ -14,7 +14,7 @@ Three groups:
   the test that caused it rather than a later one.
 
 Run the interpreter group with
-    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/kernels/test_sse_gpu_paths.py
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/sse/test_sse_gpu_paths.py
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.kernels import options
-from hybridize.kernels import sse
-from hybridize.kernels.sse import PathInputs, Routing, route
+from hybridize.ops.sse import reference as sse
+from hybridize.ops.sse.reference import PathInputs, Routing, route
 
 triton_ok = importlib.util.find_spec("triton") is not None
 cuda = torch.cuda.is_available()
@@ -156,7 +156,7 @@ def test_decode_inplace_flag_on_torch_path_never_writes_inputs():
 def test_row_movers_match_reference(paths, K, dtype):
     """"one tensor on both": SSE's v feeds the shared and the sparse path; the pack's backward then sums both
     gradients itself (no separate add), which must equal autograd's sum through the reference."""
-    from hybridize.kernels.triton.sse_route import combine_rows, pack_rows
+    from hybridize.ops.sse.triton_route import combine_rows, pack_rows
     shared = paths != "sparse only"
     L, N, H, D = 13, 4, 2, 5                                 # C = 10: not a power of two
     gen = torch.Generator().manual_seed(K)
@@ -190,7 +190,7 @@ def test_row_movers_match_reference(paths, K, dtype):
 @needs_interp
 @pytest.mark.parametrize("backbone", ["gla", "delta"])
 def test_decode_step_slot_broadcast_and_weights(backbone):
-    from hybridize.kernels.triton.sse_decode import sse_decode_step, sse_decode_step_reference
+    from hybridize.ops.sse.triton_decode import sse_decode_step, sse_decode_step_reference
     B, P, S, H, K, V = 2, 4, 2, 3, 8, 12
     gen = torch.Generator().manual_seed(2)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -466,7 +466,7 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
 
 @needs_cuda
 def test_cuda_varlen_bookkeeping_and_row_moves_never_sync(gpu_backend):
-    from hybridize.kernels.triton.sse_route import combine_rows, pack_rows
+    from hybridize.ops.sse.triton_route import combine_rows, pack_rows
     L, N, K, H, D = 300, 4, 1, 2, 64
     logits = torch.randn(1, L, N, device="cuda", requires_grad=True)
     cu = torch.tensor([0, 100, 300], device="cuda")
