@@ -56,12 +56,12 @@ for s in "${STEPS_[@]}"; do
       # the CUDA cases only (the CPU cases run in CI); ~45 s on an H100. Not under pytest-xdist: 8 workers
       # sharing the GPU hung past 300 s there
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/ops/sse/test_sse_gpu_paths.py \
-        tests/ops/sse/test_gpu_sse_decode.py tests/ops/ccq/test_ccq_triton.py tests/generation/test_attn_decode.py \
+        tests/ops/sse/test_gpu_sse_decode.py tests/ops/ccq/test_ccq_triton.py tests/ops/attn_decode/test_attn_decode.py \
         tests/generation/test_fast.py tests/eval/test_generate.py tests/ops/delta/test_erase.py tests/ops/ccq/test_ccq_clean.py -k "cuda or gpu" -rfE \
         2>&1 | tail -40 \
         | tee "$OUT/tests.log"
       # every case of the decode GEMM runs on the GPU when there is one (autotuning included)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_linear.py -rfE 2>&1 | tail -15 \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/decode_gemm/test_decode_linear.py -rfE 2>&1 | tail -15 \
         | tee -a "$OUT/tests.log" ;;
     speed)
       random_teacher
@@ -69,7 +69,7 @@ for s in "${STEPS_[@]}"; do
         --tasks speed --device cuda --dtype bfloat16 --speed-lengths 1k,2k,4k,8k --speed-batch 1,8 \
         --decode-tokens 32 --time-budget 140 --out "$OUT/speed" 2>&1 | tail -30 ;;
     attn)
-      timeout 60 python3 -m hybridize.kernels.triton.attn_decode 2>&1 | tail -15 | tee "$OUT/attn_decode.log" ;;
+      timeout 60 python3 -m hybridize.ops.attn_decode.triton_split_kv 2>&1 | tail -15 | tee "$OUT/attn_decode.log" ;;
     rollouts)
       timeout 120 python3 -m benchmarks.generation.rollouts --no-grpo --shapes qwen3-1.7b,smollm2-135m --prompt-lens 16384 \
         --batch 8 --new-tokens 48 --attention sdpa,triton --out "$OUT/rollouts_attn.json" 2>&1 | tail -20 ;;

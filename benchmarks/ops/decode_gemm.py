@@ -43,8 +43,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/ops/decode_gemm.py needs a CUDA GPU")
-    from hybridize.kernels import decode_linear as dl
-    from hybridize.kernels.triton import decode_linear as kern
+    from hybridize.ops.decode_gemm import route as dl
+    from hybridize.ops.decode_gemm import triton_gemm as kern
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ the point where every row finished, so the global RNG ends in a different state 
 
 Softmax attention in the decode step (`FastGenConfig.attention`): HF's masked sdpa with q_len = 1
 cannot split the key length across programs, so on CUDA the graph path and the eager masked path call
-our split-KV Triton kernel (`hybridize.kernels.triton.attn_decode`, after "Flash-Decoding for
+our split-KV Triton kernel (`hybridize.ops.attn_decode.triton_split_kv`, after "Flash-Decoding for
 long-context inference") instead, with the same visible keys (left padding, future slots, sliding
 windows): the softmax layers' attention modules run unchanged, only their attention function is swapped
 for the duration of each step (a per-module config view naming a registered attention function; the
@@ -48,7 +48,7 @@ under `TRITON_INTERPRET=1`), to test the wiring.
 
 Linear layers in the decode step (`FastGenConfig.gemm`): with a few rows cuBLAS streams the weights well
 below HBM bandwidth, and the weights are most of a step's bytes; on CUDA every plain `nn.Linear` of the
-model (and SSE's fused decode projections) goes through `hybridize.kernels.decode_linear` while
+model (and SSE's fused decode projections) goes through `hybridize.ops.decode_gemm.route` while
 `generate` runs: per weight shape the faster of cuBLAS and a weight-streaming Triton GEMM, timed on first
 use (prefill calls have more rows and keep F.linear).
 
@@ -75,7 +75,7 @@ import torch.nn as nn
 from transformers import AttentionInterface, DynamicCache
 
 from hybridize.families import known_family
-from hybridize.kernels import decode_linear
+from hybridize.ops.decode_gemm import route as decode_linear
 from hybridize.modeling import AttentionSlot, HybridCache, HybridConfig, MixerCacheLayer
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def _decode_attention_fn(device, mode: str):
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type == "cuda" or (interp and mode == "triton"):
         # deferred on purpose: imports triton (optional, slow to import) only where the kernel can run
-        from hybridize.kernels.triton import attn_decode as mod
+        from hybridize.ops.attn_decode import triton_split_kv as mod
 
         if mod.triton is not None:
             return mod.attn_decode
@@ -235,7 +235,7 @@ def _decode_attention_fn(device, mode: str):
         if device.type == "cuda":
             return None
     if mode == "triton":
-        from hybridize.kernels.triton.attn_decode import attn_decode_reference   # deferred as above
+        from hybridize.ops.attn_decode.triton_split_kv import attn_decode_reference   # deferred as above
         return attn_decode_reference
     return None
 

@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridize.kernels.decode_linear import decode_linear
+from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,

@@ -10,7 +10,7 @@
 - `attn_decode`: split-KV softmax decode attention for the fast rollout path.
 - `erase`: Q-Delta's erase direction exp(g) (k + lambda q) for fla's Comba kernels, one pass each way.
 - `decode_linear`: a weight-streaming GEMM for a decode step's few rows, and the per-shape timed choice
-  between it and cuBLAS (`hybridize.kernels.decode_linear` routes a model's linears through it).
+  between it and cuBLAS (`hybridize.ops.decode_gemm.route` routes a model's linears through it).
 
 Nothing here is imported by `import hybridize`: the modules import triton / fla at their top and are
 loaded by `hybridize.kernels.fla_adapter` on the first CUDA call.

@@ -1,4 +1,4 @@
-"""Split-KV decode attention (`hybridize.kernels.triton.attn_decode`) and its use in fast generation.
+"""Split-KV decode attention (`hybridize.ops.attn_decode.triton_split_kv`) and its use in fast generation.
 
 References: a naive per-(row, head) softmax over the explicitly sliced visible keys (fp64), and
 `model.generate` (HF's own attention) for the fast-generation wiring.
@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from hybridize.kernels.triton.attn_decode import attn_decode_reference
+from hybridize.ops.attn_decode.triton_split_kv import attn_decode_reference
 from hybridize.generation.fast import FastGenConfig, FastGenerator
 from tests.rl.helpers import left_padded_batch as _batch, byte_tokenizer, tiny_hybrid
 
@@ -298,7 +298,7 @@ def test_mask_with_holes_keeps_model_attention():
 @pytest.mark.parametrize("case,splits", [(CASES[0], 1), (CASES[0], 3), (CASES[1], 2), (CASES[2], 4),
                                          (CASES[3], 2), (CASES[3], None)])
 def test_kernel_matches_reference_interpreter(case, splits):
-    from hybridize.kernels.triton.attn_decode import attn_decode
+    from hybridize.ops.attn_decode.triton_split_kv import attn_decode
 
     B, Hq, Hkv, D, L, length, start, window = case
     q, k, v = _inputs(B, Hq, Hkv, D, L)
@@ -312,7 +312,7 @@ def test_kernel_matches_reference_interpreter(case, splits):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton")
 def test_kernel_strided_buffers_interpreter():
     """A `[:, :, :n]` view of the buffer (the exact path) and a strided query."""
-    from hybridize.kernels.triton.attn_decode import attn_decode
+    from hybridize.ops.attn_decode.triton_split_kv import attn_decode
 
     q, k, v = _inputs(2, 4, 2, 16, 40)
     qs = torch.randn(2, 1, 4, 16).transpose(1, 2)[:, :, 0]          # [B, Hq, D], row stride != Hq * D
@@ -342,7 +342,7 @@ def test_fast_generate_kernel_interpreter():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window", [None, 1000])
 def test_kernel_matches_reference_cuda(dtype, tol, window):
-    from hybridize.kernels.triton.attn_decode import attn_decode
+    from hybridize.ops.attn_decode.triton_split_kv import attn_decode
 
     B, Hq, Hkv, D, L = 3, 16, 8, 128, 16384
     q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, "cuda")
@@ -358,7 +358,7 @@ def test_kernel_matches_reference_cuda(dtype, tol, window):
 @pytest.mark.skipif(not (CUDA and TRITON), reason="needs a CUDA GPU and triton")
 def test_kernel_in_cuda_graph():
     """Captured once, replayed with new lengths written into the same device tensor."""
-    from hybridize.kernels.triton.attn_decode import attn_decode
+    from hybridize.ops.attn_decode.triton_split_kv import attn_decode
 
     q, k, v = _inputs(2, 4, 2, 64, 4096, torch.bfloat16, "cuda")
     start = torch.tensor([100, 0], device="cuda")

@@ -1,4 +1,4 @@
-"""The decode-step GEMM (`kernels/triton/decode_linear.py`) and its dispatcher (`kernels/decode_linear.py`).
+"""The decode-step GEMM (`ops/decode_gemm/triton_gemm.py`) and its dispatcher (`ops/decode_gemm/route.py`).
 
 Reference: `F.linear` in fp32 on the same 16-bit values, rounded once to the output dtype. The kernel
 runs under TRITON_INTERPRET=1 on CPU (its bf16 dot is done in fp32 there: the interpreter's own bf16 dot is
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridize.kernels import decode_linear as dl
+from hybridize.ops.decode_gemm import route as dl
 
 TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
@@ -43,7 +43,7 @@ CONFIGS = [None, dict(BN=16, BK=32, SPLIT=2), dict(BN=32, BK=16, SPLIT=3, num_wa
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("config", CONFIGS, ids=["picked", "split2", "split3"])
 def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
-    from hybridize.kernels.triton.decode_linear import decode_linear_triton
+    from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
 
     torch.manual_seed(rows * 1000 + N + K)
     x = torch.randn(rows, K, device=DEVICE).to(dtype)
@@ -60,7 +60,7 @@ def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
 @needs_kernel
 def test_kernel_strided_rows_and_leading_dims():
     """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
-    from hybridize.kernels.triton.decode_linear import decode_linear_triton
+    from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
 
     torch.manual_seed(0)
     wide = torch.randn(5, 1, 90, device=DEVICE).bfloat16()
@@ -78,7 +78,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     it wins), a config that fails is skipped, the choice is reused, and nothing is timed during a capture."""
     import triton.testing
 
-    from hybridize.kernels.triton import decode_linear as kern
+    from hybridize.ops.decode_gemm import triton_gemm as kern
 
     x = torch.randn(4, 64, device=DEVICE).bfloat16()
     w = torch.randn(48, 64, device=DEVICE).bfloat16()
@@ -135,7 +135,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
 def test_timed_choice_and_custom_op_on_cuda():
     """The timed choice on a real shape (every config compiles and runs), through the registered op, then
     replayed from a CUDA graph with new inputs."""
-    from hybridize.kernels.triton import decode_linear as kern
+    from hybridize.ops.decode_gemm import triton_gemm as kern
 
     torch.manual_seed(0)
     x = torch.randn(8, 1, 2048, device="cuda").bfloat16()
@@ -156,7 +156,7 @@ def test_timed_choice_and_custom_op_on_cuda():
 
 
 def test_check_args_one_line_errors():
-    from hybridize.kernels.triton.decode_linear import check_args
+    from hybridize.ops.decode_gemm.triton_gemm import check_args
 
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 16 rows"):

@@ -1,4 +1,4 @@
-"""Linear layers of a decode step through the weight-streaming GEMM (`kernels/triton/decode_linear.py`).
+"""Linear layers of a decode step through the weight-streaming GEMM (`ops/decode_gemm/triton_gemm.py`).
 
 `decode_linear(x, weight, bias, mode)` runs the Triton kernel when it applies (CUDA, or the Triton
 interpreter with mode "triton"; 16-bit x and weight of one dtype; at most 16 rows; row-major weight)
@@ -29,11 +29,11 @@ _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
-    """`hybridize.kernels.triton.decode_linear`, or None without triton."""
+    """`hybridize.ops.decode_gemm.triton_gemm`, or None without triton."""
     global _KERNEL, _OP
     if _KERNEL is None:
         try:
-            from hybridize.kernels.triton import decode_linear as mod
+            from hybridize.ops.decode_gemm import triton_gemm as mod
         except ImportError:
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False

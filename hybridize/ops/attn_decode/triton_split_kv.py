@@ -286,7 +286,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU check + timing: python -m hybridize.kernels.triton.attn_decode
+# GPU check + timing: python -m hybridize.ops.attn_decode.triton_split_kv
 # ---------------------------------------------------------------------------------------------
 def _bench(B: int = 8, Hq: int = 16, Hkv: int = 8, D: int = 128, L: int = 16640, T: int = 16384) -> None:
     """Correctness against the reference and timing against HF-style masked sdpa at Qwen3-1.7B

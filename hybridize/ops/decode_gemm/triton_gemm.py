@@ -23,7 +23,7 @@ Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
         config {BN, BK, SPLIT, num_warps, num_stages} runs that config (benchmarks, tests), "cublas" F.linear
 
 Registered as the custom op `hybridize::decode_linear`, so `torch.compile` keeps it as one opaque call
-(no graph break) and CUDA graphs capture the launch. The caller (`hybridize.kernels.decode_linear`)
+(no graph break) and CUDA graphs capture the launch. The caller (`hybridize.ops.decode_gemm.route`)
 decides when it applies and falls back to `F.linear` otherwise.
 """
 from __future__ import annotations
