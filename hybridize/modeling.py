@@ -30,7 +30,7 @@ mixer's fixed-size `MixerState` plus a token count, so `get_seq_length` / `get_m
 even when layer 0 is a mixer. Any other cache handed to the model (a bare DynamicCache, or one built
 from the config by generate/TRL) is adopted: its still-empty layers at mixer positions are replaced.
 
-Kernel options (`hybridize.kernels.options`): `HybridConfig.kernel_options` is a dict of the kernel
+Kernel options (`hybridize.ops.common.options`): `HybridConfig.kernel_options` is a dict of the kernel
 options this model sets explicitly (e.g. `{"kernels": "torch"}`; empty by default, saved in config.json; a
 config.json without it loads as empty). While the model's mixers run, the options in force are the
 current ones (an enclosing `use_kernel_options` block, else the `HYBRIDIZE_*` environment, else the
@@ -66,7 +66,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from hybridize import families, mixers
-from hybridize.kernels.options import check_overrides, resolve_kernel_options, use_kernel_options
+from hybridize.ops.common.options import check_overrides, resolve_kernel_options, use_kernel_options
 from hybridize.mixers.base import Mixer, MixerState
 
 MODEL_TYPE = "hybridize"
@@ -175,7 +175,7 @@ class HybridConfig(PreTrainedConfig):
     aux_loss_weight: weight of the summed mixer aux losses (SSE balance loss) added to `loss`
     (the balance coefficient alpha already lives inside the mixer, hence 1.0);
     teacher_source: the `--src` the model was converted from (for distillation against it);
-    kernel_options: the kernel options this model sets explicitly ({field: value}; `hybridize.kernels.options`,
+    kernel_options: the kernel options this model sets explicitly ({field: value}; `hybridize.ops.common.options`,
     module docstring): they override the environment's while the model runs."""
 
     model_type = MODEL_TYPE

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.ops import kernels as bk   # the same backbone inputs and calls
 from benchmarks.timing import bench, gpu_stack, md_header, profile
-from hybridize.kernels.options import use_kernel_options
+from hybridize.ops.common.options import use_kernel_options
 
 MODES = ("single", "split", "tf32")   # ccq_products kernel options (HYBRIDIZE_CCQ_PRODUCTS), the default first
 

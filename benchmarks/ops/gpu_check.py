@@ -109,13 +109,13 @@ def op_of(case):
 
 
 def ref_call(case, x, kw):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     op, _ = op_of(case)
     return dispatch.torch_impl(op, "recurrent")(**x, **kw)
 
 
 def gpu_call(case, x, kw):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     op, mode = op_of(case)
     if mode == "pieces":
         from hybridize.ops.gla.triton_bwd import gla_triton
@@ -194,7 +194,7 @@ def sse_decode_check():
 
 def guard_probe():
     """Does fla's own #640 guard fire here? (informational: tells whether our dqkwg is needed)"""
-    from hybridize.kernels.options import use_kernel_options
+    from hybridize.ops.common.options import use_kernel_options
     try:
         with use_kernel_options(fla_dqkwg="fla"):
             row = check_one("delta/gdn", torch.bfloat16, False)
@@ -232,7 +232,7 @@ def append_rows(path: str, rows: list[dict]) -> None:
 
 
 def run_group(name, out):
-    from hybridize.kernels import dispatch, fla_adapter
+    from hybridize.ops.common import dispatch, fla_adapter
     assert fla_adapter.activate(), "fla adapter not available (CUDA + fla-core + triton needed)"
     dispatch.set_backend("gpu")
 

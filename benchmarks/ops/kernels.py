@@ -80,23 +80,23 @@ def delta_inputs(T, qdelta=False):
 
 
 def run_gla(q, k, v, g):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     return dispatch.run("gla", "chunk", q, k, v, g)[0]
 
 
 def run_gla_varlen(q, k, v, g, cu_seqlens):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     return dispatch.run("gla", "chunk", q, k, v, g, cu_seqlens=cu_seqlens)[0]
 
 
 def run_delta(q, k, v, beta, g, lam=None):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     # Q-Delta as the mixer calls it: the op forms p = k + lam q (one fused pass with exp(g) on the GPU)
     return dispatch.run("delta", "chunk", q, k, v, beta, g=g, lam=lam)[0]
 
 
 def run_ccq(q, k):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     return dispatch.run("ccq", "chunk", q, k)[0]
 
 
@@ -141,7 +141,7 @@ SSE_NS = (4, 8, 16)
 
 
 def section_sse(rows, T, warm):
-    from hybridize.kernels.options import use_kernel_options
+    from hybridize.ops.common.options import use_kernel_options
     cases = [("varlen", N, True) for N in SSE_NS] + [("varlen", SSE_NS[0], False), ("masking", SSE_NS[0], True)]
     for layout, N, triton_moves in cases:
         with use_kernel_options(sse_triton=triton_moves):
@@ -186,7 +186,7 @@ def sse_decode_setup(N=4):
 
 
 def sse_decode_torch(step):
-    from hybridize.kernels.options import use_kernel_options
+    from hybridize.ops.common.options import use_kernel_options
 
     def run():
         with use_kernel_options(sse_triton=False):
@@ -195,7 +195,7 @@ def sse_decode_torch(step):
 
 
 def section_decode(rows, T, warm):
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     unit = lambda *s: F.normalize(torch.randn(*s, device="cuda", dtype=DT), dim=-1)  # noqa: E731
     q, k, p = unit(1, 1, H, D), unit(1, 1, H, D), unit(1, 1, H, D)
     v = torch.randn(1, 1, H, D, device="cuda", dtype=DT)
@@ -253,10 +253,10 @@ def main():
     if not torch.cuda.is_available():
         print("benchmarks/ops/kernels.py: no CUDA device")
         return 0
-    from hybridize.kernels import dispatch, fla_adapter
+    from hybridize.ops.common import dispatch, fla_adapter
     assert fla_adapter.activate()
     dispatch.set_backend("auto")  # ccq decode has no GPU kernel: PyTorch ops on CUDA tensors
-    from hybridize.kernels.options import current_kernel_options
+    from hybridize.ops.common.options import current_kernel_options
     Ts = [int(t) for t in a.T.split(",")]
     rows, start = [], time.time()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "

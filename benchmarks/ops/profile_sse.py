@@ -42,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
 
-    from hybridize.kernels import fla_adapter
+    from hybridize.ops.common import fla_adapter
     assert fla_adapter.activate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for T in [int(t) for t in args.T.split(",")]:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from hybridize.errors import UserError
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 
 from .config import AlignConfig, save_config
 from .data import build_data, build_heldout

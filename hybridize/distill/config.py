@@ -4,7 +4,7 @@ from `key=value` overrides (dotted keys reach nested sections: `train.lr=3e-4`, 
 Resolution order: dataclass defaults < YAML recipe < command-line overrides. The resolved config is
 written to `<run_dir>/config.yaml` by every stage, so a run can be repeated from its own directory.
 
-Kernel options (`hybridize.kernels.options`): every stage takes `kernel_options.<field>=value` (e.g.
+Kernel options (`hybridize.ops.common.options`): every stage takes `kernel_options.<field>=value` (e.g.
 `kernel_options.kernels=torch`), in force for the whole run over the `HYBRIDIZE_*` environment (explicit >
 environment > defaults); config.yaml records every option in force, set or not (`save_config`), and a
 `--resume` may change them.
@@ -35,7 +35,7 @@ def _f(default, help: str, min: float | None = None):
 
 #: help of the `kernel_options` setting every stage has
 KERNEL_OPTIONS_HELP = ("kernel switches for this run, e.g. kernel_options.kernels=torch (fields and help: "
-                       "hybridize/kernels/options.py); unset fields: the HYBRIDIZE_* environment, then the defaults; "
+                       "hybridize/ops/common/options.py); unset fields: the HYBRIDIZE_* environment, then the defaults; "
                        "config.yaml records all of them")
 
 
@@ -368,7 +368,7 @@ def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | No
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     cfg = _build(cls, _merge(data, ov), "")
     if isinstance(getattr(cfg, "kernel_options", None), dict):
-        from hybridize.kernels.options import check_overrides
+        from hybridize.ops.common.options import check_overrides
 
         cfg.kernel_options = check_overrides(cfg.kernel_options)   # unknown field / bad value: one line
     return cfg
@@ -381,7 +381,7 @@ def to_dict(cfg) -> dict:
 def save_config(cfg, path: str | Path) -> None:
     """`cfg` as YAML; its `kernel_options` section holds every kernel option in force (the current ones with
     the config's explicit fields), so the file records which kernels the run used."""
-    from hybridize.kernels.options import resolve_kernel_options
+    from hybridize.ops.common.options import resolve_kernel_options
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

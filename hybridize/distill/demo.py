@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError, read_text
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
 from .data import heldout_ids, load_texts, read_jsonl

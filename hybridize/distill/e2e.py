@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridize.errors import UserError
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 
 from .config import E2EConfig, save_config
 from .data import build_data, build_heldout

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hybridize.errors import UserError
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 
 from .loop import save_final
 from .checkpoint import check_trainer_resume

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridize.errors import UserError
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 
 from .config import TracesConfig, save_config

@@ -2,7 +2,7 @@
 
 `MIXERS` maps a mixer name (as used in layer plans and `--mixer`) to its class; `build_mixer` makes
 one from a name and a settings dict. Each mixer file holds the module, its state, its recurrent and
-chunked forms (through `hybridize.kernels`) and its initialisation rule.
+chunked forms (through `hybridize.ops`) and its initialisation rule.
 """
 from __future__ import annotations
 

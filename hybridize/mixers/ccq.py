@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from hybridize.kernels import dispatch
+from hybridize.ops.common import dispatch
 
 from .base import MixerConfig, MixerState
 from .deltanet import DeltaState, GatedDeltaNet, GatedDeltaNetConfig

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import dispatch
+from hybridize.ops.common import dispatch
 
 from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, mask_tokens, repeat_kv
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridize.kernels import dispatch
+from hybridize.ops.common import dispatch
 from hybridize.ops.log_linear.reference import LogLinearState
 
 from .base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, repeat_kv

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 from .base import Mixer, MixerConfig, MixerOutput, MixerState, repeat_kv
 

@@ -108,7 +108,7 @@ class GRPORunConfig:
     threads: int = _f(0, "torch CPU threads (0 = leave as is)", min=0)
     progress: bool = _f(True, "progress bar")
     kernel_options: dict = _f({}, "kernel switches for this run, e.g. kernel_options.kernels=torch (fields and help: "
-                                  "hybridize/kernels/options.py); unset fields: the HYBRIDIZE_* environment, then "
+                                  "hybridize/ops/common/options.py); unset fields: the HYBRIDIZE_* environment, then "
                                   "the defaults; config.yaml records all of them")
     data: DataArgs = field(default_factory=DataArgs)
     rewards: RewardArgs = field(default_factory=RewardArgs)

@@ -38,7 +38,7 @@ from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
 from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
 from hybridize.generation.loading import load_model
-from hybridize.kernels.options import with_run_kernel_options
+from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridize.kernels.varlen import pack_to_padded, padded_to_pack
+from hybridize.ops.common.varlen import pack_to_padded, padded_to_pack
 from hybridize.mixers.base import ConvState, Mixer, MixerConfig, MixerOutput, MixerState, mask_tokens, repeat_kv
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from hybridize.ops.gla.reference import acc_dtype, gla_chunk
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 CCQStats = tuple  # (C [N, H, K, K], mu [N, H, K], t [N] int64)
 

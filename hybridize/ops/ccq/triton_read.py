@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.kernels.options import current_kernel_options
+from hybridize.ops.common.options import current_kernel_options
 
 # ---- kernels ---------------------------------------------------------------------------------------
 
@@ -929,7 +929,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     q, k = q.contiguous(), k.contiguous()
     cu = None
     if cu_seqlens is not None:
-        from hybridize.kernels.varlen import check_cu_seqlens
+        from hybridize.ops.common.varlen import check_cu_seqlens
         check_cu_seqlens(q, cu_seqlens)
         cu = cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
     N = B if cu is None else len(cu) - 1

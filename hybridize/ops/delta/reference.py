@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.gla.reference import acc_dtype
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 
 def contraction_factor(k: torch.Tensor, beta: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:

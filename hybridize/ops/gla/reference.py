@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:

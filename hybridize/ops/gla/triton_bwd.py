@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.kernels.options import current_kernel_options
+from hybridize.ops.common.options import current_kernel_options
 
 from hybridize.ops.ccq.triton_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
                        _tune_buckets)

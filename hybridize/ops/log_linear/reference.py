@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from hybridize.ops.gla.reference import acc_dtype
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 
 class LogLinearState(NamedTuple):

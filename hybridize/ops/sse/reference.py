@@ -46,7 +46,7 @@ with accumulation, 2 multiply backwards) -> 4 pack kernels + 1 combine kernel (b
 gather-sum kernels, the scale gradient fused, + 1 pack kernel; a tensor on both paths, SSE's v, gets
 its two gradients summed there). The kernel option `kernels="torch"` (`HYBRIDIZE_KERNELS=torch`) or
 `sse_triton=False` (`use_kernel_options(sse_triton=False)`; was `USE_TRITON = False`) selects the PyTorch
-forms on CUDA (`hybridize.kernels.options`).
+forms on CUDA (`hybridize.ops.common.options`).
 
 Router gradient (the fla PR #882 reading): the selected partition's router probability multiplies
 the sparse query (`emulq`) and/or key (`emulk`), so the router is trained by the main loss even at
@@ -61,9 +61,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridize.kernels import dispatch
-from hybridize.kernels.options import current_kernel_options
-from hybridize.kernels.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
+from hybridize.ops.common import dispatch
+from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 OPS = ("gla", "delta")
 

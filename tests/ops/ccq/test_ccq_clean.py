@@ -102,7 +102,7 @@ def test_fused_cuda(dtype, tol):
 def test_layer_uses_fused_path_and_agrees():
     """A CCQ-GLA layer on CUDA (fused cleaning + Triton read) against the same layer with every op forced
     to PyTorch, fp32: output and input gradient."""
-    from hybridize.kernels.options import use_kernel_options
+    from hybridize.ops.common.options import use_kernel_options
     from hybridize.mixers import build_mixer
 
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def test_layer_uses_fused_path_and_agrees():
 def test_layer_inference_cleans_in_the_read(name, monkeypatch):
     """Without gradient the CUDA layer cleans q in the read's epilogue (the separate gate pass is not run)
     and agrees with the all-PyTorch layer, fp32, learned gate and padding."""
-    from hybridize.kernels.options import use_kernel_options
+    from hybridize.ops.common.options import use_kernel_options
     from hybridize.ops.ccq import triton_clean as fused
     from hybridize.mixers import build_mixer
 

@@ -298,7 +298,7 @@ def test_autotuners_keep_their_whole_lists_under_the_global_cap(monkeypatch):
     """The read's autotuners (passes and piece sums) are exempt from HYBRIDIZE_AUTOTUNE_TOP (meant for fla's
     long lists): capped to one config, each still tunes over its whole short list."""
     from hybridize.ops.ccq import triton_read as cr
-    from hybridize.kernels.triton.autotune import limit_autotune
+    from hybridize.ops.common.autotune import limit_autotune
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)   # the read's own cap (tests that check numbers)
 
@@ -386,8 +386,7 @@ def test_cuda_varlen(dtype, split):
 def test_cuda_mixer_through_dispatch():
     """CCQ-GLA with the fused read registered for ccq/chunk: same output and gradients as the current
     GPU path (fla `chunk_gla` read), fp32."""
-    from hybridize.kernels import dispatch
-    from hybridize.kernels import fla_adapter
+    from hybridize.ops.common import dispatch, fla_adapter
     from hybridize.ops.ccq.triton_read import ccq_triton
     from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
 

@@ -83,7 +83,7 @@ def test_delta_op_lam_equals_explicit_p(op):
 def test_cuda_delta_op_with_lam_matches_reference(dtype, tol):
     """fla Comba with the fused erase direction vs the fp32 PyTorch recurrent reference: forward, final
     state and every gradient, varlen with an initial state per sequence."""
-    from hybridize.kernels import dispatch
+    from hybridize.ops.common import dispatch
     torch.manual_seed(0)
     H, K, V = 4, 64, 64
     cu = torch.tensor([0, 37, 137, 200], device="cuda")

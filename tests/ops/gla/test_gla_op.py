@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import dispatch
+from hybridize.ops.common import dispatch
 from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
 from tests.mixers.helpers import cu_seqlens_of, rel_err
 

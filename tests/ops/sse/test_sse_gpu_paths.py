@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.kernels import options
+from hybridize.ops.common import options
 from hybridize.ops.sse import reference as sse
 from hybridize.ops.sse.reference import PathInputs, Routing, route
 
@@ -290,7 +290,7 @@ def test_recurrent_inplace_updates_given_state(forced_triton):
 
 @pytest.fixture
 def gpu_backend():
-    from hybridize.kernels import fla_adapter
+    from hybridize.ops.common import fla_adapter
     fla_adapter.activate()
     old = options.set_kernel_options(None)
     yield

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from hybridize.kernels import options
+from hybridize.ops.common import options
 from hybridize.ops.sse import reference as sse
 
 interp = (importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"

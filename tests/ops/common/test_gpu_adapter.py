@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridize.kernels import dispatch
-from hybridize.kernels import fla_adapter
+from hybridize.ops.common import dispatch, fla_adapter
 from hybridize.ops.ccq.reference import ccq_recurrent
 from hybridize.ops.delta.reference import delta_recurrent
 from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
@@ -95,7 +94,7 @@ def test_importing_hybridize_does_not_import_triton_or_fla():
     # where triton is installed torch loads it itself on some import paths (torch._dynamo, torch.onnx), so the
     # triton half is only asserted where triton is absent (CPU CI; there it holds trivially and states the
     # intent). The fla half is the check that matters: activation must not import fla on a CPU machine
-    code = ("import sys, hybridize, hybridize.kernels.fla_adapter as a, hybridize.kernels.dispatch; "
+    code = ("import sys, hybridize, hybridize.ops.common.fla_adapter as a, hybridize.ops.common.dispatch; "
             "a.activate(force=True); print('triton' in sys.modules, 'fla' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     if importlib.util.find_spec("triton") is not None:

@@ -4,9 +4,9 @@
 variables are read here and nowhere else (`KernelOptions.from_env`), so existing users' variables keep
 working; the dispatch code reads `current_kernel_options()` instead of `os.environ` or module globals.
 
-Why `kernels/options.py` (and not e.g. `ops/backend.py`): the switches are not only the backend choice;
+Why `ops/common/options.py` (and not e.g. `ops/backend.py`): the switches are not only the backend choice;
 they are the tuning and numerics settings of several kernel modules (dispatch, SSE, the fla adapter, our
-Triton kernels), and they live beside them in `hybridize.kernels`.
+Triton kernels), and they live beside dispatch in `hybridize.ops.common`, which every op imports.
 
 Precedence, highest first, field by field:
 

@@ -1,4 +1,4 @@
-"""`kernels.triton.autotune.limit_autotune`: the global cap on Triton's config lists (meant for fla's long
+"""`ops.common.autotune.limit_autotune`: the global cap on Triton's config lists (meant for fla's long
 lists) keeps the preferred configs, and leaves an autotuner marked `full_tune` (our own short lists) alone.
 Needs triton importable (no kernel runs)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_cap_and_full_tune_exemption():
     import triton
     import triton.language as tl
 
-    from hybridize.kernels.triton.autotune import limit_autotune
+    from hybridize.ops.common.autotune import limit_autotune
 
     @triton.jit
     def kernel(x, BLOCK: tl.constexpr):

@@ -7,7 +7,7 @@ on an H100. `limit_autotune(top)` keeps only the `top` configs closest to num_wa
 With top >= 2 a config that fails to compile is still survived (Triton times it as inf).
 The price is a possibly slower config than full tuning; `benchmarks/RESULTS.md` says which was used.
 Winning configs are cached on disk by Triton (`cache_results`, fla's default), so later processes
-reuse them. The kernel option `autotune_top=<n>` (`HYBRIDIZE_AUTOTUNE_TOP=<n>`, `hybridize.kernels.options`)
+reuse them. The kernel option `autotune_top=<n>` (`HYBRIDIZE_AUTOTUNE_TOP=<n>`, `hybridize.ops.common.options`)
 applies this when the fla adapter first loads fla (and again when the option changes); 0 disables.
 Our own kernels with a short, curated config list set `full_tune = True` on their autotuner and are left alone.
 """
@@ -46,7 +46,7 @@ def limit_autotune(top: int) -> None:
 def limit_from_options() -> int:
     """Apply the kernel option `autotune_top` (`HYBRIDIZE_AUTOTUNE_TOP`); returns the cap in force (0 = none).
     0 leaves an autotuner never capped untouched and restores a capped one."""
-    from hybridize.kernels.options import current_kernel_options
+    from hybridize.ops.common.options import current_kernel_options
 
     top = current_kernel_options().autotune_top
     if top > 0 or _ORIGINAL is not None:

@@ -36,9 +36,9 @@ that chunk-local kernel by batched fp32 PyTorch inside our own autograd Function
 backward is fla's. `benchmarks/ops/gpu_check.py` verifies every gradient against the fp32 reference.
 (Scalar-gate GLA avoids the same kernel by using `chunk_gla` with the gate broadcast over keys.)
 
-Switches (kernel options, `hybridize.kernels.options`; environment variable in brackets): `kernels=auto|torch|gpu`
+Switches (kernel options, `hybridize.ops.common.options`; environment variable in brackets): `kernels=auto|torch|gpu`
 [`HYBRIDIZE_KERNELS`] (dispatch), `autotune_top=n` [`HYBRIDIZE_AUTOTUNE_TOP`] caps autotuning
-(`hybridize.kernels.triton.autotune`), `fla_dqkwg="fla"` [`HYBRIDIZE_FLA_DQKWG=fla`] uses fla's own kernel (for
+(`hybridize.ops.common.autotune`), `fla_dqkwg="fla"` [`HYBRIDIZE_FLA_DQKWG=fla`] uses fla's own kernel (for
 Triton >= 3.7.1 or non-Hopper GPUs, where fla's guard does not fire; read at the forward, kept for the backward).
 """
 from __future__ import annotations
@@ -49,8 +49,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridize.kernels import dispatch
-from hybridize.kernels.options import current_kernel_options
+from hybridize.ops.common import dispatch
+from hybridize.ops.common.options import current_kernel_options
 
 _ACTIVE = False
 _FLA: SimpleNamespace | None = None
@@ -80,7 +80,7 @@ _CAP = 0   # the autotune cap applied (kernel option autotune_top; 0: Triton's a
 
 def _apply_cap() -> None:
     global _CAP
-    from hybridize.kernels.triton.autotune import limit_from_options
+    from hybridize.ops.common.autotune import limit_from_options
     _CAP = limit_from_options()
 
 

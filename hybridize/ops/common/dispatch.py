@@ -1,10 +1,10 @@
 """One entry point for every op: picks the PyTorch form or a GPU kernel.
 
-`run(op, mode, ...)` calls `hybridize.kernels.<op>.<op>_<mode>` (mode "chunk" or "recurrent") on
+`run(op, mode, ...)` calls `hybridize.ops.<op>.reference.<op>_<mode>` (mode "chunk" or "recurrent") on
 CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
 (fla-core adapters, our Triton kernels) unless the kernel option `kernels` is "torch"
 (`HYBRIDIZE_KERNELS=torch`, `use_kernel_options(kernels="torch")`, `set_backend("torch")`), which forces
-the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.kernels.options`).
+the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.ops.common.options`).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from hybridize.kernels.options import BACKENDS as _BACKENDS
-from hybridize.kernels.options import current_kernel_options, set_kernel_options
+from hybridize.ops.common.options import BACKENDS as _BACKENDS
+from hybridize.ops.common.options import current_kernel_options, set_kernel_options
 
 _GPU: dict[tuple[str, str], Callable] = {}
 _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
@@ -22,7 +22,7 @@ _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (C
 
 def set_backend(name: str) -> None:
     """Make the current options (explicit, else the environment's) with `kernels=name` current for the process
-    (`hybridize.kernels.options.set_kernel_options`; `use_kernel_options(kernels=...)` for a block)."""
+    (`hybridize.ops.common.options.set_kernel_options`; `use_kernel_options(kernels=...)` for a block)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; use one of {', '.join(_BACKENDS)}")
     set_kernel_options(current_kernel_options().replace(kernels=name))
@@ -65,7 +65,7 @@ def run(op: str, mode: str, *args, **kwargs):
         global _gpu_tried
         if not _gpu_tried:
             _gpu_tried = True
-            from hybridize.kernels import fla_adapter
+            from hybridize.ops.common import fla_adapter
             fla_adapter.activate()
         fn = _GPU.get((op, mode))
         if fn is not None:

@@ -1,4 +1,4 @@
-"""Kernel options (`hybridize.kernels.options`): the environment read in one place, the options object deciding
+"""Kernel options (`hybridize.ops.common.options`): the environment read in one place, the options object deciding
 dispatch's path as the variables did, carried on the model's config.json, recorded in a run's config.yaml.
 CPU only: paths are checked by which function dispatch picks, not by running GPU kernels."""
 from __future__ import annotations
@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from hybridize.errors import UserError
-from hybridize.kernels import dispatch
-from hybridize.kernels import options
+from hybridize.ops.common import dispatch, options
 from hybridize.ops.sse import reference as sse
-from hybridize.kernels.options import KernelOptions, current_kernel_options, use_kernel_options
+from hybridize.ops.common.options import KernelOptions, current_kernel_options, use_kernel_options
 
 ENV = {f.metadata["env"]: f.name for f in __import__("dataclasses").fields(KernelOptions) if f.metadata["env"]}
 
