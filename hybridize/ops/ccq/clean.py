@@ -7,7 +7,7 @@ q, k `[B, T, H, K]` as the backbone's op gets them; weight `[H, K]`, bias `[H]` 
 lambda); `read(q, kbar) -> (Sigma_t q_t, statistics)` is the covariance read with its mask / state /
 varlen arguments already bound. Returns (q_clean `[B, T, H, K]` in q's dtype, the read's statistics).
 
-This is the reference the mixer runs on CPU. On CUDA `dispatch` swaps in `triton/ccq_clean.py`, which
+This is the reference the mixer runs on CPU. On CUDA `dispatch` swaps in `ops/ccq/triton_clean.py`, which
 does the same in two fused passes around the read (the normalisation of k; the gate and the update of
 q) instead of a dozen PyTorch elementwise kernels each way, which at 16k tokens cost the CCQ layer as
 much as the read itself. Both modes (chunk and recurrent) use the same function.

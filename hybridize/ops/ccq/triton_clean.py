@@ -8,7 +8,7 @@ Computes what `hybridize.ops.ccq.clean.ccq_clean_chunk` computes (same arguments
   one pass; the backward recomputes qbar and lambda and gives dq, d(Sigma q) and per-block partial sums of
   dw, db (summed afterwards: deterministic, no atomics).
 In chunk mode without gradient (inference) the gate and update run inside the Triton read's output pass instead
-(`ccq_clean_fused_chunk`, `triton/ccq_read.py`'s `clean=`): no gate pass at all.
+(`ccq_clean_fused_chunk`, `ops/ccq/triton_read.py`'s `clean=`): no gate pass at all.
 All arithmetic is fp32 in registers, one rounding to the output dtype (the PyTorch form rounds after
 every op in 16-bit). fp64 inputs go to the PyTorch form. Before: F.normalize twice, an fp32 copy of qbar,
 an einsum, sigmoid, a product and a difference, each a full pass over `[B, T, H, K]` forward and more
@@ -199,7 +199,7 @@ def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
     """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes
     (`unit_keys`: k is used as it is, no normalisation pass either way). `read_cleans`: `read` takes
     `clean=(weight, bias, fixed lambda)` and then returns the cleaned query itself (the Triton read's epilogue,
-    `triton/ccq_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
+    `ops/ccq/triton_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
     from hybridize.ops.ccq import clean as ref
 
     ref.check_gate(q, weight, bias, fixed_lambda)
@@ -214,7 +214,7 @@ def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
 
 
 def ccq_clean_fused_chunk(*args, **kwargs):
-    """`ccq_clean_fused` for chunk mode, whose read (`ccq_read.ccq_triton` on CUDA) can clean in its epilogue."""
+    """`ccq_clean_fused` for chunk mode, whose read (`triton_read.ccq_triton` on CUDA) can clean in its epilogue."""
     return ccq_clean_fused(*args, read_cleans=True, **kwargs)
 
 

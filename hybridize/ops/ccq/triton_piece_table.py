@@ -1,6 +1,6 @@
-"""The piece table of packed documents (`ccq_read._table` with `cu_seqlens` and no mask) as one Triton kernel.
+"""The piece table of packed documents (`triton_read._table` with `cu_seqlens` and no mask) as one Triton kernel.
 
-`ccq_read._build_table` cuts every document of a packed row into pieces of `seg_len` tokens with about twenty
+`triton_read._build_table` cuts every document of a packed row into pieces of `seg_len` tokens with about twenty
 small PyTorch ops (searchsorted, gathers, clamps, stacks). On the H100 each costs 1-3 us of device time, which
 at 4k tokens is a tenth of SSE's whole forward (benchmarks/RESULTS.md, session 12). Here one program per
 document writes its own rows: its first piece is the sum of the earlier documents' piece counts (each program
@@ -57,7 +57,7 @@ def _table_kernel(cu, n0, seg, n_before, n_after, seq, segs, n_end, n_div, N, G,
 def piece_table(cu: torch.Tensor, seg_len: int, total: int, n0: torch.Tensor | None):
     """(seg `[G, 2]`, n_before `[G]`, n_after `[G]`, seq `[G]`, segs `[N, 2]`, n_end `[N]`, n_div `[N]`) for
     documents `cu` `[N + 1]` int64 over a row of `total` tokens, pieces of `seg_len`, initial counts n0 `[N]`
-    (None: zeros), G = N + total // seg_len slots: `ccq_read.Pieces`' fields without a mask."""
+    (None: zeros), G = N + total // seg_len slots: `triton_read.Pieces`' fields without a mask."""
     N = cu.numel() - 1
     G = N + total // seg_len
     dev = cu.device

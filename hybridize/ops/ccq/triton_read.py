@@ -252,7 +252,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, c
                     HAS_MASK: tl.constexpr, HAS_H0: tl.constexpr, STORE_END: tl.constexpr,
                     PROD: tl.constexpr, PREC: tl.constexpr, CLEAN: tl.constexpr, LEN, ROWS):
     # one program per (channel block, segment, head). CLEAN (no gradient: inference): 0 writes Sigma q; 1 writes
-    # q - lambda Sigma q with lambda = sigmoid(w_h . q / max(||q||, 1e-12) + b_h) (`triton/ccq_clean.py`'s
+    # q - lambda Sigma q with lambda = sigmoid(w_h . q / max(||q||, 1e-12) + b_h) (`ops/ccq/triton_clean.py`'s
     # gate, on the fp32 read before any rounding); 2 the same with the fixed lambda LAM
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H

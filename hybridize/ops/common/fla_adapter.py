@@ -12,15 +12,15 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 | delta / chunk      | g, p None, 16-bit: `chunk_delta_rule`; p None: GDN = fla's gated delta rule  |
 |                    | forward + fla's backward with our PyTorch `chunk_bwd_dqkwg`; p given: Comba,  |
 |                    | same scheme, with p_fla = exp(g) * p; lam given (Q-Delta, p = k + lam q):     |
-|                    | p_fla = exp(g) (k + lam q) in one Triton pass (`triton/erase.py`)             |
+|                    | p_fla = exp(g) (k + lam q) in one Triton pass (`ops/delta/triton_erase.py`)   |
 | delta / recurrent  | `fused_recurrent_gated_delta_rule` / `fused_recurrent_comba` (forward only:   |
 |                    | with gradients required the chunk path above is used)                        |
 | log_linear / chunk | `chunk_log_linear_attn` (on fp32 copies) when no state in/out, no clamped level|
-| ccq / chunk        | our fused Triton read (`triton/ccq_read.py`: C_t q, mu_t mu_t^T q, one chunked |
-|                    | pass fwd + Triton bwd); `ccq_chunk` here (a `chunk_gla` call with values =     |
-|                    | keys, cumsum for mu, t) is kept as the comparison path                         |
-| ccq_clean / both   | `triton/ccq_clean.py`: CCQ's normalisation of k, gate and q - lambda Sigma q   |
-|                    | as two fused passes around the read (forward and backward)                    |
+| ccq / chunk        | our fused Triton read (`ops/ccq/triton_read.py`: C_t q, mu_t mu_t^T q, one    |
+|                    | chunked pass fwd + Triton bwd); `ccq_chunk` here (a `chunk_gla` call with     |
+|                    | values = keys, cumsum for mu, t) is kept as the comparison path               |
+| ccq_clean / both   | `ops/ccq/triton_clean.py`: CCQ's normalisation of k, gate and                 |
+|                    | q - lambda Sigma q as two fused passes around the read (forward and backward) |
 
 Conventions mapped here:
 - fla's Comba reads its erase direction against the *undecayed* state: u = v - S_{t-1}^T p_fla, then
@@ -179,7 +179,7 @@ def comba_p(p, g):
 
 def _erase_for_fla(q, k, p, lam, g):
     """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
-    p = k + lam q) in one fused pass (`triton/erase.py`)."""
+    p = k + lam q) in one fused pass (`ops/delta/triton_erase.py`)."""
     from hybridize.ops.delta.reference import check_erase
 
     check_erase(q, p, lam)

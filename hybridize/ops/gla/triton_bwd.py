@@ -7,7 +7,7 @@ output's gradient and dS_t the gradient of the state S_t (from every later read,
     dq_t = scale S_t do_t           dk_t = dS_t v_t           dv_t = dS_t^T k_t
     dg_t = sum_{t' >= t} (q_t' * dq_t' - k_t' * dk_t')  +  rowsum(S_final * dS_final)
 
-Pieces (`ccq_read._table`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
+Pieces (`triton_read._table`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
 tokens alone, D = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's start), a GEMM walk; (2) the
 forward's scan run from the last piece (`gla_fwd.scan_pieces(reverse=True)`): R(j), the state gradient each
 piece receives from after its end, and the initial state's gradient; (3) `_dq_kernel`, forward in time from the
@@ -260,7 +260,7 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
 
 
 def _products(dtype) -> int:
-    """`ccq_read._mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
+    """`triton_read._mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
     bf16 2, one bf16 product (the state rounded once, as fla does), or with the kernel option
     `gla_products="split"` (`HYBRIDIZE_GLA_PRODUCTS=split`) 1, two bf16 products of a hi/lo split (~16 mantissa
     bits of the state); fp16 0 (tf32 tiles)."""

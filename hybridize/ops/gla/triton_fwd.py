@@ -9,7 +9,7 @@ runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a 
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
 
-Every sequence is cut into pieces (`ccq_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
+Every sequence is cut into pieces (`triton_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
 piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
 per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2) `_scan_kernel`: each piece's
 starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
@@ -206,7 +206,7 @@ def _state_configs():
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
 
 
-#: (piece, head) rows the automatic piece length aims at (`ccq_read._segment_len`): the default of the kernel
+#: (piece, head) rows the automatic piece length aims at (`triton_read._segment_len`): the default of the kernel
 #: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (session 11),
 #: forward+backward 16k: 128 rows 5.35 ms, 256 4.84, 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31
 #: (at 4k every setting from 256 up gives 512-token pieces)

@@ -17,20 +17,20 @@ decides which tokens reach which of the N state partitions of each head.
     one contiguous segment, new `cu_seqlens` are built, the shared path is concatenated in front
     along time, one varlen op call, outputs summed back per token (paper Algorithm 2; best for long
     sequences). The bookkeeping (`varlen_plan`) is device-side with static shapes: on CUDA a stable
-    counting sort in three Triton kernels (`triton/sse_plan.py`), elsewhere a stable sort of the pair
+    counting sort in three Triton kernels (`ops/sse/triton_plan.py`), elsewhere a stable sort of the pair
     keys and `searchsorted` for the segment offsets; every (sequence, partition) segment is
     passed, empty ones included (their states pass through untouched), and padding pairs go to one
     trailing trash segment with zero inputs. On CUDA the row movement (gather + router-probability
     multiply + concat with the shared path, and the per-token sum of the outputs) is one Triton
-    kernel per tensor (`triton/sse_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
+    kernel per tensor (`ops/sse/triton_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
     PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
-    varlen GLA call is our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`) instead of fla's chunk_gla;
+    varlen GLA call is our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`) instead of fla's chunk_gla;
     without gradient it reads the shared and sparse tensors in place (`_gla_gathers`), so the row packs are skipped.
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
     runs the op's recurrent form for one step on them (with the shared partition), scatters back.
-    On CUDA without gradients the Triton `triton/sse_decode.py` step does this inside the state
+    On CUDA without gradients the Triton `ops/sse/triton_decode.py` step does this inside the state
     tensor instead (no copies, no host sync, CUDA-graph capturable; `inplace=True` writes the given
     state). Partitions that were not selected are never read or written, so they stay bit-identical.
     A T == 1 step there is 2 kernel calls (sparse slots, shared partition) + 1 sum/cast; routing without
@@ -297,7 +297,7 @@ def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False
     path's rows go in front of the op call, see `layout_cu`).
 
     No `nonzero`, `bincount`, boolean indexing or `.tolist()` (each of which waits for the device). On CUDA a
-    counting sort in three Triton kernels (`triton/sse_plan.py`); otherwise one stable device sort and two
+    counting sort in three Triton kernels (`ops/sse/triton_plan.py`); otherwise one stable device sort and two
     `searchsorted` calls."""
     n, K, L = routing.probs.shape[-1], routing.index.shape[-1], routing.index.shape[1]
     dev = routing.index.device
@@ -460,7 +460,7 @@ def _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse,
 
 
 def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> bool:
-    """Whether the pieces GLA reads the varlen layout in place (`triton/gla_fwd.py` `Gather`) instead of the row
+    """Whether the pieces GLA reads the varlen layout in place (`ops/gla/triton_fwd.py` `Gather`) instead of the row
     packer copying it: the pieces GLA applies (`_gla_in_pieces`), nothing needs a gradient (the backward keeps the
     packed rows), per-key gates on both paths, and both paths in one dtype. Saves the four packs' copies: 0.46 of
     SSE's 1.97 ms forward at 16k on the H100 (benchmarks/RESULTS.md, session 11)."""
@@ -475,7 +475,7 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
-    """Whether the varlen GLA call runs our pieces GLA (`triton/gla_fwd.py`, `triton/gla_bwd.py`; CUDA, bf16
+    """Whether the varlen GLA call runs our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`; CUDA, bf16
     inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
     (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md, session 11);
     per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
