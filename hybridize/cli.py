@@ -11,6 +11,9 @@ import sys
 
 import typer
 
+from hybridize.distill.config import RECIPES_DIR
+from hybridize.errors import UserError
+
 app = typer.Typer(
     name="hybridize",
     help="Turn a pretrained Hugging Face Transformer into a fast hybrid linear-attention model: "
@@ -37,8 +40,6 @@ for _module in AREAS:
 def recipes_cmd():
     """List the shipped recipes (names for `-r`) and the folder that holds them, with the accelerate /
     DeepSpeed configs under accelerate/ (use that path in `accelerate launch --config_file`)."""
-    from hybridize.distill.config import RECIPES_DIR
-
     typer.echo(f"recipes folder: {RECIPES_DIR}")
     for path in sorted(RECIPES_DIR.rglob("*")):
         if path.suffix in (".yaml", ".json"):
@@ -48,7 +49,7 @@ def recipes_cmd():
 
 
 def main() -> None:
-    from hybridize.errors import UserError
+    # deferred: offline loads the evaluation and GRPO data modules (the generation engine)
     from hybridize.offline import configure
 
     configure(sys.argv[1:])

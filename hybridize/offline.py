@@ -1,6 +1,6 @@
 """No network at run time unless asked: telemetry always off, `datasets` offline unless hub data is named.
 
-What contacted servers with local data and a local model (issue 29), and the switch that stops it:
+What contacted servers with local data and a local model, and the switch that stops it:
 - `datasets.load_dataset("json", data_files=...)` on a local file HEADs an S3 URL to count a download
   (`datasets.load.increase_load_count`): HF_UPDATE_DOWNLOAD_COUNTS=0, and HF_DATASETS_OFFLINE=1 when
   no argument names hub data;
@@ -18,6 +18,11 @@ import os
 import re
 import sys
 from pathlib import Path
+
+from hybridize.distill.config import find_recipe
+from hybridize.eval import math as eval_math
+from hybridize.eval.common import data_file
+from hybridize.rl import data as rl_data
 
 TELEMETRY_OFF = {"HF_HUB_DISABLE_TELEMETRY": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0"}
 DATASETS_OFFLINE = {"HF_DATASETS_OFFLINE": "1"}
@@ -74,8 +79,6 @@ def _recipe_strings(name: str) -> list[str]:
     try:
         import yaml
 
-        from hybridize.distill.config import find_recipe
-
         data = yaml.safe_load(find_recipe(name).read_text(encoding="utf-8"))
     except Exception:
         return []
@@ -98,10 +101,6 @@ def _recipe_strings(name: str) -> list[str]:
 def _builtin_needs_hub(value: str) -> bool:
     """A built-in prompt / evaluation set (`gsm8k`, `math500`, ...) whose local copy is missing but that
     has a hub fallback: naming it asks for the hub, as before."""
-    from hybridize.eval import math as eval_math
-    from hybridize.eval.common import data_file
-    from hybridize.rl import data as rl_data
-
     key = value.lower()
     sources = []
     rl_key = rl_data._ALIASES.get(key, key)

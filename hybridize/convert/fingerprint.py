@@ -1,6 +1,6 @@
 """Which teacher a converted checkpoint came from: the resolved source and a fingerprint of its weight files.
 
-Why (issue 29): a student converted with a relative `--src` recorded that relative path; distilled from
+Why: a student converted with a relative `--src` recorded that relative path; distilled from
 another folder holding a different model of that name, it learned from the wrong teacher, silently. So
 `hybridize convert` records an absolute path (a hub id or "default" stays a name) and a fingerprint of
 the teacher's weight files, and distillation checks the fingerprint before it loads a teacher from that
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from hybridize.convert.sources import resolve_source
 from hybridize.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -27,8 +28,6 @@ CHUNK_BYTES = 64 * 1024
 def recorded_source(src: str) -> str:
     """The teacher name to record: an absolute path for a folder or .gguf file, the name itself for
     'default', an alias or a hub id (so the record means the same thing from any working directory)."""
-    from hybridize.convert.sources import resolve_source
-
     kind, target = resolve_source(src)
     if kind in ("local", "gguf"):
         return str(Path(target).expanduser().resolve())
@@ -37,8 +36,6 @@ def recorded_source(src: str) -> str:
 
 def weight_files(src: str) -> list[Path]:
     """The files holding the weights of `src` ([] for a hub model with no local snapshot)."""
-    from hybridize.convert.sources import resolve_source
-
     kind, target = resolve_source(src)
     if kind in ("default", "gguf"):
         return [Path(target)]

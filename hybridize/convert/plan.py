@@ -14,16 +14,18 @@ name from `hybridize.mixers.mixer_names()`. `parse_plan` accepts these spellings
 - "all" (every layer the default mixer) and "none" (nothing converted: only for identity checks through
   the Python API; `hybridize convert` refuses it, `parse_plan(..., allow_none=False)`).
 
-A plan that converts no layer is refused unless it is spelled "none" (issue 29: "0:5" used to convert
-nothing, silently).
+A plan that converts no layer is refused unless it is spelled "none" (a spelling such as "0:5" that selects
+no layer is more likely a mistake than a wish).
 
-The fifth way of DESIGN.md sec. 3 (a measured choice: keep softmax where replacement hurts most) needs
+A fifth way (a measured choice: keep softmax where replacement hurts most) needs
 a model and data: `hybridize select` (`hybridize.convert.select`) measures it and writes the explicit
 spelling ("attn=3,9,15,21,27") to a plan.txt, which `hybridize convert --layers` also takes as a path.
 """
 from __future__ import annotations
 
 import re
+
+from hybridize import mixers
 
 ATTN = "attn"
 # other spellings users type for "keep the softmax layer"
@@ -35,9 +37,7 @@ PLAN_FORMS = ("'5:1' (ratio mixer:softmax, repeating), 'sse,swa,attn' (repeating
 
 
 def _known_kinds() -> list[str]:
-    from hybridize.mixers import mixer_names
-
-    return [ATTN, *mixer_names()]
+    return [ATTN, *mixers.mixer_names()]
 
 
 def _kind(name: str, spec: str) -> str:

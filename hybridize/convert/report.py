@@ -1,7 +1,7 @@
 """Conversion report: per layer the mixer, its new parameter count and how far its output is from the
 teacher layer's, plus whole-model agreement - as a JSON-able dict and a rich table.
 
-Layer error is layer-local (the attention-transfer view of DESIGN.md stage A): the teacher runs on the
+Layer error is layer-local (the attention-transfer view of alignment stage A): the teacher runs on the
 sample sequences, each converted layer's mixer gets exactly the input the teacher's attention got
 (same normalised hidden states, same RoPE cos/sin), and
 `rel_err = ||mixer(x) - attn(x)||_F / ||attn(x)||_F` over all real tokens of all samples.
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.convert.layout import new_parameter_names
+from hybridize.families import dropped_lines, family_traits
 from hybridize.modeling import ATTN, AttentionSlot
 
 SAMPLE_TEXTS = (
@@ -108,8 +109,6 @@ def conversion_report(teacher, hybrid, inputs: list[torch.Tensor] | None = None,
 def family_record(hybrid) -> dict:
     """The teacher family, its attention features with what each mixer kind keeps or drops, and the
     dropped ones as lines (`hybridize.families.traits`)."""
-    from hybridize.families import dropped_lines, family_traits
-
     cfg = hybrid.config
     traits = family_traits(hybrid.family, cfg.source_config, cfg.layer_plan, cfg.mixer_settings)
     return {"model_type": hybrid.family.model_type, "title": hybrid.family.title,

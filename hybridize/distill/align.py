@@ -23,13 +23,13 @@ import torch.utils.checkpoint
 
 from hybridize.errors import UserError
 from hybridize.ops.common.options import with_run_kernel_options
-
+from hybridize.modeling import packed_cu_seqlens
 from .config import AlignConfig, save_config
 from .data import build_data, build_heldout
-from .losses import LAYER_LOSSES
 from .loop import run_loop, teacher_dtype
-from .metrics import perplexity
 from .loop import make_accelerator, save_final, save_final_model  # noqa: F401  (save_final: re-exported)
+from .losses import LAYER_LOSSES
+from .metrics import perplexity
 from .models import converted_layers, decoder_layers, mixer_of, load_student, load_teacher, select_trainable, \
     check_run_teacher, teacher_source_of, trainable_summary
 
@@ -95,12 +95,7 @@ def mixer_inputs(batch: dict) -> dict:
     mask2d = am.bool() if isinstance(am, torch.Tensor) and am.dim() == 2 and not bool(am.bool().all()) else None
     cu = None
     if am is None and pos is not None and T > 1:
-        try:
-            from hybridize.modeling import packed_cu_seqlens
-        except ImportError:
-            packed_cu_seqlens = None
-        if packed_cu_seqlens is not None:
-            cu = packed_cu_seqlens(pos, B)
+        cu = packed_cu_seqlens(pos, B)
     return {"mixer_attention_mask": mask2d, "mixer_cu_seqlens": cu}
 
 

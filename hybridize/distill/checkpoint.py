@@ -134,6 +134,7 @@ def check_deepspeed_pickles(folder: str | Path, skip: tuple[str, ...] = (), reme
     `folder` ('/'-separated) of files that the caller's loader provably never opens (`HF_TRAINER_UNREAD`)."""
     import zipfile
 
+    # deferred: deepspeed is optional (DeepSpeed runs only)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -15,7 +15,17 @@ from typing import Optional
 
 import typer
 
-from .config import AlignConfig, DemoConfig, E2EConfig, SFTStageConfig, TracesConfig, describe, load_config
+from .checkpoint import guard_run_dir, run_history
+from .config import (
+    AlignConfig,
+    DemoConfig,
+    E2EConfig,
+    SFTStageConfig,
+    TracesConfig,
+    check_resume_settings,
+    describe,
+    load_config,
+)
 
 RECIPE = typer.Option(None, "--recipe", "-r", help="YAML recipe: a path or a name under recipes/ "
                                                    "(e.g. smollm2-135m/align)")
@@ -53,9 +63,6 @@ def _start(cfg, resume: bool, overwrite: bool, trainer: str = "loop"):
     stage): no earlier run clobbered (checkpoint.guard_run_dir), no resume with settings it cannot honour."""
     from pathlib import Path
 
-    from .checkpoint import guard_run_dir, run_history
-    from .config import check_resume_settings
-
     guard_run_dir(cfg.train.run_dir, resume, overwrite)
     if resume and "checkpoints/" in run_history(cfg.train.run_dir):
         check_resume_settings(cfg, Path(cfg.train.run_dir) / "config.yaml", trainer)
@@ -72,6 +79,7 @@ def register(app: typer.Typer) -> None:
         """Stage A, attention transfer: each converted layer matches its teacher attention's output."""
         if show:
             return _show(AlignConfig, load_config(AlignConfig, recipe, overrides))
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .align import run_align
         r = run_align(_start(load_config(AlignConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"align: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
@@ -82,6 +90,7 @@ def register(app: typer.Typer) -> None:
         """Stage B: KL to the teacher's logits + CE on packed long sequences (context schedule, LoRA or full)."""
         if show:
             return _show(E2EConfig, load_config(E2EConfig, recipe, overrides))
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .e2e import run_e2e
         r = run_e2e(_start(load_config(E2EConfig, recipe, overrides), resume, overwrite), resume=resume)
         typer.echo(f"e2e: {r.step} steps, {r.tokens} tokens, last loss {r.last_loss:.4g}; run in {r.run_dir}")
@@ -92,6 +101,7 @@ def register(app: typer.Typer) -> None:
         """Stage C: SFT on reasoning traces (a dataset or `distill traces` output) with TRL's SFTTrainer."""
         if show:
             return _show(SFTStageConfig, load_config(SFTStageConfig, recipe, overrides))
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .sft import run_sft
         r = run_sft(_start(load_config(SFTStageConfig, recipe, overrides), resume, overwrite, "sft"), resume=resume)
         typer.echo(f"sft: {r.global_step} steps, train loss {r.training_loss:.4g}")
@@ -102,6 +112,7 @@ def register(app: typer.Typer) -> None:
         """The teacher writes completions for prompts (JSONL; rerun to continue an interrupted file)."""
         if show:
             return _show(TracesConfig, load_config(TracesConfig, recipe, overrides))
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .traces import run_traces
         path = run_traces(load_config(TracesConfig, recipe, overrides))
         typer.echo(f"traces: {path}")
@@ -119,6 +130,7 @@ def register(app: typer.Typer) -> None:
                                                   "is not an earlier export (its contents are deleted)")):
         """Convert a training checkpoint (plain accelerate or DeepSpeed ZeRO-1/2/3) to a plain HF folder.
         An existing --out is replaced only when empty, an earlier export, or with --overwrite."""
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .export import export_checkpoint
         path = export_checkpoint(checkpoint, out, student=student, dtype=dtype, overwrite=overwrite)
         typer.echo(f"export: {path}")
@@ -132,5 +144,6 @@ def register(app: typer.Typer) -> None:
         cfg = load_config(DemoConfig, recipe, overrides)
         if show:
             return _show(DemoConfig, cfg)
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light
         from .demo import run_demo
         run_demo(cfg)

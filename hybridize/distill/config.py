@@ -20,7 +20,9 @@ from typing import Any
 
 import yaml
 
+from hybridize.convert.fingerprint import recorded_source
 from hybridize.errors import UserError, read_yaml
+from hybridize.ops.common.options import check_overrides, resolve_kernel_options
 
 
 def _f(default, help: str, min: float | None = None):
@@ -368,8 +370,6 @@ def load_config(cls, recipe: str | None = None, overrides: list[str] | dict | No
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     cfg = _build(cls, _merge(data, ov), "")
     if isinstance(getattr(cfg, "kernel_options", None), dict):
-        from hybridize.ops.common.options import check_overrides
-
         cfg.kernel_options = check_overrides(cfg.kernel_options)   # unknown field / bad value: one line
     return cfg
 
@@ -381,8 +381,6 @@ def to_dict(cfg) -> dict:
 def save_config(cfg, path: str | Path) -> None:
     """`cfg` as YAML; its `kernel_options` section holds every kernel option in force (the current ones with
     the config's explicit fields), so the file records which kernels the run used."""
-    from hybridize.ops.common.options import resolve_kernel_options
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = to_dict(cfg)
@@ -429,8 +427,6 @@ def _resume_teacher(old: str, new: str, student: str) -> str:
     teacher). Whether its weights are still those the run started with is checked when it is about to load
     (`models.check_run_teacher`)."""
     import json
-
-    from hybridize.convert.fingerprint import recorded_source
 
     if new == old:
         return new

@@ -44,6 +44,7 @@ def shared_data(rel: str) -> Path | None:
 def load_rows(source: str, split: str = "train", max_rows: int = 0, sample_by: str = "line"):
     """Rows of a local file/folder or a hub dataset, as a `datasets.Dataset`. `sample_by` (text files only):
     one row per "line", "paragraph" (blank-line separated) or "document" (the whole file)."""
+    # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
     import datasets
 
     if not source:
@@ -87,7 +88,7 @@ def _blank(path: Path) -> bool:
 def check_local_files(source: Path, files: list[str], kind: str) -> list[str]:
     """The non-empty files of a local source, each checked to be UTF-8 text (parquet excepted), so an empty
     file or a stray Latin-1 byte is one line naming the file (and line), not a `datasets` stack trace or
-    an IndexError in the error handler (issue 29). Empty files in a folder are skipped."""
+    an IndexError in the error handler. Empty files in a folder are skipped."""
     kept = [f for f in files if not _blank(Path(f))]
     if not kept:
         raise UserError(f"{source} is empty: no rows to read" if len(files) == 1 else

@@ -25,15 +25,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS, language_reference_topics, stdlib_docstrings
+from hybridize.convert.calibrate import calibration_inputs
+from hybridize.convert.convert import convert_model
+from hybridize.convert.plan import parse_plan
+from hybridize.convert.settings import check_user_settings
+from hybridize.convert.sources import load_config as load_model_config
 from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError, read_text
 from hybridize.ops.common.options import with_run_kernel_options
-
+from .align import align
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
 from .data import heldout_ids, load_texts, read_jsonl
-from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS, language_reference_topics, stdlib_docstrings
+from .e2e import e2e
+from .loop import save_final
 from .metrics import perplexity
+from .models import load_teacher
 from .traces import generate, render_prompt
+
 
 #: what the GPU recipe reached (benchmarks/RESULTS.md, "Distillation of the embedded default")
 GPU_RESULT = ("on one H100 the full recipe (`benchmarks/pipeline/distill_default_gpu.py`, 12.7M training tokens, 11 min) "
@@ -150,10 +159,6 @@ def _set_threads(cfg: DemoConfig, device: torch.device) -> int:
 def check_plan_and_settings(cfg: DemoConfig) -> None:
     """The layer plan and mixer settings checked on the teacher's config alone, as `hybridize convert` does:
     a bad value costs one line before the teacher loads and writes its answers (minutes), not after."""
-    from hybridize.convert.plan import parse_plan
-    from hybridize.convert.settings import check_user_settings
-    from hybridize.convert.sources import load_config as load_model_config
-
     config = load_model_config(cfg.teacher)
     plan = parse_plan(cfg.layers, config.num_hidden_layers, cfg.mixer)
     check_user_settings(config, plan, cfg.mixer_settings or None)
@@ -161,13 +166,6 @@ def check_plan_and_settings(cfg: DemoConfig) -> None:
 
 @with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_demo(cfg: DemoConfig) -> dict:
-    from hybridize.convert.calibrate import calibration_inputs
-    from hybridize.convert.convert import convert_model
-
-    from .align import align, save_final
-    from .e2e import e2e
-    from .models import load_teacher
-
     check_plan_and_settings(cfg)
     t_start = time.perf_counter()
     out = Path(cfg.out)

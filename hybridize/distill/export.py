@@ -34,8 +34,11 @@ import torch.nn as nn
 import yaml
 
 from hybridize.errors import UserError
-
+from .align import LayerAligner
 from .checkpoint import check_deepspeed_pickles, latest_checkpoint
+from .loop import save_final
+from .models import apply_lora, converted_layers, load_student, torch_dtype
+
 
 # files next to a converted checkpoint that record its teacher (see models.teacher_source_of)
 _REPORTS = ("conversion_report.json", "report.json", "convert_report.json")
@@ -69,6 +72,7 @@ def checkpoint_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     tag = deepspeed_tag(ckpt)
     if tag is not None:
         try:
+            # deferred: deepspeed is optional (DeepSpeed runs only)
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         except ImportError:
             raise UserError(f"{ckpt} is a DeepSpeed checkpoint: pip install deepspeed to export it") from None
@@ -118,11 +122,7 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> N
 
 def rebuild_trained(student: nn.Module, cfg: dict, stage: str) -> tuple[nn.Module, nn.Module]:
     """(module the stage prepared, model to save) around a freshly loaded student."""
-    from .models import apply_lora, converted_layers
-
     if stage == "align":
-        from .align import LayerAligner
-
         conv = converted_layers(student)
         layers = sorted(int(i) for i in cfg.get("layers") or []) or sorted(conv)
         return LayerAligner({i: conv[i] for i in layers}, cfg.get("loss", "nmse")), student
@@ -195,9 +195,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, student: str = ""
 
 def _write_export(ckpt: Path, cfg: dict | None, src: str, dtype: str, staged: Path) -> dict:
     """Rebuild the trained model of `ckpt` and save it into `staged`; returns what export.json records."""
-    from .align import save_final
-    from .models import load_student, torch_dtype
-
     if cfg is None:  # already a HF checkpoint (TRL's stage C)
         model, tok = load_student(str(ckpt), dtype or "float32")
         save_final(model, tok, staged)

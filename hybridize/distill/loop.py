@@ -172,6 +172,7 @@ def zero3_gathered(model: nn.Module):
     if not params:
         yield
         return
+    # deferred: deepspeed is optional (DeepSpeed runs only)
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):

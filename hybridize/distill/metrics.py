@@ -45,8 +45,10 @@ class MetricsLog:
 
 def plot_losses(jsonl: str | Path, png: str | Path, keys: tuple[str, ...] = ("loss",), title: str = "") -> Path | None:
     """Loss curve(s) against step from a metrics JSONL; returns the PNG path (None when nothing to plot)."""
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
     matplotlib.use("Agg")
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
     rows = MetricsLog(jsonl).read()

@@ -51,7 +51,7 @@ def teacher_source_of(student) -> str:
     """The teacher source recorded in a converted model's config (empty when none).
 
     A recorded teacher must still resolve and, when the checkpoint records a fingerprint of the teacher's
-    weight files, hold the same weights (issue 29: a relative `--src` once resolved to another model);
+    weight files, hold the same weights (a relative `--src` can resolve to another model elsewhere);
     otherwise one line (UserError) asks for an explicit teacher."""
     cfg = student.config
     folder = Path(getattr(cfg, "_name_or_path", "") or "")
@@ -85,7 +85,7 @@ def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
     otherwise (a fresh start, or nothing to resume) record it there. Returns the source as config.yaml
     records it (an absolute path; names stay names).
 
-    Why (issue 29): a resumed run that silently switched teachers (another folder of that name, a folder
+    Why: a resumed run that silently switched teachers (another folder of that name, a folder
     whose weights were replaced) trains its remaining steps towards another model."""
     record = {"teacher": recorded_source(src), "fingerprint": fingerprint(src)}
     path = Path(run_dir) / RUN_TEACHER
@@ -232,7 +232,7 @@ def trainable_summary(model: nn.Module) -> dict:
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]):
     """Wrap with peft LoRA on the given module names (softmax attention, MLPs, and the mixers' projections
     share names, so one list reaches both)."""
-    from peft import LoraConfig, get_peft_model   # deferred on purpose: optional, slow to import
+    from peft import LoraConfig, get_peft_model   # deferred: peft is slow to import and only LoRA runs need it
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                      bias="none", task_type="CAUSAL_LM")

@@ -13,7 +13,7 @@ file) only after the Trainer has finished writing it, and `--resume` takes the n
 (unmarked, i.e. interrupted, ones are ignored), which gives the atomicity of the other stages. The
 Trainer's own resume restores model, optimizer, scheduler, RNG and the data position.
 
-Failures are one line (issue 23): rows without the prompt or completion text are counted and dropped with a
+Failures are one line: rows without the prompt or completion text are counted and dropped with a
 warning, or refused when none has it (`build_sft_dataset`); a non-finite loss, gradient or weight stops the
 run naming the step and the last complete checkpoint, and nothing is saved from that state
 (`guarded_sft_trainer`, `hybridize.distill.trainer_guard`).
@@ -28,14 +28,15 @@ import torch
 
 from hybridize.errors import UserError
 from hybridize.ops.common.options import with_run_kernel_options
-
-from .loop import save_final
 from .checkpoint import check_trainer_resume
 from .config import SFTStageConfig, save_config
 from .data import load_rows, shared_data
+from .loop import save_final
 from .loop import check_deepspeed_file, zero3_gathered
 from .metrics import MetricsLog, plot_losses
 from .models import apply_lora, load_student, select_trainable, trainable_summary
+from .trainer_guard import GuardedTrainerMixin
+
 
 COMPLETE = "COMPLETE"
 
@@ -53,9 +54,10 @@ def build_sft_dataset(cfg: SFTStageConfig, tokenizer):
 
     A row whose `prompt_field` or `completion_field` is missing, empty or not a string cannot be trained on:
     some such rows are dropped with one warning line on stderr (per field: how many, the first row's number),
-    all of them is a one-line error naming the file, the fields and the columns it does have (issue 23)."""
+    all of them is a one-line error naming the file, the fields and the columns it does have."""
     import sys
 
+    # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
     import datasets
 
     source = cfg.traces or default_traces()
@@ -108,6 +110,7 @@ def _scheduler(train) -> tuple[str, dict]:
 
 
 def trl_config(cfg: SFTStageConfig):
+    # deferred: trl is slow to import and only this trainer needs it
     from trl import SFTConfig
 
     t = cfg.train
@@ -165,9 +168,8 @@ def latest_complete(run_dir: Path) -> str | None:
 def guarded_sft_trainer():
     """TRL's SFTTrainer with the NaN guard (`trainer_guard`): a non-finite loss, gradient or weight stops the
     run with one line naming the step and the last complete checkpoint; nothing is saved from that state."""
+    # deferred: trl is slow to import and only this trainer needs it
     from trl import SFTTrainer
-
-    from .trainer_guard import GuardedTrainerMixin
 
     class GuardedSFTTrainer(GuardedTrainerMixin, SFTTrainer):
         stage = "sft"

@@ -34,6 +34,7 @@ def _named(spec: str) -> tuple[str, str]:
 
 
 def _load(spec: str, dtype: str, device: str):
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import load_model
 
     name, src = _named(spec)
@@ -43,6 +44,7 @@ def _load(spec: str, dtype: str, device: str):
 
 
 def _out(out: Optional[Path], *parts: str) -> Path:
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import slug
 
     return out if out is not None else Path("runs/eval").joinpath(*[slug(p) for p in parts])
@@ -90,6 +92,7 @@ def math_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/math/<model>/<dataset>)"),
 ):
     """Math benchmarks with boxed answers checked by math-verify: avg@k, pass@k, per-problem JSONL."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table, write_csv, write_json
     from .math import (ANSWER_FORMATS, DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math,
                        load_math_dataset)
@@ -147,6 +150,7 @@ def niah_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/niah/<model>/<task>)"),
 ):
     """RULER-style needle-in-a-haystack: accuracy table (length x depth) and heatmap PNG."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_float_list, parse_int_list, print_table
     from .niah import NiahConfig, evaluate_niah, get_task
 
@@ -184,6 +188,7 @@ def mqar_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/mqar)"),
 ):
     """Train small models from scratch on multi-query associative recall and report test accuracy."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table
     from .mqar import MqarConfig, parse_settings, run_mqar
 
@@ -212,6 +217,7 @@ def ppl_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/ppl/<model>)"),
 ):
     """Perplexity vs context length (length extrapolation) with plots."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table, save_line_plot, write_csv
     from .perplexity import PplConfig, compare_rows, evaluate_ppl
 
@@ -245,6 +251,7 @@ def kv_probe_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/kv_probe)"),
 ):
     """Seed 003's key-value regression probe: relationships, normalisation, retrieval, short conv, scaling."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list
     from .kv_probe import ProbeConfig, run_probe
 
@@ -272,6 +279,7 @@ def speed_cmd(
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/speed)"),
 ):
     """Prefill/decode tokens per second, cache size and peak memory, models side by side."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table
     from .speed import COLUMNS, SpeedConfig, run_speed
 
@@ -310,6 +318,7 @@ def recovery_cmd(
     device: str = typer.Option("auto", help=DEVICE_HELP),
 ):
     """Teacher vs models on a fixed suite (ppl, KL/agreement, S-NIAH, arith): ratio table, JSON and bars."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import load_model, parse_int_list
     from hybridize.errors import UserError
 

@@ -208,9 +208,11 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
 
 def plt():
     """matplotlib.pyplot on the Agg backend (files only, works without a display)."""
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg", force=True)
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as pyplot
 
     return pyplot

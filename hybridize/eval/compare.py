@@ -39,6 +39,13 @@ from pathlib import Path
 
 import torch
 
+from hybridize.convert.calibrate import calibration_inputs
+from hybridize.convert.convert import convert_model
+from hybridize.eval.common import load_model, parse_float_list, parse_int_list, resolve_generation
+from hybridize.eval.math import MathEvalConfig, evaluate_math
+from hybridize.eval.niah import NiahConfig, build_samples, evaluate_niah
+from hybridize.eval.speed import SpeedConfig, resolve_decode, run_speed
+
 TASKS = ("speed", "niah", "gsm8k")
 WEIGHTS = {"speed": 0.15, "niah": 0.2, "gsm8k": 0.65}   # shares of the time budget (what is left rolls over)
 RESERVE_S = 8.0   # kept free at the end of a budget for writing files and printing
@@ -133,18 +140,12 @@ def model_specs(args) -> list[tuple[str, str]]:
 
 def load_models(args, clock: Clock):
     """{label: (model, tokenizer)}, the teacher first, and {label: description}."""
-    from hybridize.eval.common import load_model
-
     clock.log(f"loading teacher {args.teacher} ...")
     teacher, tok = load_model(args.teacher, dtype=args.dtype, device=args.device)
     models, desc = {"teacher": (teacher, tok)}, {"teacher": f"`{args.teacher}`"}
     for name, src in model_specs(args):
         clock.log(f"loading {name} from {src} ...")
         if src == "convert":
-            from hybridize.convert.convert import convert_model
-
-            from hybridize.convert.calibrate import calibration_inputs
-
             calib = calibration_inputs(teacher, tok) if args.calibrate else None
             m = convert_model(teacher, args.plan, mixer=args.mixer, teacher_source=args.teacher,
                               calibration_inputs=calib).eval()
@@ -167,9 +168,6 @@ def same_tokenizer(a, b) -> bool:
 # ---- tasks ------------------------------------------------------------------------------------------
 
 def run_speed_task(args, models, res, clock, deadline):
-    from hybridize.eval.common import parse_int_list
-    from hybridize.eval.speed import SpeedConfig, run_speed
-
     cfg = SpeedConfig(lengths=tuple(parse_int_list(args.speed_lengths)), batch_sizes=tuple(parse_int_list(args.speed_batch)),
                       decode_tokens=args.decode_tokens, decode=args.speed_decode)
     rows = run_speed({n: m for n, (m, _) in models.items()}, cfg, Path(args.out) / "speed", progress=False,
@@ -178,9 +176,6 @@ def run_speed_task(args, models, res, clock, deadline):
 
 
 def run_niah_task(args, models, res, clock, deadline):
-    from hybridize.eval.common import parse_float_list, parse_int_list
-    from hybridize.eval.niah import NiahConfig, build_samples, evaluate_niah
-
     cfg = NiahConfig(task="s-niah-1", lengths=tuple(parse_int_list(args.niah_lengths)),
                      depths=tuple(parse_float_list(args.niah_depths)), samples=args.niah_samples,
                      batch_size=args.niah_batch_size, generation=args.generation)
@@ -205,8 +200,6 @@ def run_niah_task(args, models, res, clock, deadline):
 
 
 def run_gsm8k_task(args, models, res, clock, deadline):
-    from hybridize.eval.math import MathEvalConfig, evaluate_math
-
     res.setdefault("gsm8k", {})
     names = list(models)
     for i, name in enumerate(names):
@@ -316,9 +309,6 @@ def write_outputs(args, res, desc, names, meta, note="") -> str:
 # ---- main -------------------------------------------------------------------------------------------
 
 def main(argv=None) -> str:
-    from hybridize.eval.common import resolve_generation
-    from hybridize.eval.speed import resolve_decode
-
     args = parse_args(argv)
     clock = Clock(args.time_budget)
     if args.threads:

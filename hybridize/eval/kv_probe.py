@@ -1,5 +1,4 @@
-"""The key-value regression probe of seed 003 ("Rethinking Key-Value Relationships in Linear
-Attention"): how well does a recurrent state S `[d, d]` store synthetic pairs v = f(k)?
+"""The key-value regression probe of "Rethinking Key-Value Relationships in Linear Attention": how well does a recurrent state S `[d, d]` store synthetic pairs v = f(k)?
 
 Setup (single head, d = 64 by default): raw keys x_t ~ N(0, I); keys k_t = x_t / ||x_t|| (unit, as the
 delta rule needs); values v_t = f(k_t) elementwise with f in identity, x^2, x^3, x^4, exp,
@@ -41,6 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from .common import print_table, save_line_plot, write_csv, write_json
 
 RELATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x,
@@ -246,10 +246,9 @@ def run_probe(cfg: ProbeConfig, out_dir=None, progress: bool = True, print_table
 
     from tqdm.auto import tqdm
 
-    from .common import print_table, save_line_plot, write_csv, write_json
 
     steps = [
-        ("normalisation", "DeltaNet: normalised vs unnormalised values (seed 003, sec. IV)",
+        ("normalisation", "DeltaNet: normalised vs unnormalised values (probe paper, sec. IV)",
          lambda: table_normalisation(cfg)),
         ("methods_normalised", "All methods, normalised values (sec. VI; RLS = optimum)", lambda: table_methods(cfg, True)),
         ("methods_unnormalised", "All methods, unnormalised values", lambda: table_methods(cfg, False)),

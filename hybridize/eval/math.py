@@ -16,7 +16,7 @@ tuples, rounding to 6 digits). With `require_boxed=False` (used only to check th
 reference solutions), a GSM8K-style `#### N` line or "the answer is X" is accepted too, and
 failing that math-verify's own extraction on the whole text.
 
-Equations (issue 29): against a reference that is not an equation, math-verify compares only an answer
+Equations: against a reference that is not an equation, math-verify compares only an answer
 equation's right side, so `\\boxed{2+2=3}` would pass for 3. An answer equation therefore counts only
 when it names a lone variable (`x = 3`, `AB = 5`) or is a true numeric identity (`5+7 = 12`). The rule
 is not applied to math-verify's own extraction from a whole reference solution (it takes the text's last
@@ -41,6 +41,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from hybridize.errors import UserError
+from . import arith
+from .common import (
+    build_prompt,
+    data_file,
+    default_batch_size,
+    encode,
+    generate,
+    has_chat_template,
+    model_device,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+)
 from .formats import ANSWER_FORMATS, BOXED_INSTRUCTION, NUMBER_INSTRUCTION  # noqa: F401  (re-exported)
 
 # ---- answer extraction and checking (pure) ------------------------------------------------------
@@ -121,12 +135,14 @@ def _timeout() -> int | None:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_boxed(expr: str):
+    # deferred: math_verify (sympy) is slow to import and only grading needs it
     from math_verify import parse
 
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout())
 
 
 def _parse_text(text: str):
+    # deferred: math_verify (sympy) is slow to import and only grading needs it
     from math_verify import parse
 
     return parse(text, parsing_timeout=_timeout())
@@ -137,6 +153,7 @@ def is_correct(completion: str, reference: str, require_boxed: bool = True) -> b
 
     `require_boxed`: only a boxed answer counts (the evaluation and reward rule). Without it, the
     fallbacks of `extract_answer` and then math-verify's extraction on the whole text are tried."""
+    # deferred: math_verify (sympy) is slow to import and only grading needs it
     from math_verify import verify
 
     if reference is None:
@@ -331,9 +348,6 @@ def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]
     `name_or_path`: a known name (aime24, aime25, math500, amc23, olympiadbench, gsm8k; the local
     copy under the shared data dir first, else the hub), a generated set (`arith`, `arith:train`,
     `arith:test:L3`, ...: `hybridize.eval.arith`) or a JSONL file with problem/answer fields."""
-    from . import arith
-    from .common import data_file, read_jsonl
-
     key = _ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if Path(name_or_path).is_file():
         rows = read_jsonl(name_or_path)
@@ -359,11 +373,9 @@ def load_math_dataset(name_or_path: str, limit: int | None = None) -> list[dict]
 
 def keep_answered(recs: list[dict], where: str) -> list[dict]:
     """The records with a non-empty answer. Rows without one cannot be graded, so they are dropped, and
-    said so on stderr (issue 29: they used to vanish silently); when none has one, a one-line UserError
+    said so on stderr; when none has one, a one-line UserError
     names that cause (GRPO used to blame max_prompt_tokens)."""
     import sys
-
-    from hybridize.errors import UserError
 
     kept = [r for r in recs if r["answer"] not in (None, "")]
     dropped = len(recs) - len(kept)
@@ -381,6 +393,7 @@ def keep_answered(recs: list[dict], where: str) -> list[dict]:
 
 def _load_hub(spec: MathDataset, name: str) -> list[dict]:
     try:
+        # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
         import datasets
 
         ds = datasets.load_dataset(spec.hub, spec.hub_config, split=spec.hub_split)
@@ -391,8 +404,6 @@ def _load_hub(spec: MathDataset, name: str) -> list[dict]:
 
 
 def make_prompt_text(tokenizer, problem: str, chat: bool | None = None, answer_format: str = "boxed") -> str:
-    from .common import build_prompt
-
     return build_prompt(tokenizer, f"{problem}\n{ANSWER_FORMATS[check_format(answer_format)]}", chat=chat)
 
 
@@ -455,8 +466,6 @@ def evaluate_math(model, tokenizer, cfg: MathEvalConfig, out_dir: str | Path | N
     `deadline` (a `time.time()` value): no generation batch starts after it; the summary then covers
     the problems done (`problems` < `problems_requested`, `partial` true). Batches go by prompt length,
     so a partial run is biased towards the shorter problems. `log(msg)`: progress lines."""
-    from .common import default_batch_size, encode, generate, has_chat_template, model_device, write_json, write_jsonl
-
     fmt = check_format(cfg.answer_format)
     recs = load_math_dataset(cfg.dataset, cfg.limit)
     if not recs:

@@ -15,9 +15,8 @@ RMSNorm -> GELU MLP -> residual], RMSNorm, linear head. The mixer is any name of
 num_kv_heads=h, head_dim=d/h)` and called with the base.py contract; its `aux_loss` is added) or
 "attention" (causal softmax attention, the reference every linear mixer is compared with).
 
-Budget note (measured on one H100, d 64, 2 layers, batch 64, lr 3e-3, 1500 steps): test accuracy at
-L=64/8 pairs: attention 0.18, deltanet 0.36, gla 0.50, sse 0.35; at L=128/16 pairs: attention 0.07,
-deltanet 0.23, gla 0.79, sse 0.23. Attention (learned absolute positions) is the slowest to find
+Budget note: at a short budget (d 64, 2 layers, 1500 steps) the accuracies are far from converged
+and the mixers' ranking changes with the length (accuracies: benchmarks/RESULTS.md). Attention (learned absolute positions) is the slowest to find
 the induction circuit: Zoology-style comparisons train for ~100x more examples; raise --steps (and
 sweep --lr) before reading mixer rankings off short runs.
 """
@@ -32,6 +31,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from hybridize.convert.settings import check_mixer_settings
+from hybridize.errors import UserError
+from hybridize.mixers import build_mixer
+from .common import resolve_device, write_csv, write_json
 
 IGNORE = -100
 
@@ -84,7 +88,6 @@ class SoftmaxAttention(nn.Module):
 class _MixerAdapter(nn.Module):
     def __init__(self, name: str, d: int, heads: int, settings: dict | None):
         super().__init__()
-        from hybridize.mixers import build_mixer
 
         self.mixer = build_mixer(name, settings, hidden_size=d, num_heads=heads, num_kv_heads=heads,
                                  head_dim=d // heads)
@@ -185,8 +188,6 @@ def train_mqar(mixer: str, cfg: MqarConfig, progress: bool = True) -> dict:
     """Train one model from scratch on fresh batches; returns loss/accuracy/time and parameter count."""
     from tqdm.auto import tqdm
 
-    from .common import resolve_device
-
     dev = torch.device(resolve_device(cfg.device))
     torch.manual_seed(cfg.seed)
     model = MQARModel(mixer, cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, cfg.mixer_settings).to(dev)
@@ -220,9 +221,6 @@ def check_mqar_settings(cfg: MqarConfig) -> None:
     """Sizes and counts, then `cfg.mixer_settings` type-, range- and build-checked for every mixer, before any
     trains (as `hybridize convert` checks `--mixer-settings`): `use_rope="false"`, `chunk_size=0` or
     `steps=0` is one line, not a truthy string or a ZeroDivisionError after the first mixers trained."""
-    from hybridize.convert.settings import check_mixer_settings
-    from hybridize.errors import UserError
-
     for key in ("vocab", "d_model", "layers", "heads", "steps", "batch_size", "test_size", "num_kv", "seq_len"):
         if getattr(cfg, key) < 1:  # steps=0 or heads=0 ended in a ZeroDivisionError
             raise UserError(f"mqar {key} must be >= 1, got {getattr(cfg, key)}")
@@ -238,8 +236,6 @@ def check_mqar_settings(cfg: MqarConfig) -> None:
 
 def run_mqar(cfg: MqarConfig, out_dir: str | Path | None = None, progress: bool = True) -> list[dict]:
     """Train and test every mixer of `cfg.mixers`; writes mqar.csv / mqar.json under `out_dir`."""
-    from .common import write_csv, write_json
-
     check_mqar_settings(cfg)
     rows = [train_mqar(m, cfg, progress) for m in cfg.mixers]
     if out_dir is not None:

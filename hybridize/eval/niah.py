@@ -39,6 +39,21 @@ from pathlib import Path
 from typing import Sequence
 
 from hybridize.builtin_text import builtin_texts
+from hybridize.errors import read_text
+from .common import (
+    build_prompt,
+    data_file,
+    default_batch_size,
+    encode,
+    generate,
+    has_chat_template,
+    model_device,
+    plt,
+    read_jsonl,
+    write_csv,
+    write_json,
+    write_jsonl,
+)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -129,8 +144,6 @@ def load_essay_words(source: str | Path | None = None) -> list[str]:
     """Whitespace-split words of the haystack essays: a text file, a JSONL with a `text` field, or
     (default) `haystack/paul_graham_essays.txt` in the shared data dir, else the built-in
     `python-reference` text (Python's Language Reference, in every Python installation)."""
-    from .common import data_file
-
     if source is None:
         source = data_file("haystack/paul_graham_essays.txt") or "python-reference"
     builtin = builtin_texts(str(source))
@@ -141,12 +154,8 @@ def load_essay_words(source: str | Path | None = None) -> list[str]:
         p = Path(source)
         if p.is_file():
             if p.suffix == ".jsonl":
-                from .common import read_jsonl
-
                 text = "\n".join(r["text"] for r in read_jsonl(p))
             else:
-                from hybridize.errors import read_text
-
                 text = read_text(p)
         else:
             text = _hub_essays(key)
@@ -159,6 +168,7 @@ def load_essay_words(source: str | Path | None = None) -> list[str]:
 
 def _hub_essays(name: str) -> str:
     try:
+        # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
         import datasets
 
         ds = datasets.load_dataset(name, split="train")
@@ -186,8 +196,6 @@ class NiahSample:
 def build_sample(tokenizer, task: NiahTask, length: int, depth: float, seed: int = 0,
                  essay_words: Sequence[str] | None = None, chat: bool | None = None) -> NiahSample:
     """One prompt of at most `length` tokens with the first needle at `depth` (0 = start, 1 = end)."""
-    from .common import build_prompt, encode, has_chat_template
-
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     chat = has_chat_template(tokenizer) if chat is None else chat
@@ -349,8 +357,6 @@ def evaluate_niah(model, tokenizer, cfg: NiahConfig, out_dir: str | Path | None 
     value): lengths not started by then are left out of the table (`lengths_done` lists the rest)."""
     from tqdm.auto import tqdm
 
-    from .common import default_batch_size, generate, model_device, write_csv, write_json, write_jsonl
-
     task = get_task(cfg.task)
     max_new = answer_tokens(cfg)
     bs = cfg.batch_size or default_batch_size(model_device(model), gpu=32, cpu=4)
@@ -395,8 +401,6 @@ def _table_row(rows: list[dict], L: int, depths: Sequence[float]) -> dict:
 
 def save_heatmap(path, table: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str = ""):
     """Depth (rows) x length (columns) accuracy heatmap, green = found."""
-    from .common import plt
-
     pyplot = plt()
     grid = [[row[f"d={d:g}"] for row in table] for d in depths]
     fig, ax = pyplot.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.builtin_text import builtin_texts
+from hybridize.errors import read_text
 from hybridize.families import head_logits
+from .common import data_file, model_device, read_jsonl, save_line_plot, write_csv, write_json
 
 
 @dataclass
@@ -38,8 +40,6 @@ class PplConfig:
 
 
 def load_text(source: str) -> str:
-    from .common import data_file, read_jsonl
-
     if source in ("wikitext2", "wikitext-2", "wikitext"):
         p = data_file("wikitext2/test.txt")
         if p is not None:
@@ -55,7 +55,6 @@ def load_text(source: str) -> str:
         raise ValueError(f"text source {source!r} is not a file (or 'wikitext2', 'python-reference')")
     if p.suffix == ".jsonl":
         return "\n\n".join(r.get("text", "") for r in read_jsonl(p))
-    from hybridize.errors import read_text
 
     return read_text(p)
 
@@ -76,8 +75,6 @@ def tokenize_budget(tokenizer, text: str, tokens: int) -> torch.Tensor:
 @torch.no_grad()
 def token_nll(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """NLL (nats) of each token given its prefix in one window: ids `[L]` -> `[L - 1]` (fp32)."""
-    from .common import model_device
-
     dev = model_device(model)
     x = ids.unsqueeze(0).to(dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -97,8 +94,6 @@ def evaluate_ppl(model, tokenizer, cfg: PplConfig, out_dir: str | Path | None = 
     """Rows `{length, windows, tokens_scored, nll, ppl}` and the loss-by-position curve of the longest
     length; writes ppl.csv, summary.json, ppl_vs_length.png, loss_vs_position.png under `out_dir`."""
     from tqdm.auto import tqdm
-
-    from .common import save_line_plot, write_csv, write_json
 
     lengths = sorted(cfg.lengths)
     if cfg.tokens < lengths[-1]:

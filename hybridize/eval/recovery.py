@@ -1,5 +1,5 @@
-"""`hybridize eval recovery`: how much of the teacher a converted / distilled model recovers, side by side
-(issue 22, part 1). The teacher and every `--model` run on one fixed suite; `recovery.json` is rewritten
+"""`hybridize eval recovery`: how much of the teacher a converted / distilled model recovers, side by side.
+The teacher and every `--model` run on one fixed suite; `recovery.json` is rewritten
 (temp file + `os.replace`) after EACH row, `recovery.md` holds the table and `recovery.png` the bars
 (teacher = 1.0, one bar group per model).
 
@@ -40,9 +40,13 @@ from typing import Callable
 
 import torch
 
+from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
 from hybridize.errors import UserError
-
+from .common import build_prompt, data_file, encode, has_chat_template, model_device, plt
+from .math import MathEvalConfig, evaluate_math
 from .niah import NiahConfig, answer_tokens, build_samples, evaluate_niah
+from .perplexity import PplConfig, evaluate_ppl
+
 
 NIAH_TASKS = ("s-niah-1", "s-niah-2", "s-niah-3")
 
@@ -102,10 +106,6 @@ def row_ids(cfg: RecoveryConfig) -> list[str]:
 @torch.no_grad()
 def chat_logprobs(model, tokenizer) -> list[torch.Tensor]:
     """Log-softmax of the next-token logits over every held-out chat prompt `[T, V]` (fp32, cpu)."""
-    from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
-
-    from .common import build_prompt, encode, has_chat_template, model_device
-
     chat = has_chat_template(tokenizer)
     out = []
     for p in HELDOUT_CHAT_PROMPTS:
@@ -172,10 +172,6 @@ def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
 def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Path,
                  log: Callable[[str], None] = print) -> dict:
     """`models`: {name: model}, the teacher first under the name 'teacher'. Returns the report dict."""
-    from .common import data_file
-    from .math import MathEvalConfig, evaluate_math
-    from .perplexity import PplConfig, evaluate_ppl
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recovery.json"
@@ -264,8 +260,6 @@ def write_md(path: Path, report: dict) -> None:
 
 
 def save_bars(path: Path, report: dict) -> None:
-    from .common import plt
-
     pyplot = plt()
     names = [n for n in report["models"] if n != "teacher"]
     rows = [r for r in report["rows"] if not r.get("skipped")]

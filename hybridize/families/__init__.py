@@ -17,6 +17,7 @@ from __future__ import annotations
 from .family import Family, Refusal, UnsupportedFamily
 from .table import FAMILIES, FAMILY_NAMES
 from .traits import Trait, dropped_lines, family_traits
+from .diagnose import unsupported_line
 
 
 def supported() -> list[str]:
@@ -37,8 +38,6 @@ def family_of(config) -> Family:
     config = teacher_config(config)
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
-        from .diagnose import unsupported_line
-
         raise UnsupportedFamily(unsupported_line(config, supported()))
     family.check(config)
     return family

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from hybridize import mixers
 from .family import ALL_LAYERS, FULL_NORM, FUSED, LAYER_TYPES, NO_NORM, ROPE_PER_LAYER_TYPE, Family
 
 ATTN = "attn"
@@ -32,8 +33,6 @@ class Trait:
 
 
 def _mixer_config(kind: str, settings: dict):
-    from hybridize import mixers
-
     cls = mixers.mixer_class(kind)
     return cls.config_class.from_dict(settings)
 

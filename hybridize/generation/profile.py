@@ -36,6 +36,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from hybridize.generation import fast as fg
+from hybridize.generation.fast import FastGenConfig, FastGenerator, _is_mixer_layer
+import hybridize.mixers.sse as sse_mod
+
 #: leaf aten ops that launch no kernel (views, metadata, allocation)
 NO_KERNEL = {
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::view_as", "aten::t",
@@ -60,8 +64,6 @@ SCOPE = "pd::"   # prefix of this script's profiler scopes
 # scopes: hooks on the attention slots, wrappers on the SSE pieces
 # ---------------------------------------------------------------------------------------------
 def layer_kind(layer) -> str:
-    from hybridize.generation.fast import _is_mixer_layer
-
     if _is_mixer_layer(layer):
         return getattr(layer.self_attn, "name", "mixer")
     return "softmax"
@@ -78,8 +80,6 @@ def _scoped(name: str, fn):
 def scopes(model):
     """Every decoder layer's attention (mixer or softmax) runs in scope `pd::<kind>`; SSE mixers' pieces in
     `pd::sse.<piece>`. Removed on exit."""
-    import hybridize.mixers.sse as sse_mod
-
     handles, saved_funcs, saved_attrs = [], {}, []
     for layer in model.model.layers:
         mod = layer.self_attn
@@ -119,8 +119,6 @@ def profiled_decode(prof_kwargs: dict, static: bool, holder: dict):
     """Within the block, the next `FastGenerator._decode` runs under `torch.profiler` (prefill excluded);
     with `static`, the mixer cache layers copy states into held tensors as under CUDA graphs, and the state
     write-back runs in scope `pd::sse.state_update` (or `pd::<kind>.state_update`)."""
-    from hybridize.generation import fast as fg
-
     saved = vars(fg.FastGenerator)["_decode"]   # the staticmethod object, restored as is
     orig = saved.__func__
 
@@ -325,8 +323,6 @@ def batch(model, B: int, T: int, device):
 def run_profile(model, ids, mask, steps: int, graphs: bool, attention: str, device, emulate: bool = False,
                 compile_: str = "off", gemm: str = "auto"):
     """(profile, profiled steps, generator stats) for `steps` decode steps after a warm-up call."""
-    from hybridize.generation.fast import FastGenConfig, FastGenerator
-
     cfg = FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm,
                         **({} if graphs else {"cuda_graphs": "off", "exact_lengths": False}))
     gen = FastGenerator(model, cfg)

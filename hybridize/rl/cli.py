@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         show: bool = typer.Option(False, "--show", help="print the resolved settings and exit"),
     ):
         """GRPO on math prompts with verified-answer rewards (TRL GRPOTrainer; fast hybrid rollouts)."""
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light (rl.trainer imports trl)
         import yaml
 
         from hybridize.rl.config import GRPORunConfig, describe, load_grpo_config, to_dict
@@ -51,6 +52,7 @@ def register(app: typer.Typer) -> None:
         if show:
             typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             return
+        # deferred: the command's modules load when it runs, so `hybridize --help` stays light (rl.trainer imports trl)
         from hybridize.rl.trainer import run_grpo
 
         summary = run_grpo(cfg, resume=str(resume_from) if resume_from is not None else resume)

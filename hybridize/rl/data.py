@@ -21,6 +21,9 @@ import random
 from pathlib import Path
 
 from hybridize.errors import UserError
+from hybridize.eval.arith import is_arith_spec
+from hybridize.eval.common import data_file, has_chat_template, read_jsonl
+from hybridize.eval.math import DATASETS, _normalise_record, keep_answered, load_math_dataset
 
 #: short name -> (path under the shared data folder, hub id, hub config, hub split)
 TRAIN_SETS = {
@@ -33,9 +36,6 @@ _ALIASES = {"gsm8k-train": "gsm8k", "math-train": "math", "math_train": "math", 
 
 
 def _from_jsonl(path: Path) -> list[dict]:
-    from hybridize.eval.common import read_jsonl
-    from hybridize.eval.math import _normalise_record
-
     rows = read_jsonl(path)
     not_obj = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
     if not_obj:
@@ -47,12 +47,10 @@ def _from_jsonl(path: Path) -> list[dict]:
 
 
 def keep_usable(recs: list[dict], where: str) -> list[dict]:
-    """The records with both a problem and an answer. For each field, as `keep_answered` does for the answer
-    (issue 23): rows without it are dropped with one warning line (how many, the first row's number in the
+    """The records with both a problem and an answer. For each field, as `keep_answered` does for the answer:
+    rows without it are dropped with one warning line (how many, the first row's number in the
     file), none with it is a one-line error."""
     import sys
-
-    from hybridize.eval.math import keep_answered
 
     answered = keep_answered(recs, where)
     missing = [i for i, r in enumerate(recs) if not r["problem"]]
@@ -66,9 +64,8 @@ def keep_usable(recs: list[dict], where: str) -> list[dict]:
 
 
 def _from_hub(name: str, config: str | None, split: str) -> list[dict]:
-    from hybridize.eval.math import _normalise_record
-
     try:
+        # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
         import datasets
 
         ds = datasets.load_dataset(name, config, split=split)
@@ -88,10 +85,6 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 def load_problems(spec: str) -> list[dict]:
     """Records with at least `problem`, `answer`, `id` (see the module docstring for `spec`)."""
-    from hybridize.eval.arith import is_arith_spec
-    from hybridize.eval.common import data_file
-    from hybridize.eval.math import DATASETS, load_math_dataset
-
     key = _ALIASES.get(spec.lower(), spec.lower())
     if Path(spec).is_file():
         return _from_jsonl(Path(spec))
@@ -114,8 +107,6 @@ def load_problems(spec: str) -> list[dict]:
 
 
 def use_chat(tokenizer, chat: str) -> bool:
-    from hybridize.eval.common import has_chat_template
-
     if chat not in ("auto", "on", "off"):
         raise UserError(f"data.chat must be auto, on or off, got {chat!r}")
     has = has_chat_template(tokenizer)
@@ -186,6 +177,7 @@ def _report_too_long(dropped: int, seen: int, specs: list[str], max_prompt_token
 
 def to_dataset(records: list[dict]):
     """A `datasets.Dataset` with the columns TRL needs (`prompt`) and the reward functions read (`answer`)."""
+    # deferred: datasets (pyarrow) is slow to import and only hub or parquet data needs it
     import datasets
 
     return datasets.Dataset.from_list(records)

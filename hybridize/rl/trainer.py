@@ -14,7 +14,7 @@ module adds:
   `rewards.guard_reward` (a reward that fails on a whole call stops the run with one line naming the reward,
   the step and the last checkpoint to `--resume` from).
 
-TRL facts this relies on (DESIGN.md sec. 7): rollouts call `model.generate` on left-padded prompts
+TRL facts this relies on: rollouts call `model.generate` on left-padded prompts
 inside `unwrap_model_for_generation` (gradient checkpointing off there); with beta > 0 and no PEFT the
 reference model is `from_pretrained(config._name_or_path)`, so the policy must be a saved checkpoint
 whose class transformers can find: `_expose_model_class` makes `transformers.HybridForCausalLM`
@@ -39,14 +39,15 @@ from hybridize.errors import UserError
 from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
 from hybridize.generation.loading import load_model
 from hybridize.ops.common.options import with_run_kernel_options
+from hybridize.modeling import HybridForCausalLM
 from hybridize.rl.config import GRPORunConfig, save_config, to_dict
+from hybridize.rl.data import build_records, to_dataset
+from hybridize.rl.rewards import RewardError, combined_reward, guard_reward, reward_functions
 
 
 def _expose_model_class() -> None:
     """TRL builds the reference model with `getattr(transformers, config.architectures[0])`."""
     import transformers
-
-    from hybridize.modeling import HybridForCausalLM
 
     if getattr(transformers, "HybridForCausalLM", None) is not HybridForCausalLM:
         setattr(transformers, "HybridForCausalLM", HybridForCausalLM)
@@ -158,8 +159,10 @@ def plot_rewards(jsonl: str | Path, png: str | Path, keys=REWARD_KEYS) -> Path |
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
     matplotlib.use("Agg")
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -197,8 +200,6 @@ def score_prompts(model, tokenizer, records: list[dict], *, max_new_tokens: int,
                   template_kwargs: dict | None = None, seed: int = 0) -> dict:
     """Generate one completion per record (greedy by default) and return mean rewards plus throughput:
     `{"correct", "format", "reward", "n", "tokens_per_s", "mean_tokens"}`."""
-    from hybridize.rl.rewards import combined_reward
-
     target = find_generator_model(model) or model
     device = next(target.parameters()).device
     was_training = target.training
@@ -302,6 +303,7 @@ def build_grpo_args(cfg: GRPORunConfig, device: str, dtype: torch.dtype, reward_
 
 
 def _lora_config(cfg: GRPORunConfig):
+    # deferred: peft is slow to import and only LoRA runs need it
     from peft import LoraConfig
 
     lo = cfg.lora
@@ -336,9 +338,6 @@ def _ensure_reloadable(model, tokenizer, run_dir: Path) -> None:
 @with_run_kernel_options   # cfg.kernel_options in force for the run
 def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | None = None) -> dict:
     """Train; returns the summary also written to `<output_dir>/summary.json`."""
-    from hybridize.rl.data import build_records, to_dataset
-    from hybridize.rl.rewards import RewardError, guard_reward, reward_functions
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.output_dir)

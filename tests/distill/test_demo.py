@@ -92,11 +92,10 @@ def test_demo_checks_mixer_settings_before_the_teacher_loads(tmp_path, teacher_d
     and writes its answers: one line, nothing written."""
     from typer.testing import CliRunner
 
-    import hybridize.distill.models as models
     from hybridize.cli import app
     from hybridize.errors import UserError
 
-    monkeypatch.setattr(models, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded"))
+    monkeypatch.setattr("hybridize.distill.demo.load_teacher", lambda *a, **k: pytest.fail("the teacher loaded"))
     out = tmp_path / "demo"
     r = CliRunner().invoke(app, ["demo", f"out={out}", f"teacher={teacher_dir}", "layers=2:1", "mixer=sse",
                                  "device=cpu", override])
@@ -108,8 +107,6 @@ def test_demo_checks_mixer_settings_before_the_teacher_loads(tmp_path, teacher_d
 def test_demo_seed_reaches_the_conversion(tmp_path, teacher_dir, monkeypatch):
     """`hybridize demo seed=N` also draws the converted layers' new parameters from N (convert's `seed`),
     not always from 0."""
-    import hybridize.convert.convert as convert
-
     seen = {}
 
     class Stop(Exception):
@@ -119,7 +116,7 @@ def test_demo_seed_reaches_the_conversion(tmp_path, teacher_dir, monkeypatch):
         seen.update(k)
         raise Stop
 
-    monkeypatch.setattr(convert, "convert_model", spy)
+    monkeypatch.setattr("hybridize.distill.demo.convert_model", spy)
     held = tmp_path / "held.txt"
     held.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     with pytest.raises(Stop):

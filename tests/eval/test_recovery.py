@@ -117,9 +117,8 @@ def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
 
 
 def test_wikitext_row_skipped_without_shared_data(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
-    import hybridize.eval.common as common
-
-    monkeypatch.setattr(common, "data_file", lambda rel: None)
+    monkeypatch.setattr("hybridize.eval.recovery.data_file", lambda rel: None)
+    monkeypatch.setattr("hybridize.eval.perplexity.data_file", lambda rel: None)
     cfg = _cfg(lengths=(512,))
     cfg_rows = ["ppl:python-reference", "ppl:wikitext2"]
     monkeypatch.setattr("hybridize.eval.recovery.row_ids", lambda c: cfg_rows)

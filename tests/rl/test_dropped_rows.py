@@ -62,7 +62,7 @@ def test_score_prompts_passes_the_prompts_to_the_reward(tmp_path, monkeypatch):
         seen.update(kw)
         return real(*a, **kw)
 
-    monkeypatch.setattr(rewards, "combined_reward", spy)
+    monkeypatch.setattr("hybridize.rl.trainer.combined_reward", spy)
     model, tok = tiny_hybrid()
     recs = build_records(str(write_problems(tmp_path / "p.jsonl", n=2)), tok, instruction=NUMBER_INSTRUCTION)
     score_prompts(model, tok, recs, max_new_tokens=2, fast=False)

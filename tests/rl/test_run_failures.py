@@ -116,14 +116,12 @@ def test_guarded_reward_keeps_the_name_and_scores_one_odd_completion_zero(capsys
 def test_reward_raising_at_step_3_is_one_line_and_the_run_resumes(setup, monkeypatch, capsys):
     """Save every step, 2 good steps, then a reward that raises on every call: one line naming the reward,
     the step and the error; checkpoint-2 is intact and `--resume` with a fixed reward finishes the run."""
-    import hybridize.rl.rewards as rewards
-
     def verifier(completions, trainer_state=None, **kw):
         if trainer_state is not None and trainer_state.global_step >= 2:
             raise ConnectionError("verifier service at localhost:9 refused the connection")
         return digit_reward(completions)
 
-    monkeypatch.setattr(rewards, "reward_functions", lambda *a, **k: ([verifier], [1.0]))
+    monkeypatch.setattr("hybridize.rl.trainer.reward_functions", lambda *a, **k: ([verifier], [1.0]))
     args = _cli(setup, setup / "p.jsonl", "grpo.max_steps=4")
     line = run_main(monkeypatch, capsys, args)
     run = setup / "run"
@@ -134,7 +132,7 @@ def test_reward_raising_at_step_3_is_one_line_and_the_run_resumes(setup, monkeyp
     assert _finite(run / "checkpoint-2")
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "reward" in r] == [1, 2]
 
-    monkeypatch.setattr(rewards, "reward_functions", lambda *a, **k: ([digit_reward], [1.0]))  # fixed
+    monkeypatch.setattr("hybridize.rl.trainer.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))  # fixed
     s = run_grpo(_cfg(setup, "grpo.max_steps=3"), resume=True)
     assert s["steps"] == 3 and (run / "final" / "config.json").is_file()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "reward" in r] == [1, 2, 3]
@@ -159,7 +157,7 @@ def test_nan_loss_at_step_3_stops_before_saving_and_the_run_resumes(setup, monke
     from trl import GRPOTrainer
 
     _nan_loss_at(monkeypatch, GRPOTrainer, 3)
-    monkeypatch.setattr("hybridize.rl.rewards.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
+    monkeypatch.setattr("hybridize.rl.trainer.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
     run = setup / "run"
     with pytest.raises(NonFiniteLoss) as e:
         run_grpo(_cfg(setup, "grpo.max_steps=4"))
@@ -170,7 +168,7 @@ def test_nan_loss_at_step_3_stops_before_saving_and_the_run_resumes(setup, monke
     assert not (run / "checkpoint-3").exists() and not (run / "final").exists() and _finite(run / "checkpoint-2")
 
     monkeypatch.undo()
-    monkeypatch.setattr("hybridize.rl.rewards.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
+    monkeypatch.setattr("hybridize.rl.trainer.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
     s = run_grpo(_cfg(setup, "grpo.max_steps=3"), resume=True)
     assert s["steps"] == 3 and _finite(run / "final")
 
@@ -189,7 +187,7 @@ class NanGradAt(TrainerCallback):
 
 
 def test_nan_gradient_with_a_finite_loss_stops_before_the_update(setup, monkeypatch):
-    monkeypatch.setattr("hybridize.rl.rewards.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
+    monkeypatch.setattr("hybridize.rl.trainer.reward_functions", lambda *a, **k: ([digit_reward], [1.0]))
     run = setup / "run"
     with pytest.raises(NonFiniteLoss, match=r"^grpo: the gradients are not finite at step 2 with a finite loss"):
         run_grpo(_cfg(setup, "grpo.max_steps=3"), callbacks=[NanGradAt(2)])

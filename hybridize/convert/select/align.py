@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from hybridize.convert.calibrate import calibration_inputs
+from hybridize.convert.convert import convert_model
+from hybridize.distill.align import LayerAligner, TeacherTap
+from hybridize.distill.models import converted_layers, select_trainable
 from .probe import amp
 
 WARMUP_STEPS = 10
@@ -22,10 +26,6 @@ ALIGN_STATE = "aligned.safetensors"
 def converted_slots(teacher: nn.Module, tokenizer, mixer: str, settings: dict, seed: int) -> dict[int, nn.Module]:
     """{layer: mixer slot} of the teacher converted whole (calibrated gains), each slot's mixer parameters
     trainable; the rest of the hybrid is dropped."""
-    from hybridize.convert.calibrate import calibration_inputs
-    from hybridize.convert.convert import convert_model
-    from hybridize.distill.models import converted_layers, select_trainable
-
     hybrid = convert_model(teacher, "all", mixer=mixer, mixer_settings=settings, seed=seed,
                            calibration_inputs=calibration_inputs(teacher, tokenizer))
     select_trainable(hybrid, "mixer")
@@ -38,8 +38,6 @@ def align_slots(teacher: nn.Module, slots: dict[int, nn.Module], data, steps: in
     nMSE averaged over the last 10 steps (1.0 = as far from the teacher as predicting zero)."""
     from tqdm.auto import trange
     from transformers import get_cosine_schedule_with_warmup
-
-    from hybridize.distill.align import LayerAligner, TeacherTap
 
     if steps == 0:
         return {}

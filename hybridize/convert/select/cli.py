@@ -9,6 +9,10 @@ from pathlib import Path
 
 import typer
 
+from hybridize.convert.cli import parse_settings
+from . import SelectConfig, run_select
+from .record import table_rows
+
 HELP = "\n\n".join((
     "Choose which KEEP layers of a teacher keep softmax attention, from measurements on the teacher, and write the "
     "plan for `hybridize convert --layers` (OUT/plan.txt, e.g. attn=3,9,15,21,27), a score per layer "
@@ -56,10 +60,6 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto (cuda when present) | cpu | cuda | cuda:1"),
         overwrite: bool = typer.Option(False, "--overwrite", help="discard OUT's earlier selection"),
     ) -> None:
-        from hybridize.convert.cli import parse_settings
-
-        from . import SelectConfig, run_select
-
         cfg = SelectConfig(keep=keep, criterion=criterion.strip().lower(), mixer=mixer.strip().lower(),
                            mixer_settings=parse_settings(mixer_settings), greedy=greedy, steps=steps, lr=lr,
                            tokens=tokens, seq_len=seq_len, align_seq_len=align_seq_len,
@@ -74,8 +74,6 @@ def print_summary(record: dict, src: str, out: Path) -> None:
     """The score table, the files, and the `convert` line to run next."""
     from rich.console import Console
     from rich.table import Table
-
-    from .record import table_rows
 
     rows = table_rows(record, record["chosen"])
     cols = [c for c in rows[0] if c not in ("layer", "keep")]

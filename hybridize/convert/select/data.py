@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridize.distill.data import load_texts, tokenize_docs
 from hybridize.errors import UserError
 
 
 def load_docs(tokenizer, source: str, max_tokens: int) -> list[list[int]]:
     """Tokenized documents of `source` (each + EOS), in order, until `max_tokens` tokens are reached."""
-    from hybridize.distill.data import load_texts, tokenize_docs
-
     texts = load_texts(source)
     docs, total = [], 0
     for start in range(0, len(texts), 32):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridize.errors import UserError
+from hybridize.eval.common import has_chat_template
+from hybridize.eval.niah import build_sample, get_task
 
 TASK = "s-niah-1"
 SEED_OFFSET = 1000
@@ -36,9 +38,6 @@ class NeedlePrompt:
 
 def needle_prompts(tokenizer, length: int, samples: int) -> list[NeedlePrompt]:
     """`samples` prompts of at most `length` tokens plus the answer " <value>"."""
-    from hybridize.eval.common import has_chat_template
-    from hybridize.eval.niah import build_sample, get_task
-
     chat = has_chat_template(tokenizer)
     out = []
     for k in range(samples):

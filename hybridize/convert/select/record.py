@@ -120,6 +120,7 @@ def write_md(path: Path, record: dict, rows: list[dict]) -> None:
 
 def save_bars(path: Path, record: dict, rows: list[dict]) -> None:
     """One bar panel per criterion, kept layers in red."""
+    # deferred: this module loads with the CLI, eval.common brings the generation engine
     from hybridize.eval.common import plt
 
     pyplot = plt()

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import torch
 
+from hybridize.convert.fingerprint import fingerprint, recorded_source
+from hybridize.convert.settings import check_user_settings
+from hybridize.convert.sources import load_config
 from hybridize.generation.loading import load_model, resolve_device
-
 from .choose import combined_scores, greedy_choice, plan_string, rank_choice
 from .config import SelectConfig, check_config, measure_settings
 from .record import MD, PLAN, PNG, SelectRecord, atomic_write, save_bars, table_rows, write_md
+
 
 #: scores a criterion ranks by; combined averages the ranks of these
 RANKED = {"kl": ["kl"], "needle": ["needle"], "retrieval": ["retrieval"], "combined": ["kl", "needle", "retrieval"]}
@@ -29,6 +32,7 @@ class Session:
         self._slots = self._probes = self._prompts = None
 
     def prompts(self):
+        # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
         from .needle import needle_prompts
 
         if self._prompts is None:
@@ -41,6 +45,7 @@ class Session:
         return self._slots
 
     def probes(self) -> dict:
+        # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
         from .data import kl_batches, kl_stream
         from .needle import needle_batches
         from .probe import record_probe
@@ -54,17 +59,12 @@ class Session:
 
 
 def teacher_record(src: str, config) -> dict:
-    from hybridize.convert.fingerprint import fingerprint, recorded_source
-
     return {"src": src, "recorded": recorded_source(src), "fingerprint": fingerprint(src),
             "model_type": config.model_type, "num_layers": config.num_hidden_layers}
 
 
 def prepare(src: str, cfg: SelectConfig, out: Path) -> SelectRecord:
     """Every check that needs no weights, then the record (a resume check against OUT/select.json)."""
-    from hybridize.convert.settings import check_user_settings
-    from hybridize.convert.sources import load_config
-
     config = load_config(src)
     n = config.num_hidden_layers
     check_config(cfg, n, getattr(config, "max_position_embeddings", None))
@@ -95,6 +95,7 @@ def measure(s: Session) -> None:
     """Fill the record's scores with what the criterion ranks by (recorded layers are skipped)."""
     wanted = RANKED[s.cfg.criterion]
     if "retrieval" in wanted and len(s.record.scores("retrieval")) < s.n:
+        # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
         from .retrieval import retrieval_scores
 
         t = time.perf_counter()
@@ -107,6 +108,7 @@ def measure(s: Session) -> None:
 
 def per_layer_costs(s: Session) -> None:
     """KL (and needle NLL increase) of the teacher with each layer alone converted to its aligned mixer."""
+    # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
     from tqdm.auto import tqdm
 
     from .probe import probe_cost
@@ -128,6 +130,7 @@ def per_layer_costs(s: Session) -> None:
 
 def aligned_slots(s: Session) -> dict:
     """Every layer's mixer slot, aligned now (then saved) or loaded from OUT/aligned.safetensors."""
+    # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
     from .align import ALIGN_STATE, align_slots, converted_slots, load_slots, save_slots
     from .data import align_data, load_docs, split_docs
 
@@ -164,6 +167,7 @@ def rank_kept(s: Session) -> list[int]:
 
 def greedy(s: Session) -> list[int]:
     """Greedy addition of kept layers on the first `greedy_tokens` KL tokens (`choose.greedy_choice`)."""
+    # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
     from tqdm.auto import tqdm
 
     from .probe import probe_cost
