@@ -2,9 +2,9 @@
 
 PyTorch's OpenMP threads wait for each other at the end of every parallel op. When another process holds
 one of the cores, a thread scheduled there arrives late at every barrier, and a model of many small ops
-(a linear-attention mixer's chunked form) stalls at each of them: on 2 cores with one busy, a 128-token
-forward of the embedded default's 5:1 SSE hybrid took 9.5 s on 2 threads against 0.59 s on 1 thread
-(the teacher: 3.0 s against 0.27 s; `benchmarks/pipeline/cpu_threads.py`). So we count the cores that are idle
+(a linear-attention mixer's chunked form) stalls at each of them: on 2 cores with one busy, a forward
+of the embedded default's hybrid on 2 threads is an order of magnitude slower than on 1 thread
+(`benchmarks/pipeline/cpu_threads.py` measures it). So we count the cores that are idle
 now and use that many threads, at least one.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one exception type the CLI turns into a one-line message (no stack trace), and the readers of user
 files that raise it with the file (and line) named, for causes the libraries report badly: text that is
-not UTF-8, an empty file, YAML that does not parse (issue 29)."""
+not UTF-8, an empty file, YAML that does not parse."""
 from __future__ import annotations
 
 import codecs

@@ -239,7 +239,7 @@ class MixerCacheLayer(CacheLayerMixin):
     """Decode state of one mixer layer: a fixed-size `MixerState` and the number of tokens seen.
 
     Holds no keys/values; `state` is present (not None) from the first forward on, so decode steps
-    always continue from it (DESIGN.md sec. 7 pitfall)."""
+    always continue from it."""
 
     _layer_type = MIXER_LAYER_TYPE
     is_sliding = False

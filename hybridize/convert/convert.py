@@ -1,6 +1,6 @@
 """Teacher -> hybrid: build the hybrid from the teacher's config, copy every teacher tensor, init the mixers.
 
-Mapping (DESIGN.md sec. 3): every teacher tensor is copied by name (embeddings, norms, MLPs or experts,
+Mapping: every teacher tensor is copied by name (embeddings, norms, MLPs or experts,
 lm_head, the softmax layers), and each converted layer's attention tensors go through its family's entry
 (`hybridize.families`: `Family.mixer_state`), which puts them under the mixer's names - q/k/v/o, biases,
 q/k norms; a fused `qkv_proj` (Phi-3) split into q/k/v - GQA widths kept; then each converted layer's

@@ -1,7 +1,7 @@
 """The NaN guard of the runs the HF Trainer drives (`hybridize distill sft`: TRL's SFTTrainer; `hybridize grpo`:
 TRL's GRPOTrainer): a non-finite loss, gradient or weight stops the run with one line (a `NonFiniteLoss`, so
 the CLI prints it and exits 2) naming the step, the last good checkpoint and what to try, and no checkpoint
-is ever written from such a state (issue 23).
+is ever written from such a state.
 
 The ideas are the hand-written loop's (`hybridize.distill.loop`: `NonFiniteLoss`, `DivergenceGuard`, imported
 here), placed at the Trainer's hooks:

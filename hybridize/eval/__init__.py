@@ -6,7 +6,7 @@
 - `niah`: RULER-style needle-in-a-haystack (S-NIAH-1/2/3, multi-key/value/query), token-exact lengths/depths
 - `mqar`: multi-query associative recall, train-from-scratch comparison of token mixers
 - `perplexity`: perplexity vs context length and loss by position (length extrapolation)
-- `kv_probe`: the key-value regression probe of seed 003
+- `kv_probe`: the key-value regression probe of "Rethinking Key-Value Relationships in Linear Attention"
 - `speed`: prefill/decode throughput, cache size and peak memory, models side by side
 - `common`: model loading, generation, result files, tables and plots
 - `cli`: the typer commands (`register(app)`)

@@ -2,7 +2,7 @@
 side (typically a hybrid vs its teacher), at several context lengths and batch sizes, CPU or GPU.
 
 For each (length L, batch B) the models are measured one after another in the same process, so the
-ratio between them is fair even on a noisy machine (DESIGN.md sec. 6):
+ratio between them is fair even on a noisy machine:
 - prefill: one forward pass over `[B, L]` random token ids with `use_cache=True` (only the last
   position's logits);
 - decode, `decode="loop"`: `decode_tokens` greedy steps, one token per step through the model's own

@@ -98,7 +98,7 @@ class FastGenConfig:
     compile: str = field(default="off", metadata={
         "help": "torch.compile the decode step (norms, gates and elementwise ops fused into few kernels) for the "
                 "masked / CUDA-graph path: off | on. "
-                "Compiles on the first steps of each new session (2-13 s on an H100 with `on`), so it pays off "
+                "Compiles on the first steps of each new session (seconds; benchmarks/RESULTS.md), so it pays off "
                 "for long rollouts and GRPO runs. Each decoder layer is compiled on its own (our kernels are graph "
                 "breaks), so dynamo's recompile limits are raised to 8 entries per layer (32 in all) during the "
                 "call; shapes past that run uncompiled"})
@@ -139,7 +139,8 @@ def _unsupported_model(model) -> str | None:
         return "the model has no lm_head"
     family = known_family(_text_config(model))
     blocker = family.hand_loop_blocker(_text_config(model)) if family is not None else None
-    if blocker:  # the decode step below runs embed -> layers -> norm -> lm_head by hand (issue 27)
+    if blocker:  # the decode step below runs embed -> layers -> norm -> lm_head by hand, so a family whose layer
+        # loop is not that sequence cannot use it
         return blocker
     impl = getattr(_text_config(model), "_attn_implementation", None) or "eager"
     if impl not in _ATTN_IMPLS:
@@ -754,8 +755,8 @@ def _compile_limits(model, on: bool):
     """torch._dynamo's recompile limits raised for the call. Our Triton launchers are graph breaks, so
     dynamo compiles each decoder layer's frames on their own, guarded on the layer (`layer_idx` is a static
     int): one cache entry per layer and session shape. Under the default limit (8 per code object) every
-    layer past the 8th silently ran uncompiled (seen on an H100: the Qwen3-1.7B-shaped hybrid's step took
-    5.0 ms in a process's second compiled session against 3.7 ms in its first). Scoped to the call, so
+    layer past the 8th silently ran uncompiled (a process's second compiled session decoded slower than
+    its first). Scoped to the call, so
     the user's own compiled code keeps its limits."""
     if not on:
         return nullcontext()

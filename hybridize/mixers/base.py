@@ -52,7 +52,7 @@ class MixerConfig:
                 "scale (swa, identity feature maps)"})
     rms_norm_eps: float = field(default=1e-6, metadata={"help": "eps of the q/k/output norms"})
     use_rope: bool = field(default=False, metadata={"help": "apply the teacher's RoPE to q/k before the feature map"})
-    short_conv: bool = field(default=False, metadata={"help": "causal depthwise conv on q/k/v (seed 003 sec. IX)"})
+    short_conv: bool = field(default=False, metadata={"help": "causal depthwise conv on q/k/v"})
     conv_size: int = field(default=4, metadata={"help": "short-conv kernel width"})
     chunk_size: int = field(default=32, metadata={"help": "chunk length of the chunkwise form"})
 

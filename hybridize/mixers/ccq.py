@@ -1,4 +1,5 @@
-"""CCQ, the curvature-conditioned query (seed 000, sec. 3, appendices B-D), as a read-side wrapper.
+"""CCQ, the curvature-conditioned query ("Don't Read Everything: A Curvature-Conditioned
+Query for Linear Attention", sec. 3, appendices B-D), as a read-side wrapper.
 
 The backbone (GLA or Gated DeltaNet) is used unchanged; only the query it reads with is replaced:
 

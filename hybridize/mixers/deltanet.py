@@ -1,4 +1,5 @@
-"""DeltaNet and Gated DeltaNet mixers (DESIGN.md sec. 2, seed 003; Yang et al. 2024/2025).
+"""DeltaNet and Gated DeltaNet mixers ("Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length", Yang et al. 2024; "Gated Delta Networks: Improving Mamba2 with Delta Rule", Yang et al. 2025).
 
 Per head: S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = scale * S_t^T q_t,
 with q, k L2-normalised per head, beta_t = sigmoid(b_proj(x_t)) per head, and alpha_t = 1 (DeltaNet)

@@ -1,4 +1,5 @@
-"""Gated linear attention (GLA, Yang et al. 2024), in the form SSE uses as its backbone (seed 001).
+"""Gated linear attention (GLA, Yang et al. 2024), in the form SSE uses as its backbone
+("Scaling Linear Attention with Sparse State Expansion").
 
     S_t = diag(alpha_t) S_{t-1} + phi(k_t) v_t^T,   o_t = scale * S_t^T phi(q_t)
     alpha_t = exp(g_t),  g_t = logsigmoid(x_t W_down W_up + b) / gate_logit_normalizer   `[B, T, H, K]`

@@ -1,4 +1,5 @@
-"""Vanilla linear attention (seed 003): S_t = S_{t-1} + phi(k_t) v_t^T,  o_t = scale * S_t^T phi(q_t).
+"""Vanilla linear attention ("Transformers are RNNs", Katharopoulos et al. 2020):
+S_t = S_{t-1} + phi(k_t) v_t^T,  o_t = scale * S_t^T phi(q_t).
 
 Per head, q/k `[B, T, H, K]` come from the teacher's projections (GQA: keys/values at KV-head width,
 repeated to the H query heads before the op, so the state `[N, H, K, V]` is per query head).
@@ -12,7 +13,8 @@ and, like the teacher's softmax weights, it is non-negative and dominated by the
 identity gives signed weights that cancel, elu1/relu give similarities growing with |q||k|.
 `scale` defaults to the teacher's logit scale for "identity" (`attn_scale`, else head_dim ** -0.5) and 1 otherwise.
 
-Row-sparse update (`row_topk`, seed 001 sec. 3.2, eq. 7-8): the key becomes
+Row-sparse update (`row_topk`, "Scaling Linear Attention with Sparse State Expansion" sec. 3.2,
+eq. 7-8): the key becomes
 k_t = softmax(top-k(x_t W_k)) - softmax over the k largest entries of the raw key, every other entry 0 -
 so only k state rows are written. On a gated backbone (GLA) only those rows also decay (the other
 rows get log-decay 0 and stay bit-identical); vanilla linear attention has no decay to mask. "Raw
@@ -99,7 +101,7 @@ class LinearAttentionConfig(FeatureMapChoice, MixerConfig):
         "help": "read scale; default head_dim**-0.5 when the q map is identity, else 1"})
     output_norm: bool = field(default=False, metadata={"help": "per-head RMSNorm on the read (weight 1 at init)"})
     row_topk: int | None = field(default=None, metadata={
-        "help": "row-sparse update (seed 001 eq. 7): key = softmax over its top-k entries; None = off"})
+        "help": "row-sparse update (SSE paper eq. 7): key = softmax over its top-k entries; None = off"})
 
     def __post_init__(self):
         for name in ("feature_map", "q_feature_map", "k_feature_map", "v_feature_map"):

@@ -1,4 +1,5 @@
-"""Log-linear attention (Guo et al. 2025, Mamba-2 form) with the adaptive level weights of seed 004.
+"""Log-linear attention (Guo et al. 2025, Mamba-2 form) with the adaptive level weights of
+"Adaptive Memory Decay for Log-Linear Attention".
 
 Per head, with phi(q), phi(k) the teacher's q/k through a feature map and a scalar decay per head:
 
@@ -18,7 +19,7 @@ history into the top level). Both parameterisations read the same "baseline leve
 d_t = x_t W_lambda `[B, T, H, L]`:
 - `lambda_mode="baseline"` (Guo et al., the "positive" mode of the authors' code):
   lambda = softplus(Lambda * d_t) with a learned per-head, per-level Lambda `[H, L]` (init 1);
-- `lambda_mode="adaptive"` (seed 004 eq. 4 with sec. 4.1's GELU): lambda = softplus(GELU(d_t W1 + b1) W2 + b2),
+- `lambda_mode="adaptive"` (Adaptive Memory Decay eq. 4 with sec. 4.1's GELU): lambda = softplus(GELU(d_t W1 + b1) W2 + b2),
   one MLP over the level axis shared by all heads, hidden 64. W1 Xavier-uniform, b1 = 0, W2 = 0,
   b2 = 0.54 (the paper's "scalar bias" is a per-level bias here, all 0.54 at init: softplus(0.54) ~ 1).
 
@@ -68,7 +69,7 @@ OUTPUT_GATES = ("silu", "sigmoid", "none")
 @dataclass
 class LogLinearConfig(FeatureMapChoice, MixerConfig):
     lambda_mode: str = field(default="adaptive", metadata={
-        "help": "level weights: adaptive (seed 004 MLP-softplus) or baseline (softplus(Lambda * x W_lambda))"})
+        "help": "level weights: adaptive (MLP-softplus) or baseline (softplus(Lambda * x W_lambda))"})
     max_seq_len: int = field(default=65536, metadata={
         "help": "sets the number of levels L = ceil(log2(max_seq_len)) + 1; longer inputs clamp into the top level"})
     lambda_hidden: int = field(default=64, metadata={"help": "hidden width of the adaptive lambda MLP"})

@@ -1,4 +1,5 @@
-"""Q-Delta mixer (seed 002): Gated DeltaNet whose erase direction is x_t = k_t + lambda q_t.
+"""Q-Delta mixer ("Q-Delta: Beyond Key-Value Associative State Evolution"): Gated DeltaNet whose erase
+direction is x_t = k_t + lambda q_t.
 
 Per head (state `[K, V]`, the transpose of the paper's `[V, K]` layout):
 
@@ -15,7 +16,7 @@ starts close to Gated DeltaNet and learns how much query feedback to use (the pa
 lambda beat every fixed value). `fixed_lambda` freezes it (the paper's fixed-lambda ablation); 0 gives
 Gated DeltaNet exactly.
 
-Stability (seed 002, Lemma 3.1): contraction needs beta_t a_t in (0, 2), a_t = k_t . x_t =
+Stability (Q-Delta paper, Lemma 3.1): contraction needs beta_t a_t in (0, 2), a_t = k_t . x_t =
 1 + lambda cos(q_t, k_t) for unit q, k. With beta in (0, 1) and lambda in [0, 1] this always holds
 (beta a < 2; a > 0 except lambda = 1 with q = -k): the parameterisation itself guarantees it, which is
 why q, k are normalised before x is formed and x is not renormalised.

@@ -1,4 +1,5 @@
-"""Sparse State Expansion mixers (seed 001, sec. 4 and appendix 11): `SSE` on GLA, `SSEGDN` on Gated DeltaNet.
+"""Sparse State Expansion mixers ("Scaling Linear Attention with Sparse State Expansion", sec. 4 and
+appendix 11): `SSE` on GLA, `SSEGDN` on Gated DeltaNet.
 
 Per head there are N sparse state partitions and one always-selected shared partition. For token t:
 
@@ -9,7 +10,7 @@ Per head there are N sparse state partitions and one always-selected shared part
     S^i_t = Lambda_t S^i_{t-1} + k_t v_t^T  for i in T_t;  S^i_t = S^i_{t-1} otherwise (no decay)
     o_t = q_t^T S^shared_t + sum_{i in T_t} q_t^T S^i_t,   out = o_proj(RMSNorm(o) * silu(x W_g))
 
-which reading this is (DESIGN.md sec. 2): the resolution of fla's unmerged PR #882
+which reading this is: the resolution of fla's unmerged PR #882
 (`fla/layers/sse.py`, `fla/ops/sse/`), re-derived here, not copied:
 - the shared partition reads and writes with the teacher's q/k projections; the N sparse partitions
   use base + one LoRA (rank `lora_rank`, B = 0 at init, the same LoRA for all N: partitions differ

@@ -1,6 +1,7 @@
 """Sliding-window softmax attention (SWA): the teacher's attention restricted to the last `window` tokens.
 
-Used in hybrid patterns such as the SSE paper's "sse,swa,sse,swa,attn" (seed 001, 12B conversion).
+Used in hybrid patterns such as the SSE paper's "sse,swa,sse,swa,attn" ("Scaling Linear Attention with
+Sparse State Expansion", 12B conversion).
 Teacher weights and RoPE are kept (q/k/v/o, Qwen2 biases, Qwen3 q/k norms), so with `window >= T`
 this is exactly the teacher's causal attention. Query t attends to the real tokens j <= t with
 `rank(t) - rank(j) < window` (rank = index among the sequence's real tokens), i.e. itself plus the

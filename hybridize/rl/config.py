@@ -96,8 +96,8 @@ class GRPORunConfig:
     fast_generation: bool = _f(True, "rollouts through hybridize.generation.fast (static buffers, CUDA graphs); "
                                      "falls back to model.generate for settings it does not support")
     cuda_graphs: str = _f("auto", "CUDA graphs in the fast path: auto | on | off")
-    compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): 25-35% faster decode "
-                                    "steps on an H100 (benchmarks/RESULTS.md), a few seconds of compilation per "
+    compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): faster decode "
+                                    "steps (benchmarks/RESULTS.md), a few seconds of compilation per "
                                     "new rollout shape")
     decode_gemm: str = _f("auto", "linear layers in the fast path's decode steps: auto (per weight shape the faster "
                                   "of cuBLAS and our Triton weight-streaming GEMM, timed on first use; CUDA, "

@@ -138,7 +138,7 @@ class GuardedReward:
 
 
 def guard_reward(fn):
-    """`fn` wrapped so that its exceptions are caught at the reward call (issue 23).
+    """`fn` wrapped so that its exceptions are caught at the reward call.
 
     A call that raises is retried one completion at a time. When every completion raises, the reward is
     broken (a bug, a missing dataset column, a dead verifier service): `RewardError`, one line naming the

@@ -1,4 +1,4 @@
-"""Measured layer selection (`hybridize select`, issue 22 part 2): which K layers of a teacher keep softmax
+"""Measured layer selection (`hybridize select`): which K layers of a teacher keep softmax
 attention, from measurements on the teacher; the result is a plan in the spelling `convert --layers` takes
 ("attn=3,9,15,21,27"), plus a per-layer score table and plot.
 
