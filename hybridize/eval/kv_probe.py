@@ -40,6 +40,9 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from hybridize.ops.delta.reference import delta_chunk
+from hybridize.ops.gla.reference import gla_chunk
 from .common import print_table, save_line_plot, write_csv, write_json
 
 RELATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -87,16 +90,12 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def _state_linear(k, v, decay: float | None = None):
-    from hybridize.ops.gla.reference import gla_chunk
-
     g = None if decay is None else torch.full(k.shape[:2] + (1,), math.log(decay), dtype=k.dtype)
     _, S = gla_chunk(_heads(k), _heads(k), _heads(v), g=g, scale=1.0, output_final_state=True, chunk_size=64)
     return S[:, 0]
 
 
 def _state_delta(k, v, decay: float | None = None, p_scale: float = 1.0):
-    from hybridize.ops.delta.reference import delta_chunk
-
     B, T, _ = k.shape
     beta = torch.ones(B, T, 1, dtype=k.dtype)
     g = None if decay is None else torch.full((B, T, 1), math.log(decay), dtype=k.dtype)
@@ -245,7 +244,6 @@ def run_probe(cfg: ProbeConfig, out_dir=None, progress: bool = True, print_table
     from pathlib import Path
 
     from tqdm.auto import tqdm
-
 
     steps = [
         ("normalisation", "DeltaNet: normalised vs unnormalised values (probe paper, sec. IV)",

@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hybridize.generation import fast as fg
 from hybridize.generation.fast import FastGenConfig, FastGenerator, _is_mixer_layer
 import hybridize.mixers.sse as sse_mod
+from hybridize.ops.sse import reference as ks
 
 #: leaf aten ops that launch no kernel (views, metadata, allocation)
 NO_KERNEL = {
@@ -193,8 +194,6 @@ def _emulated_sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, 
 def emulated_decode_kernel():
     """On CPU: the SSE decode step takes its GPU path (`_recurrent_loop_triton`) with the stand-in kernel."""
     import types
-
-    from hybridize.ops.sse import reference as ks
 
     name = "hybridize.ops.sse.triton_decode"
     saved_mod, saved_ok = sys.modules.get(name), ks._decode_kernel_ok

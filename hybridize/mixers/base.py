@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybridize.ops.common.varlen import pack_to_padded, padded_to_pack, seq_lengths
+
 
 @dataclass
 class MixerConfig:
@@ -181,7 +183,6 @@ class ShortConv(nn.Module):
         `mask` `[B, T]` (False = padding): the new state holds the last `size-1` *real* inputs, so a
         padded step leaves the conv window where it was (padded inputs must already be zero)."""
         if cu_seqlens is not None:
-            from hybridize.ops.common.varlen import pack_to_padded, padded_to_pack, seq_lengths
             lens = torch.tensor(seq_lengths(cu_seqlens), device=x.device)
             xp = pack_to_padded(x, cu_seqlens)
             real = torch.arange(xp.shape[1], device=x.device)[None] < lens[:, None]
