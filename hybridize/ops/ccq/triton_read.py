@@ -17,7 +17,7 @@ in registers.
 
 Parallelism: with B * H = 16 rows one program per (sequence, head) leaves most of an H100 idle and
 runs T / BT dependent steps. Both directions therefore cut every sequence into pieces of `segment_len`
-tokens (automatic on GPU: 512-4096 tokens, see `_segment_len`). Forward: (1) `_piece_sums_kernel` sums
+tokens (automatic on GPU: 512-4096 tokens, see `piece_len`). Forward: (1) `_piece_sums_kernel` sums
 each piece's keys (a plain GEMM walk over wide token tiles), (2) `_ccq_scan_kernel` turns the piece sums into
 each piece's starting sums (plus the initial state; it also writes the end state), (3) every piece runs
 the fused pass above from its start. Pieces are built on the device from `cu_seqlens` (no host sync): a
@@ -73,42 +73,11 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.triton_utils import (Pieces, autotuned, interp_tile, interpreter_shim, interpreting,
+                                               make_pieces, mdot, mdot_r, piece_len, seg_bounds, tile_block,
+                                               tune_buckets)
 
 # ---- kernels ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _bounds(seg, i_n):
-    """(first token, length) of segment i_n from the int64 table `seg` `[G, 2]`."""
-    return tl.load(seg + 2 * i_n).to(tl.int64), tl.load(seg + 2 * i_n + 1).to(tl.int64)
-
-
-@triton.jit
-def _mdot(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
-    """a (fp32 registers) @ b (the 16-bit input dtype, exact). PROD 2: one 16-bit product (a rounded to b's
-    dtype); PROD 1: a = a_hi + a_lo in bf16, two bf16 products (~16 mantissa bits of a); PROD 0: one product
-    at PREC on fp32 tiles. fp32 accumulation in all three."""
-    if PROD == 2:
-        return tl.dot(a.to(b.dtype), b)
-    elif PROD == 1:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        return tl.dot(a_hi, b) + tl.dot(a_lo, b)
-    else:
-        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
-
-
-@triton.jit
-def _mdot_r(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
-    """a (16-bit input, exact) @ b (fp32 registers); see `_mdot`."""
-    if PROD == 2:
-        return tl.dot(a, b.to(a.dtype))
-    elif PROD == 1:
-        b_hi = b.to(tl.bfloat16)
-        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-        return tl.dot(a, b_hi) + tl.dot(a, b_lo)
-    else:
-        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
 
 
 @triton.jit
@@ -156,7 +125,7 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
     # one program per (piece, head): the sum of the piece's real keys, fp32 `[BK]`
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     acc = tl.zeros([BT, BK], dtype=tl.float32)
@@ -170,17 +139,6 @@ def _key_sum_kernel(k, msk, out, seg, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _block(i_rc, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """(row block index, column block index, rows `[BR]`, columns `[BC]`, their masks) of block i_rc of an
-    R x C matrix cut into BR x BC blocks, row-major."""
-    NC: tl.constexpr = (C + BC - 1) // BC
-    i_r, i_c = i_rc // NC, i_rc % NC
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_c = i_c * BC + tl.arange(0, BC)
-    return i_r, i_c, o_r, o_c, o_r < R, o_c < C
-
-
-@triton.jit
 def _piece_sums_kernel(k, msk, s_out, m_out, seg, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
     # one program per ((row block, column block), piece, head): S[rows, cols] = sum k[:, rows]^T k[:, cols]
@@ -188,8 +146,8 @@ def _piece_sums_kernel(k, msk, s_out, m_out, seg, H: tl.constexpr, K: tl.constex
     # walk with wide token tiles: no scores, no output, so none of the output pass's register limits
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
-    bos, L = _bounds(seg, i_n)
+    i_r, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, K, BR, BC)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_S = tl.zeros([BR, BC], dtype=tl.float32)
     b_M = tl.zeros([BC], dtype=tl.float32)
@@ -218,8 +176,8 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
     # the key-sum gradient's sum dM[cols] = -sum_i (r_i / n_i) g_i + (a'_i / n_i) q_i
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
-    bos, L = _bounds(seg, i_n)
+    i_r, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, K, BR, BC)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_D = tl.zeros([BR, BC], dtype=tl.float32)
     b_dM = tl.zeros([BC], dtype=tl.float32)
@@ -233,7 +191,7 @@ def _piece_grad_sums_kernel(q, do, msk, a_buf, r_buf, n0, d_out, dm_out, seg, H:
         b_qr16 = tl.load(q + p + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
         b_g = tl.load(do + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
         b_g = b_g * inv[:, None]
-        b_D += _mdot_r(tl.trans(b_qr16), b_g, PROD, PREC)
+        b_D += mdot_r(tl.trans(b_qr16), b_g, PROD, PREC)
         if i_r == 0:
             b_qc = tl.load(q + p + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
             b_a = tl.load(a_buf + rows * H + i_h, mask=m_t, other=0.0)
@@ -256,7 +214,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, c
     # gate, on the fp32 read before any rounding); 2 the same with the fixed lambda LAM
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -300,7 +258,7 @@ def _ccq_fwd_kernel(q, k, msk, s0, m0, n0, o, s_end, m_end, seg, cen, sid, cw, c
         # the score tile's product (A / n - w on j <= t) instead of a cumsum over the tile's rows
         b_w = b_r * inv * inv
         b_A = tl.where(tril, b_A * inv[:, None] - b_w[:, None], 0.0)
-        b_o = _mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + _mdot(b_A, b_kv16, PROD, PREC)
+        b_o = mdot_r(b_q16, b_S, PROD, PREC) * inv[:, None] + mdot(b_A, b_kv16, PROD, PREC)
         b_o = b_o - b_w[:, None] * b_Mv[None, :]
         if CLEAN == 1:
             lam = tl.sigmoid(tl.sum(b_q * b_cw[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(b_q * b_q, 1)), 1e-12) + b_cb)
@@ -334,7 +292,7 @@ def _ccq_scan_kernel(sums, msums, s0, m0, starts, mstarts, s_end, m_end, segs,
     # loads, so the more programs the better
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    i_r, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, K, BR, BC)
+    i_r, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, K, BR, BC)
     first = tl.load(segs + 2 * i_n).to(tl.int64)
     count = tl.load(segs + 2 * i_n + 1).to(tl.int64)
     blk = o_r[:, None] * K + o_c[None, :]
@@ -372,7 +330,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
     # forward) and writes dq[:, l]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -415,7 +373,7 @@ def _ccq_bwd_dq_kernel(q, k, msk, do, s0, m0, n0, dq, a_buf, r_buf, ds0, seg, ce
         # the mean part U_t (a' / n) folded into the score product, as in the forward
         b_w = b_a * inv
         b_Ag = tl.where(tril, b_Ag - b_w[:, None], 0.0)
-        b_dq = _mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * inv[:, None] + _mdot(b_Ag, b_kv16, PROD, PREC)
+        b_dq = mdot_r(b_do16, tl.trans(b_S), PROD, PREC) * inv[:, None] + mdot(b_Ag, b_kv16, PROD, PREC)
         b_dq = b_dq - b_w[:, None] * b_Mv[None, :]
         tl.store(dq + p + o_v[None, :], b_dq.to(dq.dtype.element_ty), mask=mv)
         if i_v == 0:
@@ -440,7 +398,7 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
     # reversed pass; this program owns key channels l in the block and carries rows E[l, :]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -483,42 +441,21 @@ def _ccq_bwd_dk_kernel(q, k, msk, do, a_buf, r_buf, n_end, e0, dm_end, dk, dm0, 
         # of dM_i (i >= j) rides on them: dM_i's q part on B1^T q, its g part on B2^T do (no cumsum over rows)
         b_B1 = tl.dot(b_do16, tl.trans(b_k16), input_precision=PREC) * inv[:, None] - (b_a * inv)[:, None]
         b_B2 = (tl.dot(b_q16, tl.trans(b_k16), input_precision=PREC) - (b_r * inv)[:, None]) * inv[:, None]
-        b_dk = _mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
-        b_dk += _mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
-        b_dk += _mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
+        b_dk = mdot(tl.trans(tl.where(tril, b_B1, 0.0)), b_qv16, PROD, PREC)
+        b_dk += mdot(tl.trans(tl.where(tril, b_B2, 0.0)), b_dov16, PROD, PREC)   # B2^T g
+        b_dk += mdot_r(b_k16, tl.trans(b_E), PROD, PREC)
         b_dk += b_dM[None, :]
         if HAS_MASK:
             b_dk = b_dk * b_m[:, None]
         tl.store(dk + p + o_v[None, :], b_dk.to(dk.dtype.element_ty), mask=mv)
-        b_E += _mdot_r(tl.trans(b_qv16), b_g, PROD, PREC)
-        b_E += _mdot(tl.trans(b_gv), b_q16, PROD, PREC)
+        b_E += mdot_r(tl.trans(b_qv16), b_g, PROD, PREC)
+        b_E += mdot(tl.trans(b_gv), b_q16, PROD, PREC)
         b_dM += b_tot
         b_n = b_prev
     tl.store(dm0 + hbase + o_v, b_dM, mask=m_v)
 
 
 # ---- launch configuration --------------------------------------------------------------------------
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _interpreter_shim() -> None:
-    """Triton 3.6's interpreter turns a loop bound into an int with `int(array of shape (1,))`, which
-    NumPy >= 2.4 refuses, so every `range(runtime value)` fails on CPU. Re-patch `__index__` to read
-    the single element (interpreter only; compiled kernels are unaffected). Idempotent."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_ccq_index_shim", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._ccq_index_shim = True
 
 
 def _configs():
@@ -537,35 +474,6 @@ def _configs():
             for bt, bv, w, st in (table[:top] if top > 0 else table)]
 
 
-_TUNED: dict = {}
-
-
-def _interp_tile(chunk_size) -> int:
-    """The token tile of an interpreter run: `chunk_size` (default 16), a power of two >= 16."""
-    _interpreter_shim()
-    BT = 16 if chunk_size is None else int(chunk_size)
-    if BT < 16 or BT & (BT - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
-    return BT
-
-
-def _autotuned(kernel, configs, key):
-    """`kernel` autotuned over `configs()`, built once per kernel. Every constexpr flag is part of `key`, so with
-    and without mask / initial state tune separately. Marked `full_tune`: the global cap meant for fla's long
-    lists (`autotune.py`, kernel option autotune_top) leaves these short, curated lists whole. The picks are cached
-    on disk by Triton (`cache_results`, keyed by the kernel source, the GPU, the key and the config list), so a
-    new length / rows bucket costs its tuning (seconds) once per machine, not once per process."""
-    if kernel not in _TUNED:
-        _TUNED[kernel] = triton.autotune(configs=configs(), key=key, cache_results=True)(kernel)
-        _TUNED[kernel].full_tune = True
-    return _TUNED[kernel]
-
-
-def _tune_buckets(tokens, rows) -> dict:
-    """The key-only kernel arguments a pass autotunes on: power-of-two buckets of the token count and rows."""
-    return dict(LEN=triton.next_power_of_2(max(int(tokens), 1)), ROWS=triton.next_power_of_2(max(int(rows), 1)))
-
-
 def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     """Run `kernel` over (channel blocks, rows = segments * heads): fixed tiles in the interpreter,
     autotuned (BT, BV, warps, stages) on GPU, once per power-of-two bucket of the token count and of the rows
@@ -573,12 +481,12 @@ def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
     8 warps) was fastest at 16k and 2x slow at 32k, and with one channel block it leaves half of the SMs idle
     when a forward alone has half the rows (4k: 64 programs)."""
     BK = max(16, triton.next_power_of_2(K))
-    bucket = _tune_buckets(tokens, rows)
-    if _interpreting():
+    bucket = tune_buckets(tokens, rows)
+    if interpreting():
         BV = min(BK, 16)
-        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=_interp_tile(chunk_size), BV=BV, **bucket, **meta)
+        kernel[(triton.cdiv(K, BV), rows)](*args, K=K, BK=BK, BT=interp_tile(chunk_size), BV=BV, **bucket, **meta)
         return
-    _autotuned(kernel, _configs, ["K", "BK", *bucket, *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
+    autotuned(kernel, _configs, ["K", "BK", *bucket, *meta])[lambda m: (triton.cdiv(K, m["BV"]), rows)](
         *args, K=K, BK=BK, **bucket, **meta)
 
 
@@ -596,10 +504,10 @@ def _sums_configs():
 def _launch_sums(kernel, rows, K, chunk_size, args, meta):
     """Run a piece-sums kernel over ((row block, column block), rows = pieces * heads): 16 x 16 blocks in the
     interpreter (several of each), autotuned tiles on GPU (`_sums_configs`)."""
-    if _interpreting():
-        kernel[(triton.cdiv(K, 16) ** 2, rows)](*args, K=K, BT=_interp_tile(chunk_size), BR=16, BC=16, **meta)
+    if interpreting():
+        kernel[(triton.cdiv(K, 16) ** 2, rows)](*args, K=K, BT=interp_tile(chunk_size), BR=16, BC=16, **meta)
         return
-    _autotuned(kernel, _sums_configs, ["K", *meta])[
+    autotuned(kernel, _sums_configs, ["K", *meta])[
         lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(K, m["BC"]), rows)](*args, K=K, **meta)
 
 
@@ -624,102 +532,15 @@ def _scan(sums, msums, S0, M0, S_end, M_end, segs, H, K, reverse=False, sym=Fals
     buffers (in place, the forward's walk measured 4-5x slower on the H100: 125 against 27 us at 32k);
     writes the sequences' totals to S_end / M_end."""
     N = segs.shape[0]
-    B = 16 if _interpreting() else 32
-    if _interpreting():
-        _interpreter_shim()
+    B = 16 if interpreting() else 32
+    if interpreting():
+        interpreter_shim()
     dummy = msums
     starts, mstarts = torch.empty_like(sums), torch.empty_like(msums)
     _ccq_scan_kernel[(triton.cdiv(K, B) ** 2, N * H)](
         sums, msums, dummy if S0 is None else S0, dummy if M0 is None else M0, starts, mstarts, S_end, M_end, segs,
         H=H, K=K, BR=B, BC=B, HAS_H0=S0 is not None, REVERSE=reverse, SYM=sym, num_warps=4)
     return starts, mstarts
-
-
-class Pieces(NamedTuple):
-    """Where every kernel program works: the flat token axis cut into pieces (see `_table`)."""
-    seg: torch.Tensor        # [G, 2] int64: first token, length (unused slots: length 0)
-    n_before: torch.Tensor   # [G] fp32: real tokens counted before the piece (initial count included)
-    n_after: torch.Tensor    # [G] fp32: ... and after it
-    seq: torch.Tensor        # [G] int64: the sequence a piece belongs to
-    segs: torch.Tensor       # [N, 2] int64: first piece, number of pieces, per sequence
-    n_end: torch.Tensor      # [N] int64: count at the end of each sequence
-    n_div: torch.Tensor      # [N] fp32: max(n_end, 1), what the mean key divides by
-
-
-_TABLES: dict = {}
-
-
-def _table(B, T, cu, mask, n0, seg_len, device) -> Pieces:
-    """Pieces over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
-    without a host sync. Every sequence is cut into pieces of `seg_len` tokens (None: one piece each).
-    n0 `[N]`: the initial counts (None: zeros). Without a mask, cu_seqlens or initial counts the table depends
-    on the shape alone and is cached on CUDA (a dozen small launches per call otherwise)."""
-    plain = cu is None and mask is None and n0 is None and device.type == "cuda"
-    key = (B, T, seg_len, str(device)) if plain else None
-    if key is not None and key in _TABLES:
-        return _TABLES[key]
-    out = _build_table(B, T, cu, mask, n0, seg_len, device)
-    if key is not None:
-        if len(_TABLES) > 64:
-            _TABLES.clear()
-        _TABLES[key] = out
-    return out
-
-
-def _build_table(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
-    if cu is not None and mask is None and seg_len is not None and (dev.type == "cuda" or _interpreting()):
-        from hybridize.ops.ccq.triton_piece_table import piece_table     # one kernel instead of ~20 small ops
-        return Pieces(*piece_table(cu, seg_len, B * T, n0))
-    if n0 is None:
-        n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=dev)
-    if cu is None:
-        starts = torch.arange(B, device=dev) * T
-        lens = torch.full((B,), T, device=dev, dtype=torch.long)
-    else:
-        starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    N, total = starts.numel(), B * T
-    if mask is None:
-        cm = torch.arange(total + 1, device=dev)
-    else:
-        cm = torch.cat([torch.zeros(1, device=dev, dtype=torch.long), mask.reshape(-1).long().cumsum(0)])
-    n_end = n0 + cm[starts + lens] - cm[starts]
-    n_div = n_end.clamp(min=1).float()
-    if seg_len is None:
-        ar = torch.arange(N, device=dev)
-        return Pieces(torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
-                      n_end.float().contiguous(), ar, torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end,
-                      n_div)
-    nseg = (lens + seg_len - 1) // seg_len
-    ends = nseg.cumsum(0)
-    G = N * triton.cdiv(T, seg_len) if cu is None else N + total // seg_len
-    p = torch.arange(G, device=dev)
-    seq = torch.searchsorted(ends, p, right=True).clamp(max=N - 1)
-    local = p - (ends - nseg)[seq]
-    bos = (starts[seq] + local * seg_len).clamp(max=total)
-    ln = (lens[seq] - local * seg_len).clamp(0, seg_len)
-    n_before = n0[seq] + cm[bos] - cm[starts[seq]]
-    n_after = n_before + cm[bos + ln] - cm[bos]
-    return Pieces(torch.stack([bos, ln], 1).contiguous(), n_before.float().contiguous(),
-                  n_after.float().contiguous(), seq.contiguous(),
-                  torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
-
-
-def _segment_len(B, T, H, longest, rows: int | None = None):
-    """Piece length: ~kernel option `ccq_rows` (`HYBRIDIZE_CCQ_ROWS`, default 128) (piece, head) rows so that
-    B * H alone (often 16) does not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more
-    in the prefix scan and the per-piece sums than they gain, longer ones idle SMs; H100 sweeps in
-    benchmarks/RESULTS.md, sessions 5, 9 and 10). A forward alone used 64 rows in session 9, when its tile
-    was tuned once for every shape; with the tiles tuned per length and rows bucket (`_launch`) 128 rows
-    measured faster for it too (read forward 4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The
-    option `ccq_segment=<n>` (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the
-    target instead of `ccq_rows` (the pieces GLA passes its own)."""
-    opts = current_kernel_options()
-    if opts.ccq_segment is not None:
-        n = opts.ccq_segment
-    else:
-        rows = opts.ccq_rows if rows is None else int(rows)
-        n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
-    return None if n <= 0 or n >= longest else n
 
 
 #: bf16 product settings (kernel option `ccq_products`, `HYBRIDIZE_CCQ_PRODUCTS`): (PROD of the forward and dq
@@ -766,10 +587,10 @@ def _key_sums(k, mask, pc, M0, H, K):
     without pieces (with pieces the forward has it from the scan)."""
     G, N = pc.seg.shape[0], pc.segs.shape[0]
     sums = torch.empty(G, H, K, dtype=torch.float32, device=k.device)
-    if _interpreting():
-        _interpreter_shim()
+    if interpreting():
+        interpreter_shim()
     _key_sum_kernel[(G * H,)](k, sums if mask is None else mask, sums, pc.seg, H=H, K=K,
-                              BK=max(16, triton.next_power_of_2(K)), BT=16 if _interpreting() else 64,
+                              BK=max(16, triton.next_power_of_2(K)), BT=16 if interpreting() else 64,
                               HAS_MASK=mask is not None, num_warps=4)
     total = torch.zeros(N, H, K, dtype=torch.float32, device=k.device).index_add_(0, pc.seq, sums)
     if M0 is not None:
@@ -920,7 +741,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         o, fs = ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
                               cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
         return (o if clean is None else _clean_torch(q, o, clean)), fs
-    if _interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong
+    if interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong
         o, fs = ccq_triton(q.float(), k.float(), mask, initial_state, output_final_state, cu_seqlens, chunk_size,
                            segment_len, clean)
         return o.to(q.dtype), fs
@@ -946,10 +767,10 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
         S0 = (C0.float() * tf.view(N, 1, 1, 1)).contiguous()
         M0 = (mu0.float() * tf.view(N, 1, 1)).contiguous()
     if segment_len is None:
-        seg_len = None if _interpreting() else _segment_len(B, T, H, T if cu is None else B * T)
+        seg_len = None if interpreting() else piece_len(B, T, H, T if cu is None else B * T)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    pc = _table(B, T, cu, m, n0, seg_len, q.device)
+    pc = make_pieces(B, T, cu, m, n0, seg_len, q.device)
     o, S_end, M_end = _CCQReadFn.apply(q, k, m, S0, M0, pc, chunk_size, seg_len, prods, clean)
     if not output_final_state:
         return o, None

@@ -7,7 +7,7 @@ output's gradient and dS_t the gradient of the state S_t (from every later read,
     dq_t = scale S_t do_t           dk_t = dS_t v_t           dv_t = dS_t^T k_t
     dg_t = sum_{t' >= t} (q_t' * dq_t' - k_t' * dk_t')  +  rowsum(S_final * dS_final)
 
-Pieces (`triton_read._table`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
+Pieces (`triton_utils.make_pieces`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
 tokens alone, D = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's start), a GEMM walk; (2) the
 forward's scan run from the last piece (`gla_fwd.scan_pieces(reverse=True)`): R(j), the state gradient each
 piece receives from after its end, and the initial state's gradient; (3) `_dq_kernel`, forward in time from the
@@ -35,8 +35,8 @@ import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
 
-from hybridize.ops.ccq.triton_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _mdot_r,
-                       _tune_buckets)
+from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, mdot_r,
+                                               seg_bounds, tile_block, tune_buckets)
 from hybridize.ops.gla.triton_fwd import G_MIN, _pieces_for, _precision, _state_configs, check_inputs, forward_pieces, scan_pieces
 
 
@@ -61,8 +61,8 @@ def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.conste
     # exponents are <= 0 (G runs from the piece's start), so no rescaling of the sum as the walk goes on
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    _, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
-    bos, L = _bounds(seg, i_n)
+    _, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, V, BR, BC)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_D = tl.zeros([BR, BC], dtype=tl.float32)
     b_G = tl.zeros([BR], dtype=tl.float32)
@@ -89,7 +89,7 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
     # LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = tl.arange(0, BV)
@@ -107,7 +107,7 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
         b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
-        b_dq = _mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
+        b_dq = mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
         b_B = tl.where(tril, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0)
         b_dq += tl.dot(b_B.to(dt), (b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt),
                        input_precision=PREC) * tl.exp(b_gc - b_ref[None, :])
@@ -130,7 +130,7 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
     # and the gates' gradient suffix [BK]
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = tl.arange(0, BV)
@@ -154,7 +154,7 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
         b_Bt = tl.where(triu, tl.dot(b_v, tl.trans(b_do), input_precision=PREC), 0.0)
         b_dk = tl.dot(b_Bt.to(dt), (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
                       input_precision=PREC) * tl.exp(b_ref[None, :] - b_gc)
-        b_dk += _mdot_r(b_v, tl.trans(b_dS), PROD, PREC) * tl.exp(b_last[None, :] - b_gc)
+        b_dk += mdot_r(b_v, tl.trans(b_dS), PROD, PREC) * tl.exp(b_last[None, :] - b_gc)
         pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(dk + pk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -174,7 +174,7 @@ def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.cons
     # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -197,7 +197,7 @@ def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.cons
                       tl.trans((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt)), input_precision=PREC)
         b_At = tl.where(triu, b_At, 0.0)
         b_dv = tl.dot(b_At.to(dt), b_do, input_precision=PREC)
-        b_dv += _mdot_r((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS, PROD, PREC)
+        b_dv += mdot_r((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS, PROD, PREC)
         tl.store(dv + pv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_qd = (b_qs * tl.exp(b_gc)).to(dt)
         b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
@@ -226,22 +226,22 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     prec = _precision(q.dtype)
     BKF, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     own = torch.empty(G, H, K, V, **f32)
-    interp = _interpreting()
+    interp = interpreting()
     if interp:
-        _interpreter_shim()
+        interpreter_shim()
         _grad_sums_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
-            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, BT=_interp_tile(chunk_size), BR=16, BC=16, PREC=prec,
+            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, BT=interp_tile(chunk_size), BR=16, BC=16, PREC=prec,
             G_MIN=G_MIN)
     else:
         # a GEMM walk like the forward's piece states: the same tiles
-        _autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC"])[
+        autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC"])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
             q, do, g, pc.seg, own, scale, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
     rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
     dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
     dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
     prod = _products(q.dtype) if prod is None else prod
-    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **_tune_buckets(B * T, G * H))
+    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, pc.seg)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
@@ -252,15 +252,15 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
         return dq, dk, dv, dg, dh0
     key = ["K", "V", "PREC", "PROD", "LEN", "ROWS"]
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
-    _autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
-    _autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
-    _autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
+    autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
+    autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
+    autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
         q, k, g, do, pc.seg, rstarts, dv, scale, BK=BKF, **common)
     return dq, dk, dv, dg, dh0
 
 
 def _products(dtype) -> int:
-    """`triton_read._mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
+    """`triton_utils.mdot_r`'s PROD for the products with a carried fp32 state (gradient): fp32 inputs 0 (IEEE);
     bf16 2, one bf16 product (the state rounded once, as fla does), or with the kernel option
     `gla_products="split"` (`HYBRIDIZE_GLA_PRODUCTS=split`) 1, two bf16 products of a hi/lo split (~16 mantissa
     bits of the state); fp16 0 (tf32 tiles)."""
@@ -303,7 +303,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     wrong)."""
     check_inputs(q, k, v, g, cu_seqlens)
     _products(q.dtype)   # a bad gla_products option (HYBRIDIZE_GLA_PRODUCTS) fails here, not in the backward
-    if _interpreting() and q.dtype != torch.float32:
+    if interpreting() and q.dtype != torch.float32:
         o, st = gla_triton(q.float(), k.float(), v.float(), g.float(), scale, initial_state, output_final_state,
                            cu_seqlens, chunk_size, segment_len)
         return o.to(v.dtype), st

@@ -9,7 +9,7 @@ runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a 
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
 
-Every sequence is cut into pieces (`triton_read._table`, `_segment_len`). (1) `_piece_state_kernel`: each
+Every sequence is cut into pieces (`triton_utils.make_pieces`, `piece_len`). (1) `_piece_state_kernel`: each
 piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
 per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2) `_scan_kernel`: each piece's
 starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
@@ -34,8 +34,8 @@ import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
 
-from hybridize.ops.ccq.triton_read import (_autotuned, _block, _bounds, _interp_tile, _interpreter_shim, _interpreting, _segment_len,
-                       _table, _tune_buckets)
+from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, make_pieces,
+                                               piece_len, seg_bounds, tile_block, tune_buckets)
 
 
 @triton.jit
@@ -97,8 +97,8 @@ def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d
     # one program per ((key block, value block), piece, head)
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    _, i_c, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
-    bos, L = _bounds(seg, i_n)
+    _, i_c, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, V, BR, BC)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     b_L = tl.zeros([BR, BC], dtype=tl.float32)
     b_G = tl.zeros([BR], dtype=tl.float32)
@@ -129,7 +129,7 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
     # gradient from after it, and the gradient of the sequence's initial state
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    _, _, o_r, o_c, m_r, m_c = _block(tl.program_id(0), K, V, BR, BC)
+    _, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, V, BR, BC)
     m_blk = m_r[:, None] & m_c[None, :]
     blk = o_r[:, None] * V + o_c[None, :]
     first = tl.load(segs + 2 * i_n).to(tl.int64)
@@ -156,7 +156,7 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
     # one program per (value block, piece, head); LEN / ROWS: autotune key only
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L = _bounds(seg, i_n)
+    bos, L = seg_bounds(seg, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -206,7 +206,7 @@ def _state_configs():
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
 
 
-#: (piece, head) rows the automatic piece length aims at (`triton_read._segment_len`): the default of the kernel
+#: (piece, head) rows the automatic piece length aims at (`triton_utils.piece_len`): the default of the kernel
 #: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (session 11),
 #: forward+backward 16k: 128 rows 5.35 ms, 256 4.84, 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31
 #: (at 4k every setting from 256 up gives 512-token pieces)
@@ -218,10 +218,10 @@ def _pieces_for(q, B, T, cu, segment_len):
     interpreter, 0 one piece per sequence) and its length (None: one piece per sequence)."""
     if segment_len is None:
         rows = current_kernel_options().gla_rows
-        seg_len = None if _interpreting() else _segment_len(B, T, q.shape[2], T if cu is None else B * T, rows)
+        seg_len = None if interpreting() else piece_len(B, T, q.shape[2], T if cu is None else B * T, rows)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    return _table(B, T, cu, None, None, seg_len, q.device)
+    return make_pieces(B, T, cu, None, None, seg_len, q.device)
 
 
 def _precision(dtype) -> str:
@@ -234,9 +234,9 @@ def scan_pieces(own, decay, s0, segs, H, K, V, reverse=False):
     starts are the state gradients from after each piece and the end is the initial state's gradient)."""
     N = segs.shape[0]
     starts, s_end = torch.empty_like(own), own.new_empty(N, H, K, V)
-    B_ = 16 if _interpreting() else 32
-    if _interpreting():
-        _interpreter_shim()
+    B_ = 16 if interpreting() else 32
+    if interpreting():
+        interpreter_shim()
     _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
         own, decay, own if s0 is None else s0, starts, s_end, segs, H=H, K=K, V=V, BR=B_, BC=B_,
         HAS_H0=s0 is not None, REVERSE=reverse, num_warps=4)
@@ -289,25 +289,25 @@ def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | 
     BK = max(16, triton.next_power_of_2(K))
     src, flags = _gather_args(q, k, v, g, gather)
     st_src, st_flags = src[1:], dict(KS=flags["KS"], GATHER=flags["GATHER"], SCALE_K=flags["SCALE_K"])
-    if _interpreting():
-        _interpreter_shim()
-        BT = _interp_tile(chunk_size)
+    if interpreting():
+        interpreter_shim()
+        BT = interp_tile(chunk_size)
         _piece_state_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
             k, v, g, *st_src, pc.seg, own, decay, H=H, K=K, V=V, BT=BT, BR=16, BC=16, PREC=prec, G_MIN=G_MIN,
             **st_flags)
     else:
-        _autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC", *st_flags])[
+        autotuned(_piece_state_kernel, _state_configs, ["K", "V", "PREC", *st_flags])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
             k, v, g, *st_src, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **st_flags)
     starts, s_end = scan_pieces(own, decay, s0, pc.segs, H, K, V)
-    bucket = _tune_buckets(B * T, G * H)
+    bucket = tune_buckets(B * T, G * H)
     args = (q, k, v, g, *src, pc.seg, starts, o, scale)
-    if _interpreting():
+    if interpreting():
         BV = min(16, triton.next_power_of_2(V))
         _output_kernel[(triton.cdiv(V, BV), G * H)](*args, H=H, K=K, V=V, BK=BK, BT=16, BV=BV, PREC=prec,
                                                     G_MIN=G_MIN, **flags, **bucket)
     else:
-        _autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *flags, *bucket])[
+        autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *flags, *bucket])[
             lambda m: (triton.cdiv(V, m["BV"]), G * H)](*args, H=H, K=K, V=V, BK=BK, PREC=prec, G_MIN=G_MIN,
                                                         **flags, **bucket)
     return o, starts, decay, s_end

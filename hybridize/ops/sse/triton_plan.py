@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.ops.ccq.triton_read import _interpreter_shim, _interpreting
+from hybridize.ops.common.triton_utils import interpreter_shim, interpreting
 
 
 @triton.jit
@@ -137,8 +137,8 @@ def plan_triton(index: torch.Tensor, keep: torch.Tensor | None, cu: torch.Tensor
     order, inv = torch.empty(M, dtype=torch.long, device=dev), torch.empty(M, dtype=torch.long, device=dev)
     seg_cu = torch.empty(S * n + 2, dtype=torch.long, device=dev)
     layout_cu = seg_cu if shared_len is None else torch.empty(S + S * n + 2, dtype=torch.long, device=dev)
-    if _interpreting():
-        _interpreter_shim()
+    if interpreting():
+        interpreter_shim()
     flags = dict(BLOCK=BLOCK, NP=NP, HAS_KEEP=keep is not None, num_warps=4)
     if C:
         _count_kernel[(C,)](idx, kp, counts, M, **flags)

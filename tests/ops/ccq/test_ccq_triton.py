@@ -240,17 +240,17 @@ def test_interp_gpu_cleaning_uses_the_read_epilogue_without_grad(monkeypatch):
                                             (1, 4100, 4, [0, 1000, 1000, 3001, 4100], 300),
                                             (1, 70, 2, [0, 17, 17, 50, 70], 20), (2, 300, 2, None, None)])
 def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
-    """The device-side piece table (`_table`, pure PyTorch) at the CUDA tests' shapes, on the CPU (where
+    """The device-side piece table (`make_pieces`, pure PyTorch) at the CUDA tests' shapes, on the CPU (where
     an index out of range raises instead of a device assert): every piece lies inside the row, pieces
     of a sequence are contiguous and cover exactly its tokens, counts match the mask."""
-    from hybridize.ops.ccq.triton_read import _segment_len, _table
+    from hybridize.ops.common.triton_utils import make_pieces, piece_len
     cu_t = None if cu is None else torch.tensor(cu)
     N = B if cu is None else len(cu) - 1
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.1
     n0 = torch.arange(N) * 3
-    seg_len = (_segment_len(B, T, H, T if cu is None else B * T) if split is None
+    seg_len = (piece_len(B, T, H, T if cu is None else B * T) if split is None
                else (None if split <= 0 else split))
-    pc = _table(B, T, cu_t, mask.to(torch.int8), n0, seg_len, n0.device)
+    pc = make_pieces(B, T, cu_t, mask.to(torch.int8), n0, seg_len, n0.device)
     seg, segs, n_end = pc.seg, pc.segs, pc.n_end
     G = seg.shape[0]
     assert bool((seg[:, 0] >= 0).all()) and bool((seg.sum(1) <= B * T).all()) and bool((seg[:, 1] >= 0).all())
@@ -279,18 +279,18 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
 def test_segment_len_rule(monkeypatch):
     """Piece length: ~128 (piece, head) rows, 512..4096 tokens, none when one piece would hold the whole
     sequence; the environment overrides."""
-    from hybridize.ops.ccq.triton_read import _segment_len
+    from hybridize.ops.common.triton_utils import piece_len
     monkeypatch.delenv("HYBRIDIZE_CCQ_SEGMENT", raising=False)
     monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS", raising=False)
-    assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
+    assert [piece_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
     monkeypatch.setenv("HYBRIDIZE_CCQ_ROWS", "64")
-    assert [_segment_len(1, T, 16, T) for T in (4096, 16384, 32768)] == [1024, 4096, 4096]
+    assert [piece_len(1, T, 16, T) for T in (4096, 16384, 32768)] == [1024, 4096, 4096]
     monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS")
-    assert _segment_len(1, 512, 16, 512) is None and _segment_len(8, 8192, 32, 8192) == 4096
+    assert piece_len(1, 512, 16, 512) is None and piece_len(8, 8192, 32, 8192) == 4096
     monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "0")
-    assert _segment_len(1, 16384, 16, 16384) is None
+    assert piece_len(1, 16384, 16, 16384) is None
     monkeypatch.setenv("HYBRIDIZE_CCQ_SEGMENT", "300")
-    assert _segment_len(1, 16384, 16, 16384) == 300
+    assert piece_len(1, 16384, 16, 16384) == 300
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
@@ -298,25 +298,26 @@ def test_autotuners_keep_their_whole_lists_under_the_global_cap(monkeypatch):
     """The read's autotuners (passes and piece sums) are exempt from HYBRIDIZE_AUTOTUNE_TOP (meant for fla's
     long lists): capped to one config, each still tunes over its whole short list."""
     from hybridize.ops.ccq import triton_read as cr
+    from hybridize.ops.common import triton_utils as tu
     from hybridize.ops.common.autotune import limit_autotune
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)   # the read's own cap (tests that check numbers)
 
-    saved = dict(cr._TUNED)
-    cr._TUNED.clear()
+    saved = dict(tu.TUNED)
+    tu.TUNED.clear()
     try:
         limit_autotune(1)
         for kernel, configs in ((cr._ccq_fwd_kernel, cr._configs), (cr._piece_sums_kernel, cr._sums_configs),
                                 (cr._piece_grad_sums_kernel, cr._sums_configs)):
-            tuned = cr._autotuned(kernel, configs, ["K"])
+            tuned = tu.autotuned(kernel, configs, ["K"])
             assert len(tuned.prune_configs({})) == len(configs()) > 1
             # picks persist on disk (a new length bucket is tuned once per machine); Triton turns this off when
             # interpreting
-            assert tuned.cache_results or cr._interpreting()
+            assert tuned.cache_results or tu.interpreting()
     finally:
         limit_autotune(0)
-        cr._TUNED.clear()
-        cr._TUNED.update(saved)
+        tu.TUNED.clear()
+        tu.TUNED.update(saved)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
@@ -332,8 +333,8 @@ def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append(kw)
 
-    monkeypatch.setattr(cr, "_interpreting", lambda: False)
-    monkeypatch.setattr(cr, "_autotuned", lambda kernel, configs, key: seen.append(key) or Tuned())
+    monkeypatch.setattr(cr, "interpreting", lambda: False)
+    monkeypatch.setattr(cr, "autotuned", lambda kernel, configs, key: seen.append(key) or Tuned())
     for tokens, rows in ((4096, 64), (5000, 64), (32768, 64), (4096, 128)):
         cr._launch(cr._ccq_fwd_kernel, rows, 128, None, (), {"HAS_MASK": False}, tokens)
     keys, kws = seen[0::2], seen[1::2]
@@ -487,7 +488,7 @@ def test_cuda_every_autotune_config(monkeypatch):
         assert len(configs) > 1
         for i, cfg in enumerate(configs):
             monkeypatch.setattr(ccq_read, table, lambda cfg=cfg: [cfg])
-            ccq_read._TUNED.clear()
+            ccq_read.TUNED.clear()
             pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16)
             if table == "_configs":  # the forward pass's cleaning epilogue (inference) too
                 got, want = _cuda_cleaned(q, k, 600)
@@ -495,7 +496,7 @@ def test_cuda_every_autotune_config(monkeypatch):
             bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
             assert not bad, (table, i, cfg, bad)
         monkeypatch.setattr(ccq_read, table, lambda configs=configs: configs[:1])
-    ccq_read._TUNED.clear()
+    ccq_read.TUNED.clear()
 
 
 @interp_only

@@ -1,4 +1,4 @@
-"""The piece table kernel (`ops/ccq/triton_piece_table.py`) against the PyTorch table it replaces (interpreter)."""
+"""The piece table kernel (`ops/common/triton_piece_table.py`) against the PyTorch table it replaces (interpreter)."""
 import importlib.util
 import os
 
@@ -11,10 +11,10 @@ needs_interp = pytest.mark.skipif(not interp, reason="needs TRITON_INTERPRET=1, 
 
 
 def torch_table(B, T, cu, n0, seg_len, monkeypatch):
-    from hybridize.ops.ccq import triton_read as ccq_read
-    monkeypatch.setenv("TRITON_INTERPRET", "0")       # the PyTorch form (`_build_table` takes it off the GPU)
+    from hybridize.ops.common import triton_utils
+    monkeypatch.setenv("TRITON_INTERPRET", "0")       # the PyTorch form (`build_pieces` takes it off the GPU)
     try:
-        return ccq_read._build_table(B, T, cu, None, n0, seg_len, cu.device)
+        return triton_utils.build_pieces(B, T, cu, None, n0, seg_len, cu.device)
     finally:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
@@ -28,7 +28,7 @@ def torch_table(B, T, cu, n0, seg_len, monkeypatch):
     (list(range(0, 2600, 1)), 512, False),            # 2599 one-token documents: several blocks of earlier ones
 ])
 def test_kernel_table_equals_torch_table(cu, seg_len, with_n0, monkeypatch):
-    from hybridize.ops.ccq.triton_piece_table import piece_table
+    from hybridize.ops.common.triton_piece_table import piece_table
     cu_t = torch.tensor(cu)
     N, total = len(cu) - 1, cu[-1]
     n0 = torch.arange(N) * 3 + 1 if with_n0 else None
@@ -43,9 +43,9 @@ def test_kernel_table_equals_torch_table(cu, seg_len, with_n0, monkeypatch):
 @pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None),
                     reason="needs CUDA and triton")
 def test_cuda_kernel_table_equals_cpu_table():
-    from hybridize.ops.ccq import triton_read as ccq_read
+    from hybridize.ops.common import triton_utils
     cu = torch.tensor([0, 1000, 1000, 3001, 8192])
-    want = ccq_read._build_table(1, 8192, cu, None, None, 512, cu.device)
-    got = ccq_read._build_table(1, 8192, cu.cuda(), None, None, 512, torch.device("cuda"))
+    want = triton_utils.build_pieces(1, 8192, cu, None, None, 512, cu.device)
+    got = triton_utils.build_pieces(1, 8192, cu.cuda(), None, None, 512, torch.device("cuda"))
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)

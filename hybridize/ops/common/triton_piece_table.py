@@ -1,12 +1,12 @@
-"""The piece table of packed documents (`triton_read._table` with `cu_seqlens` and no mask) as one Triton kernel.
+"""The piece table of packed documents (`triton_utils.make_pieces` with `cu_seqlens` and no mask) as one Triton kernel.
 
-`triton_read._build_table` cuts every document of a packed row into pieces of `seg_len` tokens with about twenty
+`triton_utils.build_pieces` cuts every document of a packed row into pieces of `seg_len` tokens with about twenty
 small PyTorch ops (searchsorted, gathers, clamps, stacks). On the H100 each costs 1-3 us of device time, which
 at 4k tokens is a tenth of SSE's whole forward (benchmarks/RESULTS.md, session 12). Here one program per
 document writes its own rows: its first piece is the sum of the earlier documents' piece counts (each program
 adds them up itself, O(N^2) over documents but in blocks of 1024), then its pieces. The last document also
 writes the table's unused slots, as the PyTorch form does (length 0, clamped to the row's end), so both give
-the same table, which `tests/ops/ccq/test_piece_table.py` checks.
+the same table, which `tests/ops/common/test_piece_table.py` checks.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.ops.ccq.triton_read import _interpreter_shim, _interpreting
+from hybridize.ops.common.triton_utils import interpreter_shim, interpreting
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _table_kernel(cu, n0, seg, n_before, n_after, seq, segs, n_end, n_div, N, G,
 def piece_table(cu: torch.Tensor, seg_len: int, total: int, n0: torch.Tensor | None):
     """(seg `[G, 2]`, n_before `[G]`, n_after `[G]`, seq `[G]`, segs `[N, 2]`, n_end `[N]`, n_div `[N]`) for
     documents `cu` `[N + 1]` int64 over a row of `total` tokens, pieces of `seg_len`, initial counts n0 `[N]`
-    (None: zeros), G = N + total // seg_len slots: `triton_read.Pieces`' fields without a mask."""
+    (None: zeros), G = N + total // seg_len slots: `triton_utils.Pieces`' fields without a mask."""
     N = cu.numel() - 1
     G = N + total // seg_len
     dev = cu.device
@@ -66,8 +66,8 @@ def piece_table(cu: torch.Tensor, seg_len: int, total: int, n0: torch.Tensor | N
                              torch.empty(N, **i64))
     f32 = dict(dtype=torch.float32, device=dev)
     n_before, n_after, n_div = torch.empty(G, **f32), torch.empty(G, **f32), torch.empty(N, **f32)
-    if _interpreting():
-        _interpreter_shim()
+    if interpreting():
+        interpreter_shim()
     _table_kernel[(N,)](cu, cu if n0 is None else n0, seg, n_before, n_after, seq, segs, n_end, n_div, N, G, total,
                         seg_len, BLOCK=1024, HAS_N0=n0 is not None, num_warps=4)
     return seg, n_before, n_after, seq, segs, n_end, n_div

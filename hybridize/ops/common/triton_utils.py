@@ -1,0 +1,208 @@
+"""Triton helpers shared by our kernels (CCQ read, pieces GLA, SSE plan, piece table).
+
+- jit helpers: `seg_bounds` (a piece's first token and length from the `[G, 2]` table), `mdot` / `mdot_r`
+  (fp32-register times 16-bit-input products: one 16-bit product, a bf16 hi/lo split or tf32/IEEE fp32),
+  `tile_block` (row / column block of an R x C matrix cut into BR x BC blocks);
+- launch helpers: `interpreting` (TRITON_INTERPRET=1), `interpreter_shim` (Triton 3.6's interpreter with
+  NumPy >= 2.4), `interp_tile` (an interpreter run's token tile), `autotuned` (a kernel autotuned over a short
+  curated list, once per kernel, cached on disk; `TUNED` holds them), `tune_buckets` (power-of-two buckets of
+  tokens and rows, the key-only autotune arguments);
+- pieces: every sequence of the flat token axis cut into pieces of `piece_len` tokens so that B * H rows do not
+  leave most SMs idle: `Pieces`, `make_pieces` (cached on CUDA for plain shapes), `build_pieces` (on the device,
+  no host sync; the packed-documents case is one kernel, `triton_piece_table.py`).
+
+Imports triton at its top: loaded only by the Triton kernel modules (on CUDA or under the interpreter).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridize.ops.common.options import current_kernel_options
+
+
+@triton.jit
+def seg_bounds(seg, i_n):
+    """(first token, length) of segment i_n from the int64 table `seg` `[G, 2]`."""
+    return tl.load(seg + 2 * i_n).to(tl.int64), tl.load(seg + 2 * i_n + 1).to(tl.int64)
+
+
+@triton.jit
+def mdot(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
+    """a (fp32 registers) @ b (the 16-bit input dtype, exact). PROD 2: one 16-bit product (a rounded to b's
+    dtype); PROD 1: a = a_hi + a_lo in bf16, two bf16 products (~16 mantissa bits of a); PROD 0: one product
+    at PREC on fp32 tiles. fp32 accumulation in all three."""
+    if PROD == 2:
+        return tl.dot(a.to(b.dtype), b)
+    elif PROD == 1:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a_hi, b) + tl.dot(a_lo, b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def mdot_r(a, b, PROD: tl.constexpr, PREC: tl.constexpr):
+    """a (16-bit input, exact) @ b (fp32 registers); see `mdot`."""
+    if PROD == 2:
+        return tl.dot(a, b.to(a.dtype))
+    elif PROD == 1:
+        b_hi = b.to(tl.bfloat16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a, b_hi) + tl.dot(a, b_lo)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
+
+
+@triton.jit
+def tile_block(i_rc, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(row block index, column block index, rows `[BR]`, columns `[BC]`, their masks) of block i_rc of an
+    R x C matrix cut into BR x BC blocks, row-major."""
+    NC: tl.constexpr = (C + BC - 1) // BC
+    i_r, i_c = i_rc // NC, i_rc % NC
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    return i_r, i_c, o_r, o_c, o_r < R, o_c < C
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_shim() -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with `int(array of shape (1,))`, which
+    NumPy >= 2.4 refuses, so every `range(runtime value)` fails on CPU. Re-patch `__index__` to read
+    the single element (interpreter only; compiled kernels are unaffected). Idempotent."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_ccq_index_shim", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._ccq_index_shim = True
+
+
+TUNED: dict = {}
+
+
+def interp_tile(chunk_size) -> int:
+    """The token tile of an interpreter run: `chunk_size` (default 16), a power of two >= 16."""
+    interpreter_shim()
+    BT = 16 if chunk_size is None else int(chunk_size)
+    if BT < 16 or BT & (BT - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton CCQ read, got {chunk_size}")
+    return BT
+
+
+def autotuned(kernel, configs, key):
+    """`kernel` autotuned over `configs()`, built once per kernel. Every constexpr flag is part of `key`, so with
+    and without mask / initial state tune separately. Marked `full_tune`: the global cap meant for fla's long
+    lists (`autotune.py`, kernel option autotune_top) leaves these short, curated lists whole. The picks are cached
+    on disk by Triton (`cache_results`, keyed by the kernel source, the GPU, the key and the config list), so a
+    new length / rows bucket costs its tuning (seconds) once per machine, not once per process."""
+    if kernel not in TUNED:
+        TUNED[kernel] = triton.autotune(configs=configs(), key=key, cache_results=True)(kernel)
+        TUNED[kernel].full_tune = True
+    return TUNED[kernel]
+
+
+def tune_buckets(tokens, rows) -> dict:
+    """The key-only kernel arguments a pass autotunes on: power-of-two buckets of the token count and rows."""
+    return dict(LEN=triton.next_power_of_2(max(int(tokens), 1)), ROWS=triton.next_power_of_2(max(int(rows), 1)))
+
+
+class Pieces(NamedTuple):
+    """Where every kernel program works: the flat token axis cut into pieces (see `make_pieces`)."""
+    seg: torch.Tensor        # [G, 2] int64: first token, length (unused slots: length 0)
+    n_before: torch.Tensor   # [G] fp32: real tokens counted before the piece (initial count included)
+    n_after: torch.Tensor    # [G] fp32: ... and after it
+    seq: torch.Tensor        # [G] int64: the sequence a piece belongs to
+    segs: torch.Tensor       # [N, 2] int64: first piece, number of pieces, per sequence
+    n_end: torch.Tensor      # [N] int64: count at the end of each sequence
+    n_div: torch.Tensor      # [N] fp32: max(n_end, 1), what the mean key divides by
+
+
+_PIECES: dict = {}
+
+
+def make_pieces(B, T, cu, mask, n0, seg_len, device) -> Pieces:
+    """Pieces over the flat token axis (`[B, T]` rows or `cu_seqlens` documents), built on the device
+    without a host sync. Every sequence is cut into pieces of `seg_len` tokens (None: one piece each).
+    n0 `[N]`: the initial counts (None: zeros). Without a mask, cu_seqlens or initial counts the table depends
+    on the shape alone and is cached on CUDA (a dozen small launches per call otherwise)."""
+    plain = cu is None and mask is None and n0 is None and device.type == "cuda"
+    key = (B, T, seg_len, str(device)) if plain else None
+    if key is not None and key in _PIECES:
+        return _PIECES[key]
+    out = build_pieces(B, T, cu, mask, n0, seg_len, device)
+    if key is not None:
+        if len(_PIECES) > 64:
+            _PIECES.clear()
+        _PIECES[key] = out
+    return out
+
+
+def build_pieces(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
+    if cu is not None and mask is None and seg_len is not None and (dev.type == "cuda" or interpreting()):
+        from hybridize.ops.common.triton_piece_table import piece_table     # one kernel instead of ~20 small ops
+        return Pieces(*piece_table(cu, seg_len, B * T, n0))
+    if n0 is None:
+        n0 = torch.zeros(B if cu is None else len(cu) - 1, dtype=torch.long, device=dev)
+    if cu is None:
+        starts = torch.arange(B, device=dev) * T
+        lens = torch.full((B,), T, device=dev, dtype=torch.long)
+    else:
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    N, total = starts.numel(), B * T
+    if mask is None:
+        cm = torch.arange(total + 1, device=dev)
+    else:
+        cm = torch.cat([torch.zeros(1, device=dev, dtype=torch.long), mask.reshape(-1).long().cumsum(0)])
+    n_end = n0 + cm[starts + lens] - cm[starts]
+    n_div = n_end.clamp(min=1).float()
+    if seg_len is None:
+        ar = torch.arange(N, device=dev)
+        return Pieces(torch.stack([starts, lens], 1).contiguous(), n0.float().contiguous(),
+                      n_end.float().contiguous(), ar, torch.stack([ar, torch.ones_like(ar)], 1).contiguous(), n_end,
+                      n_div)
+    nseg = (lens + seg_len - 1) // seg_len
+    ends = nseg.cumsum(0)
+    G = N * triton.cdiv(T, seg_len) if cu is None else N + total // seg_len
+    p = torch.arange(G, device=dev)
+    seq = torch.searchsorted(ends, p, right=True).clamp(max=N - 1)
+    local = p - (ends - nseg)[seq]
+    bos = (starts[seq] + local * seg_len).clamp(max=total)
+    ln = (lens[seq] - local * seg_len).clamp(0, seg_len)
+    n_before = n0[seq] + cm[bos] - cm[starts[seq]]
+    n_after = n_before + cm[bos + ln] - cm[bos]
+    return Pieces(torch.stack([bos, ln], 1).contiguous(), n_before.float().contiguous(),
+                  n_after.float().contiguous(), seq.contiguous(),
+                  torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
+
+
+def piece_len(B, T, H, longest, rows: int | None = None):
+    """Piece length: ~kernel option `ccq_rows` (`HYBRIDIZE_CCQ_ROWS`, default 128) (piece, head) rows so that
+    B * H alone (often 16) does not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more
+    in the prefix scan and the per-piece sums than they gain, longer ones idle SMs; H100 sweeps in
+    benchmarks/RESULTS.md, sessions 5, 9 and 10). A forward alone used 64 rows in session 9, when its tile
+    was tuned once for every shape; with the tiles tuned per length and rows bucket (`_launch`) 128 rows
+    measured faster for it too (read forward 4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The
+    option `ccq_segment=<n>` (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the
+    target instead of `ccq_rows` (the pieces GLA passes its own)."""
+    opts = current_kernel_options()
+    if opts.ccq_segment is not None:
+        n = opts.ccq_segment
+    else:
+        rows = opts.ccq_rows if rows is None else int(rows)
+        n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
+    return None if n <= 0 or n >= longest else n
