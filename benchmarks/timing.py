@@ -38,8 +38,8 @@ def gpu_stack(script: str) -> str:
         raise SystemExit(f"benchmarks/{script} needs a CUDA device")
     import triton
 
-    from hybridize.ops.common import fla_adapter
-    if not fla_adapter.activate():
+    from hybridize.ops import gpu
+    if not gpu.activate():
         raise SystemExit("fla-core is not importable: pip install fla-core==0.6.0")
     return f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
 

@@ -232,8 +232,9 @@ def append_rows(path: str, rows: list[dict]) -> None:
 
 
 def run_group(name, out):
-    from hybridize.ops.common import dispatch, fla_adapter
-    assert fla_adapter.activate(), "fla adapter not available (CUDA + fla-core + triton needed)"
+    from hybridize.ops import gpu
+    from hybridize.ops.common import dispatch
+    assert gpu.activate(), "fla adapter not available (CUDA + fla-core + triton needed)"
     dispatch.set_backend("gpu")
 
     def done(new_rows):

@@ -253,8 +253,9 @@ def main():
     if not torch.cuda.is_available():
         print("benchmarks/ops/kernels.py: no CUDA device")
         return 0
-    from hybridize.ops.common import dispatch, fla_adapter
-    assert fla_adapter.activate()
+    from hybridize.ops import gpu
+    from hybridize.ops.common import dispatch
+    assert gpu.activate()
     dispatch.set_backend("auto")  # ccq decode has no GPU kernel: PyTorch ops on CUDA tensors
     from hybridize.ops.common.options import current_kernel_options
     Ts = [int(t) for t in a.T.split(",")]

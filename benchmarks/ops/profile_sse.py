@@ -42,8 +42,8 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
 
-    from hybridize.ops.common import fla_adapter
-    assert fla_adapter.activate()
+    from hybridize.ops import gpu
+    assert gpu.activate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for T in [int(t) for t in args.T.split(",")]:
         call, inputs, leaves = bk.sse_setup(T, args.n, "varlen")

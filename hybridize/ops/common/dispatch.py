@@ -65,8 +65,8 @@ def run(op: str, mode: str, *args, **kwargs):
         global _gpu_tried
         if not _gpu_tried:
             _gpu_tried = True
-            from hybridize.ops.common import fla_adapter
-            fla_adapter.activate()
+            from hybridize.ops import gpu   # the wrappers' modules: loaded on the first CUDA call only
+            gpu.activate()
         fn = _GPU.get((op, mode))
         if fn is not None:
             if torch.compiler.is_compiling():   # fla / Triton launchers stay opaque inside a compiled region

@@ -387,11 +387,13 @@ def test_cuda_varlen(dtype, split):
 def test_cuda_mixer_through_dispatch():
     """CCQ-GLA with the fused read registered for ccq/chunk: same output and gradients as the current
     GPU path (fla `chunk_gla` read), fp32."""
-    from hybridize.ops.common import dispatch, fla_adapter
+    from hybridize.ops import gpu
+    from hybridize.ops.ccq import fla as ccq_fla
+    from hybridize.ops.common import dispatch
     from hybridize.ops.ccq.triton_read import ccq_triton
     from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
 
-    if not fla_adapter.activate():
+    if not gpu.activate():
         pytest.skip("fla-core not importable")
     torch.manual_seed(0)
     cfg = CCQGLAConfig(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, ccq_fixed_lambda=0.7)
@@ -400,7 +402,7 @@ def test_cuda_mixer_through_dispatch():
     saved = dispatch._GPU[("ccq", "chunk")]
     outs = []
     try:
-        for fn in (ccq_triton, fla_adapter.ccq_chunk):
+        for fn in (ccq_triton, ccq_fla.ccq_chunk):
             dispatch.register_gpu("ccq", "chunk", fn)
             mixer.zero_grad()
             y = mixer(x, mode="chunk").hidden

@@ -10,7 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hybridize.ops import gpu
+from hybridize.ops.ccq import fla as ccq_fla
 from hybridize.ops.common import dispatch, fla_adapter
+from hybridize.ops.delta import fla as delta_fla
+from hybridize.ops.gla import fla as gla_fla
+from hybridize.ops.log_linear import fla as log_linear_fla
 from hybridize.ops.ccq.reference import ccq_recurrent
 from hybridize.ops.delta.reference import delta_recurrent
 from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
@@ -94,7 +99,7 @@ def test_importing_hybridize_does_not_import_triton_or_fla():
     # where triton is installed torch loads it itself on some import paths (torch._dynamo, torch.onnx), so the
     # triton half is only asserted where triton is absent (CPU CI; there it holds trivially and states the
     # intent). The fla half is the check that matters: activation must not import fla on a CPU machine
-    code = ("import sys, hybridize, hybridize.ops.common.fla_adapter as a, hybridize.ops.common.dispatch; "
+    code = ("import sys, hybridize, hybridize.ops.gpu as a, hybridize.ops.common.dispatch; "
             "a.activate(force=True); print('triton' in sys.modules, 'fla' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     if importlib.util.find_spec("triton") is not None:
@@ -105,9 +110,9 @@ def test_importing_hybridize_does_not_import_triton_or_fla():
 
 def test_activate_registers_every_wrapper(monkeypatch):
     monkeypatch.setattr(dispatch, "_GPU", {})
-    monkeypatch.setattr(fla_adapter, "_ACTIVE", False)
-    assert fla_adapter.activate(force=True)
-    assert set(dispatch._GPU) == set(fla_adapter.WRAPPERS)
+    monkeypatch.setattr(gpu, "_ACTIVE", False)
+    assert gpu.activate(force=True)
+    assert set(dispatch._GPU) == set(gpu.WRAPPERS)
 
 
 def test_qdelta_maps_p_to_comba_convention(fake_fla):
@@ -115,21 +120,21 @@ def test_qdelta_maps_p_to_comba_convention(fake_fla):
     p = k + 0.3 * q
     h0 = torch.randn(2, 2, 8, 6)
     ref, ref_s = delta_recurrent(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
-    o, s = fla_adapter.delta_chunk(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
+    o, s = delta_fla.delta_chunk(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
     assert fake_fla == ["comba_fwd"]
     assert _rel(o, ref) < 1e-5 and _rel(s, ref_s) < 1e-5
     with torch.no_grad():
-        o, s = fla_adapter.delta_recurrent(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
+        o, s = delta_fla.delta_recurrent(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
     assert fake_fla[-1] == "fused_recurrent_comba"
     assert _rel(o, ref) < 1e-5 and _rel(s, ref_s) < 1e-5
 
 
 def test_gdn_and_ungated_p(fake_fla):
     q, k, v, beta, g = _inputs(seed=1)
-    o, _ = fla_adapter.delta_chunk(q, k, v, beta, g=g)
+    o, _ = delta_fla.delta_chunk(q, k, v, beta, g=g)
     assert fake_fla == ["gdn_fwd"] and _rel(o, delta_recurrent(q, k, v, beta, g=g)[0]) < 1e-5
     p = k - 0.2 * q
-    o, _ = fla_adapter.delta_chunk(q, k, v, beta, p=p)            # no gate: g = 0 for fla
+    o, _ = delta_fla.delta_chunk(q, k, v, beta, p=p)            # no gate: g = 0 for fla
     assert _rel(o, delta_recurrent(q, k, v, beta, p=p)[0]) < 1e-5
 
 
@@ -138,21 +143,21 @@ def test_gla_gate_shapes_and_dtypes(fake_fla):
     gv = -torch.rand(*q.shape)
     for gate in (None, g, gv):
         ref = gla_recurrent(q, k, v, gate)[0]
-        assert _rel(fla_adapter.gla_chunk(q, k, v, gate)[0], ref) < 1e-5
-        assert _rel(fla_adapter.gla_recurrent(q, k, v, gate)[0], ref) < 1e-5
-    o, _ = fla_adapter.gla_chunk(q.bfloat16(), k.bfloat16(), v, g)   # o in v's dtype
+        assert _rel(gla_fla.gla_chunk(q, k, v, gate)[0], ref) < 1e-5
+        assert _rel(gla_fla.gla_recurrent(q, k, v, gate)[0], ref) < 1e-5
+    o, _ = gla_fla.gla_chunk(q.bfloat16(), k.bfloat16(), v, g)   # o in v's dtype
     assert o.dtype == torch.float32
 
 
 def test_fallbacks(fake_fla):
     q, k, v, beta, g = _inputs(seed=3)
     d = lambda t: t.double()  # noqa: E731
-    o, _ = fla_adapter.delta_chunk(d(q), d(k), d(v), d(beta), g=d(g))     # fp64 -> PyTorch op
+    o, _ = delta_fla.delta_chunk(d(q), d(k), d(v), d(beta), g=d(g))     # fp64 -> PyTorch op
     assert o.dtype == torch.float64 and fake_fla == []
     lam = torch.rand(*q.shape[:3], 5)
-    h0 = fla_adapter.dispatch.torch_impl("log_linear", "chunk")(q, k, v, g, lam, output_final_state=True)[1]
-    fla_adapter.log_linear_chunk(q, k, v, g, lam, initial_state=h0)       # state in -> PyTorch op
-    fla_adapter.log_linear_chunk(q, k, v, g, lam[..., :2])                 # too few levels -> PyTorch op
+    h0 = dispatch.torch_impl("log_linear", "chunk")(q, k, v, g, lam, output_final_state=True)[1]
+    log_linear_fla.log_linear_chunk(q, k, v, g, lam, initial_state=h0)       # state in -> PyTorch op
+    log_linear_fla.log_linear_chunk(q, k, v, g, lam[..., :2])                 # too few levels -> PyTorch op
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -164,11 +169,11 @@ def test_ccq_chunk_matches_recurrent(fake_fla, varlen):
         cu = torch.tensor([0, 6, 13])
         q, k = q[:1], k[:1]
         ref = ccq_recurrent(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
-        out = fla_adapter.ccq_chunk(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
+        out = ccq_fla.ccq_chunk(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
     else:
         mask = torch.rand(2, 13) > 0.2
         ref = ccq_recurrent(q, k, mask=mask, initial_state=state, output_final_state=True)
-        out = fla_adapter.ccq_chunk(q, k, mask=mask, initial_state=state, output_final_state=True)
+        out = ccq_fla.ccq_chunk(q, k, mask=mask, initial_state=state, output_final_state=True)
     assert fake_fla == ["chunk_gla"]
     assert _rel(out[0], ref[0]) < 1e-5
     for a, b in zip(out[1], ref[1]):
@@ -178,7 +183,7 @@ def test_ccq_chunk_matches_recurrent(fake_fla, varlen):
 @pytest.mark.parametrize("T", [1, 127, 128, 300])
 def test_cumsum_time_matches_cumsum(T):
     x = torch.randn(2, T, 3, 4, dtype=torch.float64, requires_grad=True)
-    y = fla_adapter.cumsum_time(x, block=16)
+    y = ccq_fla.cumsum_time(x, block=16)
     assert torch.allclose(y, x.cumsum(1))
     (g,) = torch.autograd.grad((y * torch.arange(T, dtype=torch.float64)[None, :, None, None]).sum(), x)
     assert torch.allclose(g, torch.arange(T, dtype=torch.float64).flip(0).cumsum(0).flip(0)[None, :, None, None]

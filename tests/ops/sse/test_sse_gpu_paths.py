@@ -290,8 +290,8 @@ def test_recurrent_inplace_updates_given_state(forced_triton):
 
 @pytest.fixture
 def gpu_backend():
-    from hybridize.ops.common import fla_adapter
-    fla_adapter.activate()
+    from hybridize.ops import gpu
+    gpu.activate()
     old = options.set_kernel_options(None)
     yield
     options.set_kernel_options(old)

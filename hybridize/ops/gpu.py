@@ -1,0 +1,40 @@
+"""Registers every op's GPU wrappers (`hybridize/ops/<op>/fla.py`) with `dispatch.register_gpu`.
+
+`dispatch.run` imports this module on its first CUDA call and calls `activate()`. Importing it imports nothing
+heavy: each wrapper imports fla-core (`ops/common/fla_adapter.fla`) or our Triton kernels on its first call, so
+`import hybridize` on a CPU machine never imports triton or fla. The table of GPU paths per (op, mode) is in
+`ops/common/fla_adapter.py`.
+"""
+from __future__ import annotations
+
+from hybridize.ops.ccq import fla as ccq_fla
+from hybridize.ops.common import dispatch, fla_adapter
+from hybridize.ops.delta import fla as delta_fla
+from hybridize.ops.gla import fla as gla_fla
+from hybridize.ops.log_linear import fla as log_linear_fla
+
+_ACTIVE = False
+
+WRAPPERS = {
+    ("gla", "chunk"): gla_fla.gla_chunk,
+    ("gla", "recurrent"): gla_fla.gla_recurrent,
+    ("delta", "chunk"): delta_fla.delta_chunk,
+    ("delta", "recurrent"): delta_fla.delta_recurrent,
+    ("log_linear", "chunk"): log_linear_fla.log_linear_chunk,
+    ("ccq", "chunk"): ccq_fla.ccq_fused,
+    ("ccq_clean", "chunk"): ccq_fla.ccq_clean_fused_chunk,
+    ("ccq_clean", "recurrent"): ccq_fla.ccq_clean_fused,
+}
+
+
+def activate(force: bool = False) -> bool:
+    """Register the GPU wrappers with dispatch (idempotent). Returns whether they are registered."""
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if not (force or fla_adapter.available()):
+        return False
+    for (op, mode), fn in WRAPPERS.items():
+        dispatch.register_gpu(op, mode, fn)
+    _ACTIVE = True
+    return True
