@@ -1,4 +1,4 @@
-"""GLA in pieces (`ops/gla/triton_fwd.py` + `gla_bwd.py`, built toward SSE's target) vs fla's chunk_gla.
+"""GLA in pieces (`ops/gla/triton_fwd.py` + `triton_bwd.py`, built toward SSE's target) vs fla's chunk_gla.
 
 For each T, side by side in one process, forward only and forward+backward, bf16, H=16, K=V=128, gates
 logsigmoid / 16 as GLA's and SSE's mixers make them:

@@ -1,4 +1,4 @@
-"""GLA's backward in the pieces layout of `gla_fwd.py`, and `gla_triton`: the op with both directions.
+"""GLA's backward in the pieces layout of `triton_fwd.py`, and `gla_triton`: the op with both directions.
 
 For S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T and o_t = scale * S_t^T q_t (per-key-channel gates), with do the
 output's gradient and dS_t the gradient of the state S_t (from every later read, plus the final state's):
@@ -298,7 +298,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     """GLA with per-key-channel gates, forward and backward in pieces: q, k, g `[B, T, H, K]` (g the log-decay,
     <= 0), v `[B, T, H, V]`, initial state `[N, H, K, V]`, packed `cu_seqlens` -> (o `[B, T, H, V]` in v's dtype,
     final state `[N, H, K, V]` fp32 or None). Gradients reach q, k, v, g and the initial state. Per-token
-    log-decays below -8 are taken as -8 (module docstring of `gla_fwd.py`). `segment_len` / `chunk_size`: as
+    log-decays below -8 are taken as -8 (module docstring of `triton_fwd.py`). `segment_len` / `chunk_size`: as
     `gla_fwd_triton`. Under TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit dot is
     wrong)."""
     check_inputs(q, k, v, g, cu_seqlens)

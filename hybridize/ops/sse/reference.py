@@ -478,7 +478,7 @@ def _gla_in_pieces(op: str, x: PathInputs) -> bool:
     """Whether the varlen GLA call runs our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`; CUDA, bf16
     inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
     (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md, session 11);
-    per-token log-decays below -8 are taken as -8 there (see `gla_fwd.py`).
+    per-token log-decays below -8 are taken as -8 there (see `ops/gla/triton_fwd.py`).
     The kernel option `sse_gla_pieces=False` (`HYBRIDIZE_SSE_GLA_PIECES=0`) or `kernels="torch"` keeps
     `dispatch`'s op (fla's chunk_gla on CUDA)."""
     if op != "gla" or x.g is None or not x.q.is_cuda or x.q.dtype != torch.bfloat16:

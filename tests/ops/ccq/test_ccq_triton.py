@@ -481,6 +481,7 @@ def test_cuda_every_autotune_config(monkeypatch):
     """Each tile configuration the autotuner may pick, alone (tests elsewhere run the first one only):
     bf16 forward and gradients against fp64, default products, pieces on."""
     from hybridize.ops.ccq import triton_read as ccq_read
+    from hybridize.ops.common import triton_utils
 
     monkeypatch.delenv("HYBRIDIZE_CCQ_TUNE_TOP", raising=False)
     q, k = _shared_direction_keys(1, 2500, 4, 128, seed=14)
@@ -490,7 +491,7 @@ def test_cuda_every_autotune_config(monkeypatch):
         assert len(configs) > 1
         for i, cfg in enumerate(configs):
             monkeypatch.setattr(ccq_read, table, lambda cfg=cfg: [cfg])
-            ccq_read.TUNED.clear()
+            triton_utils.TUNED.clear()
             pairs = run_both(*_cuda_ops(600), q, k, dtype=torch.bfloat16)
             if table == "_configs":  # the forward pass's cleaning epilogue (inference) too
                 got, want = _cuda_cleaned(q, k, 600)
@@ -498,7 +499,7 @@ def test_cuda_every_autotune_config(monkeypatch):
             bad = {n: rel(a, b) for n, a, b in pairs if rel(a, b) > SHARED_TOL.get(n, SHARED_TOL["*"])}
             assert not bad, (table, i, cfg, bad)
         monkeypatch.setattr(ccq_read, table, lambda configs=configs: configs[:1])
-    ccq_read.TUNED.clear()
+    triton_utils.TUNED.clear()
 
 
 @interp_only

@@ -1,4 +1,4 @@
-"""GLA in pieces (`ops/gla/triton_fwd.py`, `gla_bwd.py`) against `gla_recurrent`, forward and gradients.
+"""GLA in pieces (`ops/gla/triton_fwd.py`, `triton_bwd.py`) against `gla_recurrent`, forward and gradients.
 
 Gates: interpreter (`TRITON_INTERPRET=1`, triton importable): fp32 against the fp64 recurrent reference,
 odd lengths, K != V, pieces that cut tiles, an initial and a final state, varlen documents with an empty one,

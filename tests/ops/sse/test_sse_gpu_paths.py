@@ -1,4 +1,4 @@
-"""SSE GPU paths (ops/sse/reference.py + ops/sse/triton_route.py, sse_decode.py) against the PyTorch paths.
+"""SSE GPU paths (ops/sse/reference.py + ops/sse/triton_route.py, triton_decode.py) against the PyTorch paths.
 
 Three groups:
 - always: the device-side varlen plan against the host-side `varlen_index` (same reorder), and its
