@@ -9,7 +9,7 @@ and one way to print the table (device, shapes, dtype in the header; ratios side
   around each call when CUDA is there (CPU scripts);
 - `timed_call(fn)`: (result, seconds) of one CUDA-synchronised call;
 - `graphed(fn)` / `graph_time_us(fns)`: a CUDA-graph replay of `fn`, and the mean time per call of a graph;
-- `md_header(columns, align)` / `md_table(columns, rows)` / `dict_table(rows)`: markdown tables.
+- `md_header(columns, align)` / `md_table(columns, rows)`: markdown tables.
 
 Every script that times things imports these (`from benchmarks.timing import ...`); run scripts from the repo
 root as `python -m benchmarks.<folder>.<script>`.
@@ -150,19 +150,3 @@ def md_table(columns: list[str], rows: list[list], align: str = "") -> str:
     """A whole markdown table: `md_header(columns, align)`, then one line per row."""
     return "\n".join([md_header(columns, align)] + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
-
-def fmt(v) -> str:
-    """A float with 3 significant digits (1 decimal from 10 up); anything else as str."""
-    if isinstance(v, float):
-        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
-    return str(v)
-
-
-def dict_table(rows: list[dict]) -> str:
-    """A markdown table of dicts (the first row's keys are the columns), values through `fmt`."""
-    if not rows:
-        return "(none)"
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
