@@ -47,7 +47,7 @@ def errors(fn, ref, q, k):
 
 
 def run(T, segments):
-    from hybridize.ops.ccq.reference import ccq_chunk
+    from hybridize.ops.ccq.reference import chunk_ccq
     from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def run(T, segments):
         cases[f"ccq seg=auto, products={mode}"] = (with_products(mode), inp)
     cases["gla"] = (bk.run_gla, x)
     cases["gdn"] = (bk.run_delta, bk.delta_inputs(T))
-    diff = {mode: errors(with_products(mode), ccq_chunk, inp["q"], inp["k"]) for mode in MODES}
+    diff = {mode: errors(with_products(mode), chunk_ccq, inp["q"], inp["k"]) for mode in MODES}
     rows = {}
     for name, (fn, args) in cases.items():
         f, fb, leaves = bk.fwd_bwd(fn, args)

@@ -11,7 +11,7 @@ Sections (each row: forward and forward+backward milliseconds):
 - delta:   Gated DeltaNet vs Q-Delta (lam: p = k + lambda q formed by the op) through the delta op (fla fwd +
            checked bwd);
 - decode:  one-token step latency at context 4k..64k: GLA, GDN, Q-Delta recurrent steps (fla fused
-           recurrent); SSE n4k1 + shared as the full layer op `sse.sse_recurrent` (routing included):
+           recurrent); SSE n4k1 + shared as the full layer op `sse.naive_recurrent_sse` (routing included):
            `decode_sse_n4k1` eager on our Triton decode kernel (state updated in place),
            `decode_sse_n4k1_graph` the same step replayed from a CUDA graph, `decode_sse_n4k1_torch`
            the PyTorch gather -> fla fused recurrent -> scatter path; CCQ decode read; softmax
@@ -180,8 +180,8 @@ def sse_decode_setup(N=4):
     state = (torch.randn(1, H, D, D, device="cuda") * 0.01, torch.randn(1, N, H, D, D, device="cuda") * 0.01)
 
     def step():
-        return sse.sse_recurrent("gla", shared, sparse, sse.route(logits, 1), initial_state=state,
-                                 output_final_state=True, inplace=True)[0]
+        return sse.naive_recurrent_sse("gla", shared, sparse, sse.route(logits, 1), initial_state=state,
+                                       output_final_state=True, inplace=True)[0]
     return step
 
 

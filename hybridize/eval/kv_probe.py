@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.delta.reference import delta_chunk
-from hybridize.ops.gla.reference import gla_chunk
+from hybridize.ops.delta.reference import chunk_delta
+from hybridize.ops.gla.reference import chunk_gla
 from .common import print_table, save_line_plot, write_csv, write_json
 
 RELATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -91,7 +91,7 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 
 def _state_linear(k, v, decay: float | None = None):
     g = None if decay is None else torch.full(k.shape[:2] + (1,), math.log(decay), dtype=k.dtype)
-    _, S = gla_chunk(_heads(k), _heads(k), _heads(v), g=g, scale=1.0, output_final_state=True, chunk_size=64)
+    _, S = chunk_gla(_heads(k), _heads(k), _heads(v), g=g, scale=1.0, output_final_state=True, chunk_size=64)
     return S[:, 0]
 
 
@@ -100,7 +100,7 @@ def _state_delta(k, v, decay: float | None = None, p_scale: float = 1.0):
     beta = torch.ones(B, T, 1, dtype=k.dtype)
     g = None if decay is None else torch.full((B, T, 1), math.log(decay), dtype=k.dtype)
     p = None if p_scale == 1.0 else _heads(k) * p_scale
-    _, S = delta_chunk(_heads(k), _heads(k), _heads(v), beta, g=g, p=p, scale=1.0, output_final_state=True,
+    _, S = chunk_delta(_heads(k), _heads(k), _heads(v), beta, g=g, p=p, scale=1.0, output_final_state=True,
                        chunk_size=64)
     return S[:, 0]
 

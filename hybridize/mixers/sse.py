@@ -66,7 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.ops.decode_gemm.route import decode_linear
-from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, pick_layout, route, sse_recurrent
+from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, naive_recurrent_sse, pick_layout, route
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
                    repeat_kv)
@@ -352,7 +352,7 @@ class SSE(Mixer):
             routing = route(self.router(x), c.top_k, attention_mask)
         kw = {}
         if mode == "recurrent":
-            fn = sse_recurrent
+            fn = naive_recurrent_sse
             # the caller owns this state object (decode cache): the GPU step may update it in place
             kw["inplace"] = state is not None and state.writable
         else:

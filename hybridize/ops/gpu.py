@@ -16,11 +16,11 @@ from hybridize.ops.log_linear import fla as log_linear_fla
 _ACTIVE = False
 
 WRAPPERS = {
-    ("gla", "chunk"): gla_fla.gla_chunk,
-    ("gla", "recurrent"): gla_fla.gla_recurrent,
-    ("delta", "chunk"): delta_fla.delta_chunk,
-    ("delta", "recurrent"): delta_fla.delta_recurrent,
-    ("log_linear", "chunk"): log_linear_fla.log_linear_chunk,
+    ("gla", "chunk"): gla_fla.chunk_gla,
+    ("gla", "recurrent"): gla_fla.fused_recurrent_gla,
+    ("delta", "chunk"): delta_fla.chunk_delta,
+    ("delta", "recurrent"): delta_fla.fused_recurrent_delta,
+    ("log_linear", "chunk"): log_linear_fla.chunk_log_linear,
     ("ccq", "chunk"): ccq_fla.ccq_fused,
     ("ccq_clean", "chunk"): ccq_fla.ccq_clean_fused_chunk,
     ("ccq_clean", "recurrent"): ccq_fla.ccq_clean_fused,

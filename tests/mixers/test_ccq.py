@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.delta.reference import delta_recurrent
-from hybridize.ops.gla.reference import gla_recurrent
+from hybridize.ops.delta.reference import naive_recurrent_delta
+from hybridize.ops.gla.reference import naive_recurrent_gla
 from hybridize.mixers.ccq import CCQGDN, CCQGLA
 from hybridize.mixers.deltanet import GatedDeltaNet
 from hybridize.mixers.gla import GLA
@@ -116,11 +116,11 @@ def test_against_independent_computation(name):
     q, k, rest = backbone_keys_queries(m, x)
     qc = independent_q_clean(m, q, k).float()
     if name == "ccq_gla":
-        o, S = gla_recurrent(qc, k, rest["v"], rest["g"], scale=m.config.read_scale, output_final_state=True)
+        o, S = naive_recurrent_gla(qc, k, rest["v"], rest["g"], scale=m.config.read_scale, output_final_state=True)
         hidden = m.o_proj(m.read_out(o, x).reshape(2, 23, -1))
     else:
         rest = {**rest, "q": qc}
-        o, S = delta_recurrent(**rest, output_final_state=True)
+        o, S = naive_recurrent_delta(**rest, output_final_state=True)
         hidden = m.finish(o, x)
     assert rel_err(out.hidden, hidden) < FP32_TOL
     assert rel_err(out.state.recurrent, S) < FP32_TOL

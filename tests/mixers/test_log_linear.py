@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.gla.reference import gla_chunk
+from hybridize.ops.gla.reference import chunk_gla
 from hybridize.ops.log_linear.reference import occupied_levels
 from hybridize.mixers import mixer_class
 from hybridize.mixers.base import repeat_kv
@@ -160,7 +160,7 @@ def _backbone(m, x, lam0):
     q, k, v, _ = m.project_qkv(x)
     q, k = apply_feature_map(c.q_map, q), apply_feature_map(c.k_map, k)
     k, v = repeat_kv(k, m.n_rep), repeat_kv(v, m.n_rep)
-    o, _ = gla_chunk(q, k, v, m.log_decay(x), scale=c.read_scale)
+    o, _ = chunk_gla(q, k, v, m.log_decay(x), scale=c.read_scale)
     return m.o_proj((lam0 * o).reshape(*x.shape[:2], -1))
 
 

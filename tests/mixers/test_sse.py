@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.gla.reference import gla_recurrent
+from hybridize.ops.gla.reference import naive_recurrent_gla
 from hybridize.ops.sse.reference import route
 from hybridize.mixers import build_mixer
 from hybridize.mixers.sse import SSE, SSEGDN, SSEState
@@ -125,7 +125,7 @@ def test_reduces_to_gla_with_softmax_keys():
         k = m.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).softmax(-1).repeat_interleave(2, dim=2)
         v = F.silu(m.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)).repeat_interleave(2, dim=2)
         g = F.logsigmoid(m.gates["sparse"](x).view(B, T, c.num_heads, c.head_dim)) / 16
-        o, _ = gla_recurrent(q.double(), k.double(), v.double(), g.double())
+        o, _ = naive_recurrent_gla(q.double(), k.double(), v.double(), g.double())
         o = o / o.pow(2).mean(-1, keepdim=True).add(c.rms_norm_eps).sqrt() * m.o_norm.weight.double()
         o = o * F.silu(m.g_proj(x).double()).view(B, T, c.num_heads, c.head_dim)
         ref = o.reshape(B, T, -1) @ m.o_proj.weight.double().T

@@ -179,5 +179,5 @@ def test_decode_step_op_budget():
     assert rows["sse"]["layers"] == 5
     assert rows["sse"]["kernels_per_layer"] <= MAX_SSE_OPS, (rows["sse"], pieces)
     assert pieces.get("sse.state_update", 0) == 0, pieces       # states updated in place: no copy back
-    assert pieces["sse.sse_recurrent"] <= 3.5, pieces          # 2 kernel calls + 1 sum (+ a cached index once)
+    assert pieces["sse.naive_recurrent_sse"] <= 3.5, pieces          # 2 kernel calls + 1 sum (+ a cached index once)
     assert not res["eager"]["host_syncs_per_step"]

@@ -41,7 +41,7 @@ def check_gate(q, weight, bias, fixed_lambda) -> None:
                          f"and {tuple(bias.shape)}")
 
 
-def ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False):
+def chunk_ccq_clean(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False):
     """(q_clean, statistics); see the module docstring. `unit_keys`: the caller's k rows are already unit
     (or zero), as in Gated DeltaNet, so kbar = k (normalising twice is normalising once, gradient included)."""
     check_gate(q, weight, bias, fixed_lambda)
@@ -50,4 +50,4 @@ def ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
     return q - lam.unsqueeze(-1).to(q.dtype) * sigma_q, stats
 
 
-ccq_clean_recurrent = ccq_clean_chunk
+naive_recurrent_ccq_clean = chunk_ccq_clean

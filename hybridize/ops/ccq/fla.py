@@ -1,4 +1,4 @@
-"""CCQ's GPU wrappers: our fused Triton read and cleaning (`triton_read.py`, `triton_clean.py`) and `ccq_chunk`,
+"""CCQ's GPU wrappers: our fused Triton read and cleaning (`triton_read.py`, `triton_clean.py`) and `chunk_ccq`,
 the read through fla-core's `chunk_gla` (values = keys; kept as the comparison path). Registered with dispatch
 by `hybridize.ops.gpu` (GPU paths: `ops/common/fla_adapter.py`).
 """
@@ -27,7 +27,7 @@ def cumsum_time(x, block: int = 128):
     return (inner + offsets.unsqueeze(2)).reshape(B, n * block, *x.shape[2:])[:, :T]
 
 
-def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None):
+def chunk_ccq(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None):
     """Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t); C_t q_t is linear attention with values = keys."""
     if (unsupported(q, k) or (mask is not None and cu_seqlens is not None)
             or (cu_seqlens is not None and bool((cu_seqlens[1:] == cu_seqlens[:-1]).any()))):

@@ -8,10 +8,10 @@ With unit-norm keys k_j, the running second moment and mean over the real tokens
 `Sigma_t q_t = C_t q_t - mu_t (mu_t^T q_t)`, shape `[B, T, H, K]` like q. The mixer forms
 `q_clean = q - lambda_t * Sigma_t q_t`; nothing here touches the backbone.
 
-- `ccq_recurrent` is the ground truth, the paper's Algorithm 2: running-mean updates
+- `naive_recurrent_ccq` is the ground truth, the paper's Algorithm 2: running-mean updates
   `C_t = C_{t-1} + (k k^T - C_{t-1}) / t`, `mu_t = mu_{t-1} + (k - mu_{t-1}) / t`.
-- `ccq_chunk` is appendix B: `sum_j (k_j . q_t) k_j` is linear attention with values = keys and no
-  decay (`gla_chunk(q, k, k)`), the key sum is a cumulative sum, and the 1/t and 1/t^2
+- `chunk_ccq` is appendix B: `sum_j (k_j . q_t) k_j` is linear attention with values = keys and no
+  decay (`chunk_gla(q, k, k)`), the key sum is a cumulative sum, and the 1/t and 1/t^2
   normalisations are applied after the products (eq. 21-22).
 
 State (both forms): a tuple `(C [N, H, K, K], mu [N, H, K], t [N] int64)`, the normalised statistics
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridize.ops.gla.reference import acc_dtype, gla_chunk
+from hybridize.ops.gla.reference import acc_dtype, chunk_gla
 from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack
 
 CCQStats = tuple  # (C [N, H, K, K], mu [N, H, K], t [N] int64)
@@ -66,7 +66,7 @@ def _run_varlen(fn, q, k, mask, initial_state, output_final_state, cu_seqlens, *
     return padded_to_pack(out, cu_seqlens), state
 
 
-def ccq_recurrent(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def naive_recurrent_ccq(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Reference, one token at a time. q, k `[B, T, H, K]` -> (Sigma_t q_t `[B, T, H, K]`, stats or None)."""
     _check(q, k, mask)
     return _run_varlen(_ccq_recurrent, q, k, mask, initial_state, output_final_state, cu_seqlens)
@@ -96,9 +96,9 @@ def _ccq_recurrent(q, k, mask, initial_state, output_final_state):
     return o.to(q.dtype), ((C, mu, t) if output_final_state else None)
 
 
-def ccq_chunk(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def chunk_ccq(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               chunk_size: int = 32):
-    """Chunkwise form (appendix B); equal to `ccq_recurrent` up to float rounding. Same arguments."""
+    """Chunkwise form (appendix B); equal to `naive_recurrent_ccq` up to float rounding. Same arguments."""
     _check(q, k, mask)
     return _run_varlen(_ccq_chunk, q, k, mask, initial_state, output_final_state, cu_seqlens,
                        chunk_size=chunk_size)
@@ -116,7 +116,7 @@ def _ccq_chunk(q, k, mask, initial_state, output_final_state, chunk_size):
     S0 = C0 * t0f.view(B, 1, 1, 1)
     M0 = mu0 * t0f.view(B, 1, 1)
     # sum_{j<=t} (k_j . q_t) k_j: linear attention with values = keys (eq. 21)
-    Sq, S_end = gla_chunk(qf, kf, kf, None, scale=1.0, initial_state=S0, output_final_state=True,
+    Sq, S_end = chunk_gla(qf, kf, kf, None, scale=1.0, initial_state=S0, output_final_state=True,
                           chunk_size=chunk_size)
     M = M0.unsqueeze(1) + kf.cumsum(1)                 # running key sum [B, T, H, K]
     t = t0.unsqueeze(1) + m.long().cumsum(1)           # inclusive count [B, T]

@@ -1,6 +1,6 @@
 """CCQ query cleaning on the GPU: the PyTorch glue around the covariance read as two fused passes.
 
-Computes what `hybridize.ops.ccq.clean.ccq_clean_chunk` computes (same arguments):
+Computes what `hybridize.ops.ccq.clean.chunk_ccq_clean` computes (same arguments):
 - `unit_rows`: kbar = k / max(||k||, 1e-12), one pass forward and one backward
   (dk = (dkbar - kbar (kbar . dkbar)) / ||k||; dkbar / 1e-12 on rows below the clamp, as F.normalize);
 - the read itself is the caller's (`read(q, kbar)`, the Triton covariance read on CUDA);
@@ -196,7 +196,7 @@ class _CleanQuery(torch.autograd.Function):
 
 
 def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = False, read_cleans: bool = False):
-    """`ccq_clean_chunk` with the normalisation of k and the gate + update of q as fused Triton passes
+    """`chunk_ccq_clean` with the normalisation of k and the gate + update of q as fused Triton passes
     (`unit_keys`: k is used as it is, no normalisation pass either way). `read_cleans`: `read` takes
     `clean=(weight, bias, fixed lambda)` and then returns the cleaned query itself (the Triton read's epilogue,
     `ops/ccq/triton_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
@@ -204,7 +204,7 @@ def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
 
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:
-        return ref.ccq_clean_chunk(q, k, weight, bias, fixed_lambda, read, unit_keys)
+        return ref.chunk_ccq_clean(q, k, weight, bias, fixed_lambda, read, unit_keys)
     k_unit = k if unit_keys else _UnitRows.apply(k)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, weight, bias))
     if read_cleans and not grads:

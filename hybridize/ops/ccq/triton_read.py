@@ -1,6 +1,6 @@
 """CCQ covariance read (seed 000, appendix B) as one fused Triton chunked pass, forward and backward.
 
-Computes what `hybridize.ops.ccq.reference.ccq_chunk` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
+Computes what `hybridize.ops.ccq.reference.chunk_ccq` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
 for q, k `[B, T, H, K]`, with the same arguments (mask `[B, T]`, initial / final state `(C, mu, t)`,
 packed `cu_seqlens`), but instead of a second full linear-attention call plus an fp32 elementwise
 epilogue it keeps the un-normalised sums in registers and walks the sequence once:
@@ -720,7 +720,7 @@ def _clean_torch(q, sigma_q, clean):
 
 def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
                segment_len: int | None = None, clean=None):
-    """Sigma_t q_t with the signature of `ops.ccq.reference.ccq_chunk`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
+    """Sigma_t q_t with the signature of `ops.ccq.reference.chunk_ccq`: q, k `[B, T, H, K]` -> (o `[B, T, H, K]`
     in q's dtype, `(C [N, H, K, K], mu [N, H, K], t [N])` fp32 / int64 or None).
 
     `chunk_size` is used by the interpreter only (GPU tiles are autotuned). `segment_len` splits every
@@ -738,7 +738,7 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
             raise ValueError("ccq_triton(clean=...) has no backward; call it without gradient (torch.no_grad()), "
                              "or run the read and `ccq_clean` separately")
     if q.dtype == torch.float64 or q.shape[1] == 0 or q.dtype != k.dtype:
-        o, fs = ref.ccq_chunk(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+        o, fs = ref.chunk_ccq(q, k, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
                               cu_seqlens=cu_seqlens, **({} if chunk_size is None else {"chunk_size": chunk_size}))
         return (o if clean is None else _clean_torch(q, o, clean)), fs
     if interpreting() and q.dtype != torch.float32:  # the CPU interpreter's 16-bit tl.dot is wrong

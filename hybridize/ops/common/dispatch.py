@@ -38,7 +38,7 @@ def register_gpu(op: str, mode: str, fn: Callable) -> None:
 
 
 _TORCH: dict[tuple[str, str], Callable] = {}
-# the module holding each op's PyTorch forms `<op>_chunk` / `<op>_recurrent`
+# the module holding each op's PyTorch forms `chunk_<op>` / `naive_recurrent_<op>` (fla's naming)
 _TORCH_MODULES = {
     "gla": "hybridize.ops.gla.reference",
     "delta": "hybridize.ops.delta.reference",
@@ -52,7 +52,7 @@ def torch_impl(op: str, mode: str) -> Callable:
     fn = _TORCH.get((op, mode))
     if fn is None:   # looked up once: a dict read is also what torch.compile can trace (import_module is not)
         module = importlib.import_module(_TORCH_MODULES[op])
-        fn = _TORCH[(op, mode)] = getattr(module, f"{op}_{mode}")
+        fn = _TORCH[(op, mode)] = getattr(module, f"chunk_{op}" if mode == "chunk" else f"naive_recurrent_{op}")
     return fn
 
 

@@ -18,7 +18,7 @@ PyTorch op (`dispatch.torch_impl`) instead of guessing.
 |                    | with gradients required the chunk path above is used)                        |
 | log_linear / chunk | `chunk_log_linear_attn` (on fp32 copies) when no state in/out, no clamped level|
 | ccq / chunk        | our fused Triton read (`ops/ccq/triton_read.py`: C_t q, mu_t mu_t^T q, one    |
-|                    | chunked pass fwd + Triton bwd); `ccq_chunk` here (a `chunk_gla` call with     |
+|                    | chunked pass fwd + Triton bwd); `chunk_ccq` here (a `chunk_gla` call with     |
 |                    | values = keys, cumsum for mu, t) is kept as the comparison path               |
 | ccq_clean / both   | `ops/ccq/triton_clean.py`: CCQ's normalisation of k, gate and                 |
 |                    | q - lambda Sigma q as two fused passes around the read (forward and backward) |

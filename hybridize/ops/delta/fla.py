@@ -76,7 +76,7 @@ class _GatedDelta(torch.autograd.Function):
         return cast(dq, q), cast(dk, k), cast(dv, v), dp, dg, cast(db, beta), None, dh0, None, None
 
 
-def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
+def chunk_delta(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
                 cu_seqlens=None, chunk_size=None, lam=None):
     if unsupported(q, k, v, beta, g, p, initial_state) or v.shape[2] != q.shape[2]:
         return fallback("delta", "chunk", q, k, v, beta, g=g, p=p, scale=scale, initial_state=initial_state,
@@ -95,14 +95,14 @@ def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, o
     return o.to(v.dtype), (st if output_final_state else None)
 
 
-def delta_recurrent(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, lam=None):
+def fused_recurrent_delta(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, lam=None):
     if unsupported(q, k, v, beta, g, p, initial_state) or v.shape[2] != q.shape[2]:
         return fallback("delta", "recurrent", q, k, v, beta, g=g, p=p, scale=scale,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                          lam=lam)
     if needs_grad(q, k, v, beta, g, p, initial_state, lam):  # fla's fused recurrent kernels are forward-only
-        return delta_chunk(q, k, v, beta, g=g, p=p, scale=scale, initial_state=initial_state,
+        return chunk_delta(q, k, v, beta, g=g, p=p, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, lam=lam)
     c = lambda t: t.contiguous()  # noqa: E731
     scale = q.shape[-1] ** -0.5 if scale is None else scale

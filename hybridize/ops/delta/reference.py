@@ -22,7 +22,7 @@ Shapes: q, k, p `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, g `[B, T, H]
 (instead of p: Q-Delta's p = k + lam q, formed by the op so the GPU path can fuse it into one pass),
 initial/final state `[N, H, K, V]`, packed input: B == 1 with `cu_seqlens` `[N+1]`.
 
-`delta_recurrent` is the per-token ground truth. `delta_chunk` is the chunkwise WY / UT-transform
+`naive_recurrent_delta` is the per-token ground truth. `chunk_delta` is the chunkwise WY / UT-transform
 form, derived here for p != k. Inside one chunk with start state S0, let G_t = sum_{s<=t} g_s
 (in-chunk cumulative log-decay) and gamma_t = exp(G_t). Unrolling the recurrence gives
 
@@ -114,8 +114,8 @@ def _run(fn, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_s
     return padded_to_pack(o, cu_seqlens), state
 
 
-def delta_recurrent(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, lam=None):
+def naive_recurrent_delta(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, lam=None):
     """Reference: one token at a time. Returns (o `[B, T, H, V]`, final state `[N, H, K, V]` or None)."""
     return _run(_delta_recurrent, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens,
                 lam=lam)
@@ -138,9 +138,9 @@ def _delta_recurrent(q, k, v, beta, g, p, scale, initial_state, output_final_sta
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def delta_chunk(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
+def chunk_delta(q, k, v, beta, g=None, p=None, scale=None, initial_state=None, output_final_state=False,
                 cu_seqlens=None, chunk_size: int = 32, lam=None):
-    """Chunkwise WY / UT-transform form (module docstring); equal to `delta_recurrent` up to rounding."""
+    """Chunkwise WY / UT-transform form (module docstring); equal to `naive_recurrent_delta` up to rounding."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _run(_delta_chunk, q, k, v, beta, g, p, scale, initial_state, output_final_state, cu_seqlens,

@@ -17,7 +17,7 @@ def gate_for_keys(g, k):
 
 
 
-def gla_chunk(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               chunk_size=None):
     if unsupported(q, k, v, g, initial_state):
         return fallback("gla", "chunk", q, k, v, g, scale=scale, initial_state=initial_state,
@@ -28,7 +28,7 @@ def gla_chunk(q, k, v, g=None, scale=None, initial_state=None, output_final_stat
     return o.to(v.dtype), st
 
 
-def gla_recurrent(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def fused_recurrent_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     if unsupported(q, k, v, g, initial_state):
         return fallback("gla", "recurrent", q, k, v, g, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)

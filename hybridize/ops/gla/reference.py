@@ -4,7 +4,7 @@ Covers vanilla linear attention (`g=None`), scalar-per-head decay (`g` of shape 
 Mamba-2 / RetNet style) and GLA's per-key-channel decay (`g` of shape `[B, T, H, K]`); `g` is the
 log of the decay (<= 0). Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, state `[N, H, K, V]`.
 
-`gla_recurrent` is the per-token ground truth. `gla_chunk` is chunkwise-parallel: inside a chunk the
+`naive_recurrent_gla` is the per-token ground truth. `chunk_gla` is chunkwise-parallel: inside a chunk the
 pairwise decay exp(G_i - G_j) (j <= i, G the in-chunk cumulative log-decay) is formed explicitly,
 so every exponent is <= 0 and nothing overflows however strong the decay; across chunks the state
 is carried by a short loop. Same math as fla's `chunk_gla`, laid out for CPU PyTorch.
@@ -39,7 +39,7 @@ def _run_varlen(fn, q, k, v, g, initial_state, output_final_state, cu_seqlens, *
     return padded_to_pack(o, cu_seqlens), state
 
 
-def gla_recurrent(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def naive_recurrent_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Reference: one token at a time. Returns (o `[B, T, H, V]`, final state `[N, H, K, V]` or None)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _run_varlen(_gla_recurrent, q, k, v, g, initial_state, output_final_state, cu_seqlens, scale=scale)
@@ -59,9 +59,9 @@ def _gla_recurrent(q, k, v, g, initial_state, output_final_state, scale):
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def gla_chunk(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               chunk_size: int = 32):
-    """Chunkwise-parallel form; equal to `gla_recurrent` up to float rounding."""
+    """Chunkwise-parallel form; equal to `naive_recurrent_gla` up to float rounding."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _run_varlen(_gla_chunk, q, k, v, g, initial_state, output_final_state, cu_seqlens,
                        scale=scale, chunk_size=chunk_size)

@@ -1,6 +1,6 @@
 """GLA's forward built like the CCQ read: pieces, a scan over piece states, register-carried state.
 
-Computes what `hybridize.ops.gla.reference.gla_chunk` computes for per-key-channel gates:
+Computes what `hybridize.ops.gla.reference.chunk_gla` computes for per-key-channel gates:
 S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t, for q, k, g `[B, T, H, K]`, v `[B, T, H, V]`,
 an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. Written for SSE's speed target (issue 6): SSE
 runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per token than fla's

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hybridize.ops.common.fla_adapter import fallback, fla, long_cu, unsupported
 
 
-def log_linear_chunk(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
+def chunk_log_linear(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_size=None, **kw):
     """fla covers: no state in or out, K a multiple of 64, V a power of two, no level clamped by us."""
     args = (q, k, v, g, level_scales)

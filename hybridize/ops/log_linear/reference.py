@@ -16,11 +16,11 @@ Since the levels partition the prefix, lambda == 1 gives back the linear backbon
 same scalar decay). Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]`, state
 `LogLinearState(levels [N, H, L, K, V], t [N])` where t counts the tokens already consumed.
 
-Recurrent form (`log_linear_recurrent`, the ground truth, O(L K V) per token): before token t is
+Recurrent form (`naive_recurrent_log_linear`, the ground truth, O(L K V) per token): before token t is
 written, levels 0..d with d = min(ctz(t) + 1, L - 1) merge into level d (ctz = count of trailing
 zeros; the Fenwick carry), every level decays by exp(g_t), and k_t v_t^T becomes level 0.
 
-Chunked form (`log_linear_chunk`): chunks of C = 2^c tokens aligned to absolute positions (multiples
+Chunked form (`chunk_log_linear`): chunks of C = 2^c tokens aligned to absolute positions (multiples
 of C), so every query of a chunk sees the tokens of earlier chunks in the same buckets: a source in
 an earlier chunk has level c + bit_length(P XOR S) (P, S chunk indices), i.e. the Fenwick hierarchy
 again, one level of chunks per level above c. Per chunk: (1) intra-chunk quadratic masked form with
@@ -160,8 +160,8 @@ def _run(fn, q, k, v, g, level_scales, scale, initial_state, output_final_state,
 
 # ---- recurrent form -----------------------------------------------------------------------------
 
-def log_linear_recurrent(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None):
+def naive_recurrent_log_linear(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None):
     """Reference: one token at a time, O(L K V) per token.
 
     q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]` log-decay (<= 0; None = no decay),
@@ -188,9 +188,9 @@ def _recurrent(q, k, v, g, lam, h0, t0, lengths, scale):
 
 # ---- chunked form -------------------------------------------------------------------------------
 
-def log_linear_chunk(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
+def chunk_log_linear(q, k, v, g, level_scales, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_size: int = 32):
-    """Chunkwise form (aligned chunks + chunk-level Fenwick states); equals `log_linear_recurrent`."""
+    """Chunkwise form (aligned chunks + chunk-level Fenwick states); equals `naive_recurrent_log_linear`."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _run(_chunk, q, k, v, g, level_scales, scale, initial_state, output_final_state, cu_seqlens,

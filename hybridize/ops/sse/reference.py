@@ -28,7 +28,7 @@ decides which tokens reach which of the N state partitions of each head.
     without gradient it reads the shared and sparse tensors in place (`_gla_gathers`), so the row packs are skipped.
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
-  * `sse_recurrent`: per-token ground truth and decode: gathers the K selected partition states,
+  * `naive_recurrent_sse`: per-token ground truth and decode: gathers the K selected partition states,
     runs the op's recurrent form for one step on them (with the shared partition), scatters back.
     On CUDA without gradients the Triton `ops/sse/triton_decode.py` step does this inside the state
     tensor instead (no copies, no host sync, CUDA-graph capturable; `inplace=True` writes the given
@@ -491,10 +491,10 @@ def _gla_in_pieces(op: str, x: PathInputs) -> bool:
 
 # ---- recurrent ground truth / decode ---------------------------------------------------------
 
-def sse_recurrent(op: str, shared: PathInputs | None, sparse: PathInputs, routing: Routing, *,
-                  emulq: bool = True, emulk: bool = True, scale=None, initial_state=None,
-                  output_final_state: bool = False, cu_seqlens=None, chunk_size: int | None = None,
-                  inplace: bool = False):
+def naive_recurrent_sse(op: str, shared: PathInputs | None, sparse: PathInputs, routing: Routing, *,
+                        emulq: bool = True, emulk: bool = True, scale=None, initial_state=None,
+                        output_final_state: bool = False, cu_seqlens=None, chunk_size: int | None = None,
+                        inplace: bool = False):
     """Token-by-token ground truth and decode step.
 
     PyTorch path (CPU, fp64, kernel option `kernels="torch"`, or gradients needed): gather the K selected
@@ -512,8 +512,8 @@ def sse_recurrent(op: str, shared: PathInputs | None, sparse: PathInputs, routin
         sh = None if shared is None else PathInputs(
             *(pad(t) for t in (shared.q, shared.k, shared.v, shared.g, shared.beta)))
         rt = Routing(pad(routing.probs), pad(routing.index), pad(routing.selected))
-        o, s1, s2 = sse_recurrent(op, sh, sp, rt, emulq=emulq, emulk=emulk, scale=scale,
-                                  initial_state=initial_state, output_final_state=output_final_state)
+        o, s1, s2 = naive_recurrent_sse(op, sh, sp, rt, emulq=emulq, emulk=emulk, scale=scale,
+                                        initial_state=initial_state, output_final_state=output_final_state)
         return padded_to_pack(o, cu_seqlens), s1, s2
     if _decode_kernel_ok(shared, sparse, routing, initial_state):
         return _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state,

@@ -1,6 +1,6 @@
 """Partition-sparse SSE decode step (seed 001): reads and writes only the selected partition states.
 
-The PyTorch path of `ops.sse.reference.sse_recurrent` gathers the K selected partitions of every row into
+The PyTorch path of `ops.sse.reference.naive_recurrent_sse` gathers the K selected partitions of every row into
 a new tensor, runs the recurrent op and scatters them back: three full copies of the selected states
 per token. Here
 one Triton program per (row, slot, head, value block) loads its partition's `[K, BV]` state block
@@ -19,7 +19,7 @@ per-slot factors on q and k (SSE's router probability, emulq / emulk); with p No
 direction is the scaled k. Returns o `[B, S, H, V]` fp32 per slot; the caller sums the slots (and
 the shared partition, which is just another call with P = 1 and index 0). Two slots of one row
 must not select the same partition (top-K indices are distinct). No host sync, no data-dependent
-shape: the step can be captured in a CUDA graph (`ops.sse.reference.sse_recurrent` is the caller).
+shape: the step can be captured in a CUDA graph (`ops.sse.reference.naive_recurrent_sse` is the caller).
 """
 from __future__ import annotations
 

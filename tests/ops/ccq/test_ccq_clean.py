@@ -23,7 +23,7 @@ from tests.ops.triton_gates import cuda_only, interp_only, rel
 
 
 def torch_read(q, k_unit):
-    return ccq.ccq_chunk(q, k_unit, output_final_state=True)
+    return ccq.chunk_ccq(q, k_unit, output_final_state=True)
 
 
 def make(B, T, H, K, dtype, device="cpu", seed=0, zero_row=True):
@@ -53,20 +53,20 @@ def grads(fn, q, k, w, b, fixed, seed=5):
 
 def test_reference_is_the_mixer_formula():
     q, k, w, b = make(2, 9, 3, 8, torch.float64)
-    out, _ = ccq_clean.ccq_clean_chunk(q, k, w, b, None, torch_read)
-    sig, _ = ccq.ccq_recurrent(q, F.normalize(k, dim=-1))
+    out, _ = ccq_clean.chunk_ccq_clean(q, k, w, b, None, torch_read)
+    sig, _ = ccq.naive_recurrent_ccq(q, F.normalize(k, dim=-1))
     lam = torch.sigmoid(torch.einsum("bthk,hk->bth", F.normalize(q, dim=-1), w) + b)
     torch.testing.assert_close(out, q - lam.unsqueeze(-1) * sig, rtol=1e-10, atol=1e-10)
-    fixed, _ = ccq_clean.ccq_clean_chunk(q, k, None, None, 0.25, torch_read)
+    fixed, _ = ccq_clean.chunk_ccq_clean(q, k, None, None, 0.25, torch_read)
     torch.testing.assert_close(fixed, q - 0.25 * sig, rtol=1e-10, atol=1e-10)
 
 
 def test_reference_rejects_bad_gate():
     q, k, w, b = make(1, 4, 2, 8, torch.float64)
     with pytest.raises(ValueError, match="weight and bias"):
-        ccq_clean.ccq_clean_chunk(q, k, None, None, None, torch_read)
+        ccq_clean.chunk_ccq_clean(q, k, None, None, None, torch_read)
     with pytest.raises(ValueError, match=r"weight must be \[2, 8\]"):
-        ccq_clean.ccq_clean_chunk(q, k, w[:, :4], b, None, torch_read)
+        ccq_clean.chunk_ccq_clean(q, k, w[:, :4], b, None, torch_read)
 
 
 @interp_only
@@ -80,7 +80,7 @@ def test_fused_matches_reference(shape, fixed, zero_row):
 
     B, T, H, K = shape
     test = grads(ccq_clean_fused, *make(B, T, H, K, torch.float32, zero_row=zero_row), fixed)
-    ref = grads(ccq_clean.ccq_clean_chunk, *make(B, T, H, K, torch.float64, zero_row=zero_row), fixed)
+    ref = grads(ccq_clean.chunk_ccq_clean, *make(B, T, H, K, torch.float64, zero_row=zero_row), fixed)
     for name, a, r in zip(["q_clean", "dq", "dk", "dw", "db"], test, ref):
         torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -92,7 +92,7 @@ def test_fused_cuda(dtype, tol):
 
     shape = (1, 4099, 4, 128)
     test = grads(ccq_clean_fused, *make(*shape, dtype, device="cuda", zero_row=False), None)
-    ref = grads(ccq_clean.ccq_clean_chunk, *make(*shape, torch.float64, device="cuda", zero_row=False), None)
+    ref = grads(ccq_clean.chunk_ccq_clean, *make(*shape, torch.float64, device="cuda", zero_row=False), None)
     for name, a, r in zip(["q_clean", "dq", "dk", "dw", "db"], test, ref):
         assert rel(a, r) < tol, (name, rel(a, r))
     torch.cuda.synchronize()

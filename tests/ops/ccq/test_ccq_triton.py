@@ -3,7 +3,7 @@
 Gates:
 - triton importable (CPU, no kernel): the device-side piece table's bounds at the CUDA tests' shapes;
 - interpreter: `TRITON_INTERPRET=1` and triton importable (CPU, tiny shapes, chunk 16, odd T): forward
-  and gradients (q, k, initial C and mu, through the final state) against `ccq_recurrent` in fp64
+  and gradients (q, k, initial C and mu, through the final state) against `naive_recurrent_ccq` in fp64
   (autograd through the reference), with mask, initial state, varlen (incl. an empty document);
 - CUDA: the compiled kernels at T ~ 4k, fp32 and bf16, against the fp64 PyTorch chunked op on the GPU.
 
@@ -86,12 +86,12 @@ FP32 = {"*": 1e-5}
 
 def _ops(segment_len=None):
     """(kernel op at chunk 16, optionally with the forward split into pieces, reference)."""
-    from hybridize.ops.ccq.reference import ccq_recurrent
+    from hybridize.ops.ccq.reference import naive_recurrent_ccq
     from hybridize.ops.ccq.triton_read import ccq_triton
 
     def test_op(*a, **kw):
         return ccq_triton(*a, chunk_size=16, segment_len=segment_len, **kw)
-    return test_op, ccq_recurrent
+    return test_op, naive_recurrent_ccq
 
 
 SPLITS = [None, 32, 20]   # one pass per sequence; pieces of two chunks; pieces that cut a chunk
@@ -158,10 +158,10 @@ def test_interp_no_grad_and_errors():
 def _cleaned_ref(q, k, w, b, fixed, **kw):
     """q - lambda Sigma q and the final statistics from the fp64 PyTorch read and gate."""
     from hybridize.ops.ccq import clean as ccq_clean
-    from hybridize.ops.ccq.reference import ccq_recurrent
+    from hybridize.ops.ccq.reference import naive_recurrent_ccq
 
     q64, k64 = q.double(), k.double()
-    sig, fs = ccq_recurrent(q64, k64, output_final_state=True, **kw)
+    sig, fs = naive_recurrent_ccq(q64, k64, output_final_state=True, **kw)
     lam = ccq_clean.gate(F.normalize(q64, dim=-1), None if w is None else w.double(),
                          None if b is None else b.double(), fixed)
     return q64 - lam.unsqueeze(-1) * sig, fs
@@ -220,9 +220,9 @@ def test_interp_gpu_cleaning_uses_the_read_epilogue_without_grad(monkeypatch):
         return ccq_triton(qq, kk, output_final_state=True, chunk_size=16, **extra)
 
     def torch_read(qq, kk):
-        from hybridize.ops.ccq.reference import ccq_chunk
-        return ccq_chunk(qq, kk, output_final_state=True)
-    want, _ = ccq_clean.ccq_clean_chunk(q.double(), k.double(), w.double(), b.double(), None, torch_read,
+        from hybridize.ops.ccq.reference import chunk_ccq
+        return chunk_ccq(qq, kk, output_final_state=True)
+    want, _ = ccq_clean.chunk_ccq_clean(q.double(), k.double(), w.double(), b.double(), None, torch_read,
                                         unit_keys=True)
     with torch.no_grad():
         got, _ = fused.ccq_clean_fused_chunk(q, k, w, b, None, read, unit_keys=True)
@@ -346,12 +346,12 @@ def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
 
 def _cuda_ops(segment_len=None):
     """(compiled op: forward split automatically, or 0 = one pass per sequence; fp64 PyTorch chunk op)."""
-    from hybridize.ops.ccq.reference import ccq_chunk
+    from hybridize.ops.ccq.reference import chunk_ccq
     from hybridize.ops.ccq.triton_read import ccq_triton
 
     def test_op(*a, **kw):
         return ccq_triton(*a, segment_len=segment_len, **kw)
-    return test_op, ccq_chunk
+    return test_op, chunk_ccq
 
 
 # fp32: IEEE dots, sums over ~4k tokens; bf16: the output and gradients are rounded to bf16 (~4e-3)
@@ -402,7 +402,7 @@ def test_cuda_mixer_through_dispatch():
     saved = dispatch._GPU[("ccq", "chunk")]
     outs = []
     try:
-        for fn in (ccq_triton, ccq_fla.ccq_chunk):
+        for fn in (ccq_triton, ccq_fla.chunk_ccq):
             dispatch.register_gpu("ccq", "chunk", fn)
             mixer.zero_grad()
             y = mixer(x, mode="chunk").hidden
@@ -506,13 +506,13 @@ def test_cuda_every_autotune_config(monkeypatch):
 def test_interp_only_the_final_state_used():
     """A loss on the final statistics alone (the output unused: autograd hands the op no output gradient):
     dk as the reference's, dq zero."""
-    from hybridize.ops.ccq.reference import ccq_recurrent
+    from hybridize.ops.ccq.reference import naive_recurrent_ccq
     from hybridize.ops.ccq.triton_read import ccq_triton
 
     torch.set_num_threads(1)
     q, k = inputs(1, 37, 2, 16, seed=9)
     grads = []
-    for fn, dt, kw in ((ccq_triton, torch.float32, {"chunk_size": 16}), (ccq_recurrent, torch.float64, {})):
+    for fn, dt, kw in ((ccq_triton, torch.float32, {"chunk_size": 16}), (naive_recurrent_ccq, torch.float64, {})):
         qq, kk = q.to(dt).requires_grad_(), k.to(dt).requires_grad_()
         _, (C, mu, _) = fn(qq, kk, output_final_state=True, **kw)
         dq, dk = torch.autograd.grad((C * C).sum() + mu.sum(), [qq, kk], allow_unused=True)

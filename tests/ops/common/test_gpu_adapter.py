@@ -16,9 +16,9 @@ from hybridize.ops.common import dispatch, fla_adapter
 from hybridize.ops.delta import fla as delta_fla
 from hybridize.ops.gla import fla as gla_fla
 from hybridize.ops.log_linear import fla as log_linear_fla
-from hybridize.ops.ccq.reference import ccq_recurrent
-from hybridize.ops.delta.reference import delta_recurrent
-from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
+from hybridize.ops.ccq.reference import naive_recurrent_ccq
+from hybridize.ops.delta.reference import naive_recurrent_delta
+from hybridize.ops.gla.reference import chunk_gla, naive_recurrent_gla
 
 
 def _rel(a, b):
@@ -41,7 +41,7 @@ def _fake_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_sta
     assert g.shape == q.shape and g.dtype == torch.float32
     assert initial_state is None or initial_state.dtype == torch.float32
     assert cu_seqlens is None or cu_seqlens.dtype == torch.long
-    o, st = gla_chunk(q, k, v, g, scale=scale, initial_state=initial_state,
+    o, st = chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return o.to(q.dtype), st
 
@@ -57,7 +57,7 @@ def fake_fla(monkeypatch):
 
     def gdn_fwd(q, k, v, g, beta, scale, h0, out_final, cu_seqlens=None, chunk_indices=None):
         calls.append("gdn_fwd")
-        o, S = delta_recurrent(q, k, v, beta, g=g, scale=scale, initial_state=h0, output_final_state=True)
+        o, S = naive_recurrent_delta(q, k, v, beta, g=g, scale=scale, initial_state=h0, output_final_state=True)
         return None, o, None, (S if out_final else None), h0, None
 
     def fused_recurrent_comba(q, k, p, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -69,8 +69,8 @@ def fake_fla(monkeypatch):
     def fused_recurrent_gla(q, k, v, gk=None, scale=None, initial_state=None, output_final_state=False,
                             cu_seqlens=None):
         calls.append("fused_recurrent_gla")
-        return gla_recurrent(q, k, v, gk, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return naive_recurrent_gla(q, k, v, gk, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
     def chunk_gla(*a, **kw):
         calls.append("chunk_gla")
@@ -119,45 +119,45 @@ def test_qdelta_maps_p_to_comba_convention(fake_fla):
     q, k, v, beta, g = _inputs()
     p = k + 0.3 * q
     h0 = torch.randn(2, 2, 8, 6)
-    ref, ref_s = delta_recurrent(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
-    o, s = delta_fla.delta_chunk(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
+    ref, ref_s = naive_recurrent_delta(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
+    o, s = delta_fla.chunk_delta(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
     assert fake_fla == ["comba_fwd"]
     assert _rel(o, ref) < 1e-5 and _rel(s, ref_s) < 1e-5
     with torch.no_grad():
-        o, s = delta_fla.delta_recurrent(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
+        o, s = delta_fla.fused_recurrent_delta(q, k, v, beta, g=g, p=p, initial_state=h0, output_final_state=True)
     assert fake_fla[-1] == "fused_recurrent_comba"
     assert _rel(o, ref) < 1e-5 and _rel(s, ref_s) < 1e-5
 
 
 def test_gdn_and_ungated_p(fake_fla):
     q, k, v, beta, g = _inputs(seed=1)
-    o, _ = delta_fla.delta_chunk(q, k, v, beta, g=g)
-    assert fake_fla == ["gdn_fwd"] and _rel(o, delta_recurrent(q, k, v, beta, g=g)[0]) < 1e-5
+    o, _ = delta_fla.chunk_delta(q, k, v, beta, g=g)
+    assert fake_fla == ["gdn_fwd"] and _rel(o, naive_recurrent_delta(q, k, v, beta, g=g)[0]) < 1e-5
     p = k - 0.2 * q
-    o, _ = delta_fla.delta_chunk(q, k, v, beta, p=p)            # no gate: g = 0 for fla
-    assert _rel(o, delta_recurrent(q, k, v, beta, p=p)[0]) < 1e-5
+    o, _ = delta_fla.chunk_delta(q, k, v, beta, p=p)            # no gate: g = 0 for fla
+    assert _rel(o, naive_recurrent_delta(q, k, v, beta, p=p)[0]) < 1e-5
 
 
 def test_gla_gate_shapes_and_dtypes(fake_fla):
     q, k, v, _, g = _inputs(seed=2)
     gv = -torch.rand(*q.shape)
     for gate in (None, g, gv):
-        ref = gla_recurrent(q, k, v, gate)[0]
-        assert _rel(gla_fla.gla_chunk(q, k, v, gate)[0], ref) < 1e-5
-        assert _rel(gla_fla.gla_recurrent(q, k, v, gate)[0], ref) < 1e-5
-    o, _ = gla_fla.gla_chunk(q.bfloat16(), k.bfloat16(), v, g)   # o in v's dtype
+        ref = naive_recurrent_gla(q, k, v, gate)[0]
+        assert _rel(gla_fla.chunk_gla(q, k, v, gate)[0], ref) < 1e-5
+        assert _rel(gla_fla.fused_recurrent_gla(q, k, v, gate)[0], ref) < 1e-5
+    o, _ = gla_fla.chunk_gla(q.bfloat16(), k.bfloat16(), v, g)   # o in v's dtype
     assert o.dtype == torch.float32
 
 
 def test_fallbacks(fake_fla):
     q, k, v, beta, g = _inputs(seed=3)
     d = lambda t: t.double()  # noqa: E731
-    o, _ = delta_fla.delta_chunk(d(q), d(k), d(v), d(beta), g=d(g))     # fp64 -> PyTorch op
+    o, _ = delta_fla.chunk_delta(d(q), d(k), d(v), d(beta), g=d(g))     # fp64 -> PyTorch op
     assert o.dtype == torch.float64 and fake_fla == []
     lam = torch.rand(*q.shape[:3], 5)
     h0 = dispatch.torch_impl("log_linear", "chunk")(q, k, v, g, lam, output_final_state=True)[1]
-    log_linear_fla.log_linear_chunk(q, k, v, g, lam, initial_state=h0)       # state in -> PyTorch op
-    log_linear_fla.log_linear_chunk(q, k, v, g, lam[..., :2])                 # too few levels -> PyTorch op
+    log_linear_fla.chunk_log_linear(q, k, v, g, lam, initial_state=h0)       # state in -> PyTorch op
+    log_linear_fla.chunk_log_linear(q, k, v, g, lam[..., :2])                 # too few levels -> PyTorch op
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -168,12 +168,12 @@ def test_ccq_chunk_matches_recurrent(fake_fla, varlen):
     if varlen:
         cu = torch.tensor([0, 6, 13])
         q, k = q[:1], k[:1]
-        ref = ccq_recurrent(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
-        out = ccq_fla.ccq_chunk(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
+        ref = naive_recurrent_ccq(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
+        out = ccq_fla.chunk_ccq(q, k, initial_state=state, output_final_state=True, cu_seqlens=cu)
     else:
         mask = torch.rand(2, 13) > 0.2
-        ref = ccq_recurrent(q, k, mask=mask, initial_state=state, output_final_state=True)
-        out = ccq_fla.ccq_chunk(q, k, mask=mask, initial_state=state, output_final_state=True)
+        ref = naive_recurrent_ccq(q, k, mask=mask, initial_state=state, output_final_state=True)
+        out = ccq_fla.chunk_ccq(q, k, mask=mask, initial_state=state, output_final_state=True)
     assert fake_fla == ["chunk_gla"]
     assert _rel(out[0], ref[0]) < 1e-5
     for a, b in zip(out[1], ref[1]):

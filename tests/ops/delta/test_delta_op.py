@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.delta.reference import contraction_factor, delta_chunk, delta_recurrent
+from hybridize.ops.delta.reference import chunk_delta, contraction_factor, naive_recurrent_delta
 
 TOL = 1e-5
 
@@ -60,13 +60,13 @@ def naive(q, k, v, beta, g=None, p=None, initial_state=None, scale=None):
 @pytest.mark.parametrize("gate,erase,state", list(itertools.product([False, True], repeat=3)))
 def test_recurrent_matches_naive_matrix_form(gate, erase, state):
     inp, s0 = make_inputs(B=2, T=17, gate=gate, erase=erase, state=state, dtype=torch.float64)
-    o, S = delta_recurrent(**inp, initial_state=s0, output_final_state=True)
+    o, S = naive_recurrent_delta(**inp, initial_state=s0, output_final_state=True)
     ro, rS = naive(**inp, initial_state=s0)
     assert o.dtype == torch.float64 and S.dtype == torch.float64
     assert rel_err(o, ro) < 1e-12 and rel_err(S, rS) < 1e-12
     # fp32 inputs: fp32 accumulation, same answer to fp32 precision
     inp32 = {n: None if t is None else t.float() for n, t in inp.items()}
-    o32, S32 = delta_recurrent(**inp32, initial_state=None if s0 is None else s0.float(), output_final_state=True)
+    o32, S32 = naive_recurrent_delta(**inp32, initial_state=None if s0 is None else s0.float(), output_final_state=True)
     assert o32.dtype == torch.float32
     assert rel_err(o32, ro) < TOL and rel_err(S32, rS) < TOL
 
@@ -79,10 +79,10 @@ def test_recurrent_naive_unnormalised_and_scale():
            dict(q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), p=(B, T, H, K)).items()}
     inp["beta"] = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
     inp["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    o, S = delta_recurrent(**inp, scale=0.7, output_final_state=True)
+    o, S = naive_recurrent_delta(**inp, scale=0.7, output_final_state=True)
     ro, rS = naive(**inp, scale=0.7)
     assert rel_err(o, ro) < 1e-12 and rel_err(S, rS) < 1e-12
-    oc, Sc = delta_chunk(**inp, scale=0.7, output_final_state=True, chunk_size=4)
+    oc, Sc = chunk_delta(**inp, scale=0.7, output_final_state=True, chunk_size=4)
     assert rel_err(oc, ro) < 1e-12 and rel_err(Sc, rS) < 1e-12
 
 
@@ -90,8 +90,8 @@ def test_recurrent_naive_unnormalised_and_scale():
 @pytest.mark.parametrize("gate,erase,state", list(itertools.product([False, True], repeat=3)))
 def test_chunk_equals_recurrent(T, chunk, gate, erase, state):
     inp, s0 = make_inputs(T=T, gate=gate, erase=erase, state=state)
-    o, S = delta_chunk(**inp, initial_state=s0, output_final_state=True, chunk_size=chunk)
-    ro, rS = delta_recurrent(**inp, initial_state=s0, output_final_state=True)
+    o, S = chunk_delta(**inp, initial_state=s0, output_final_state=True, chunk_size=chunk)
+    ro, rS = naive_recurrent_delta(**inp, initial_state=s0, output_final_state=True)
     assert o.shape == ro.shape and S.shape == rS.shape
     assert rel_err(o, ro) < TOL, rel_err(o, ro)
     assert rel_err(S, rS) < TOL, rel_err(S, rS)
@@ -99,7 +99,7 @@ def test_chunk_equals_recurrent(T, chunk, gate, erase, state):
 
 def test_chunk_fp64_is_exact():
     inp, s0 = make_inputs(T=70, dtype=torch.float64)
-    o, S = delta_chunk(**inp, initial_state=s0, output_final_state=True, chunk_size=16)
+    o, S = chunk_delta(**inp, initial_state=s0, output_final_state=True, chunk_size=16)
     ro, rS = naive(**inp, initial_state=s0)
     assert o.dtype == torch.float64
     assert rel_err(o, ro) < 1e-12 and rel_err(S, rS) < 1e-12
@@ -109,23 +109,23 @@ def test_strong_decay_is_stable():
     """log-decay -30 per token: a naive exp(+G) factorisation would overflow; ours stays exact."""
     inp, s0 = make_inputs(T=64)
     inp["g"] = torch.full_like(inp["beta"], -30.0)
-    o, S = delta_chunk(**inp, initial_state=s0, output_final_state=True, chunk_size=32)
-    ro, rS = delta_recurrent(**inp, initial_state=s0, output_final_state=True)
+    o, S = chunk_delta(**inp, initial_state=s0, output_final_state=True, chunk_size=32)
+    ro, rS = naive_recurrent_delta(**inp, initial_state=s0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert rel_err(o, ro) < TOL and rel_err(S, rS) < TOL
 
 
 def test_p_equal_k_is_p_none():
     inp, s0 = make_inputs(T=40, erase=False)
-    a, _ = delta_chunk(**inp, initial_state=s0, chunk_size=16)
-    b, _ = delta_chunk(**{**inp, "p": inp["k"].clone()}, initial_state=s0, chunk_size=16)
+    a, _ = chunk_delta(**inp, initial_state=s0, chunk_size=16)
+    b, _ = chunk_delta(**{**inp, "p": inp["k"].clone()}, initial_state=s0, chunk_size=16)
     assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("fn", ["chunk", "recurrent"])
 @pytest.mark.parametrize("state", [False, True])
 def test_varlen_equals_separate(fn, state):
-    op = delta_chunk if fn == "chunk" else delta_recurrent
+    op = chunk_delta if fn == "chunk" else naive_recurrent_delta
     kw = {"chunk_size": 16} if fn == "chunk" else {}
     lens = [1, 37, 16, 50]
     inp, _ = make_inputs(B=1, T=sum(lens), seed=5)
@@ -142,7 +142,7 @@ def test_varlen_equals_separate(fn, state):
     assert rel_err(o, torch.cat(outs, 1)) < TOL
     assert rel_err(S, torch.cat(states, 0)) < TOL
     # chunk and recurrent agree on packed input too
-    o2, S2 = delta_recurrent(**inp, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    o2, S2 = naive_recurrent_delta(**inp, initial_state=s0, output_final_state=True, cu_seqlens=cu)
     assert rel_err(o, o2) < TOL and rel_err(S, S2) < TOL
 
 
@@ -167,8 +167,8 @@ def test_gradients_chunk_equal_recurrent(varlen):
         ((o * wo).sum() + (S * wS).sum()).backward()
         return {**{n: t.grad for n, t in leaves.items()}, "initial_state": st.grad}
 
-    gc = grads(delta_chunk, chunk_size=16)
-    gr = grads(delta_recurrent)
+    gc = grads(chunk_delta, chunk_size=16)
+    gr = grads(naive_recurrent_delta)
     assert set(gc) == {"q", "k", "v", "beta", "g", "p", "initial_state"}
     for n in gr:
         assert gc[n] is not None and gr[n] is not None, n
@@ -177,9 +177,9 @@ def test_gradients_chunk_equal_recurrent(varlen):
 
 def test_bf16_inputs():
     inp, s0 = make_inputs(T=45)
-    ref, rS = delta_recurrent(**inp, initial_state=s0, output_final_state=True)
+    ref, rS = naive_recurrent_delta(**inp, initial_state=s0, output_final_state=True)
     low = {n: t.to(torch.bfloat16).requires_grad_(True) for n, t in inp.items()}
-    o, S = delta_chunk(**low, initial_state=s0, output_final_state=True, chunk_size=16)
+    o, S = chunk_delta(**low, initial_state=s0, output_final_state=True, chunk_size=16)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     assert rel_err(o.float(), ref) < 3e-2
     o.float().sum().backward()
@@ -198,10 +198,10 @@ def test_contraction_factor_qdelta_range():
 def test_bad_inputs_raise():
     inp, _ = make_inputs(T=5)
     with pytest.raises(ValueError, match="beta"):
-        delta_chunk(**{**inp, "beta": inp["beta"][..., None]})
+        chunk_delta(**{**inp, "beta": inp["beta"][..., None]})
     with pytest.raises(ValueError, match="g must"):
-        delta_recurrent(**{**inp, "g": inp["q"]})
+        naive_recurrent_delta(**{**inp, "g": inp["q"]})
     with pytest.raises(ValueError, match="p must"):
-        delta_recurrent(**{**inp, "p": inp["p"][..., :3]})
+        naive_recurrent_delta(**{**inp, "p": inp["p"][..., :3]})
     with pytest.raises(ValueError, match="cu_seqlens"):
-        delta_chunk(**inp, cu_seqlens=torch.tensor([0, 5]))
+        chunk_delta(**inp, cu_seqlens=torch.tensor([0, 5]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.delta.reference import delta_chunk, delta_recurrent, query_erase
+from hybridize.ops.delta.reference import chunk_delta, naive_recurrent_delta, query_erase
 from hybridize.ops.delta.triton_erase import comba_erase, comba_erase_reference
 
 TRITON = importlib.util.find_spec("triton") is not None
@@ -57,7 +57,7 @@ def test_reference_and_errors():
         comba_erase(q, k, lam[:2], g)
 
 
-@pytest.mark.parametrize("op", [delta_recurrent, delta_chunk])
+@pytest.mark.parametrize("op", [naive_recurrent_delta, chunk_delta])
 def test_delta_op_lam_equals_explicit_p(op):
     """The op's `lam` input is p = k + lam q: same outputs, state and gradients (lam's too) as passing p."""
     torch.manual_seed(0)
@@ -96,8 +96,8 @@ def test_cuda_delta_op_with_lam_matches_reference(dtype, tol):
     o, s = dispatch.run("delta", "chunk", q, k, v, beta, g=g, lam=lam, initial_state=h0, output_final_state=True,
                         cu_seqlens=cu)
     ref_in = [t.detach().float().requires_grad_() for t in leaves]
-    ro, rs = delta_recurrent(*ref_in[:4], g=ref_in[4], lam=ref_in[5], initial_state=ref_in[6],
-                             output_final_state=True, cu_seqlens=cu)
+    ro, rs = naive_recurrent_delta(*ref_in[:4], g=ref_in[4], lam=ref_in[5], initial_state=ref_in[6],
+                                   output_final_state=True, cu_seqlens=cu)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(o, ro) < tol and rel(s, rs) < tol
     for name, a, b in zip("q k v beta g lam h0".split(), _grads(o, leaves), _grads(ro, ref_in)):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.common import dispatch
-from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
+from hybridize.ops.gla.reference import chunk_gla, naive_recurrent_gla
 from tests.mixers.helpers import cu_seqlens_of, rel_err
 
 H, K, V = 2, 8, 6
@@ -55,7 +55,7 @@ def quadratic_reference(q, k, v, g, s0, scale):
 @pytest.mark.parametrize("state", [False, True])
 def test_recurrent_matches_quadratic_reference(gate, state):
     q, k, v, g, s0 = inputs(2, 37, gate, torch.float64, state=state)
-    o, S = gla_recurrent(q, k, v, g, initial_state=s0, output_final_state=True)
+    o, S = naive_recurrent_gla(q, k, v, g, initial_state=s0, output_final_state=True)
     o_ref, S_ref = quadratic_reference(q, k, v, g, s0, K ** -0.5)
     assert rel_err(o, o_ref) < 1e-12
     assert rel_err(S, S_ref) < 1e-12
@@ -67,8 +67,8 @@ def test_recurrent_matches_quadratic_reference(gate, state):
 @pytest.mark.parametrize("state", [False, True])
 def test_chunk_equals_recurrent_fp32(T, chunk_size, gate, state):
     q, k, v, g, s0 = inputs(2, T, gate, state=state, seed=T)
-    o_r, S_r = gla_recurrent(q, k, v, g, initial_state=s0, output_final_state=True)
-    o_c, S_c = gla_chunk(q, k, v, g, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
+    o_r, S_r = naive_recurrent_gla(q, k, v, g, initial_state=s0, output_final_state=True)
+    o_c, S_c = chunk_gla(q, k, v, g, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
     assert o_c.dtype == torch.float32 and S_c.dtype == torch.float32
     assert rel_err(o_c, o_r) < 1e-5
     assert rel_err(S_c, S_r) < 1e-5
@@ -80,8 +80,8 @@ def test_chunk_strong_decay_no_overflow(gate):
     q, k, v, _, s0 = inputs(1, 70, "none", state=True)
     shape = (1, 70, H) if gate == "scalar" else (1, 70, H, K)
     g = -torch.rand(shape) * 60
-    o_r, S_r = gla_recurrent(q, k, v, g, initial_state=s0, output_final_state=True)
-    o_c, S_c = gla_chunk(q, k, v, g, initial_state=s0, output_final_state=True, chunk_size=32)
+    o_r, S_r = naive_recurrent_gla(q, k, v, g, initial_state=s0, output_final_state=True)
+    o_c, S_c = chunk_gla(q, k, v, g, initial_state=s0, output_final_state=True, chunk_size=32)
     assert torch.isfinite(o_c).all() and torch.isfinite(S_c).all()
     assert rel_err(o_c, o_r) < 1e-5 and rel_err(S_c, S_r) < 1e-5
 
@@ -91,7 +91,7 @@ def test_chunk_strong_decay_no_overflow(gate):
 @pytest.mark.parametrize("state", [False, True])
 def test_varlen_equals_separate(mode, gate, state):
     lens = [5, 1, 40, 17]
-    fn = gla_chunk if mode == "chunk" else gla_recurrent
+    fn = chunk_gla if mode == "chunk" else naive_recurrent_gla
     kw = {"chunk_size": 16} if mode == "chunk" else {}
     q, k, v, g, _ = inputs(1, sum(lens), gate, seed=3)
     s0 = torch.randn(len(lens), H, K, V) if state else None
@@ -101,7 +101,7 @@ def test_varlen_equals_separate(mode, gate, state):
         a, b = int(cu[i]), int(cu[i + 1])
         gi = None if g is None else g[:, a:b]
         si = None if s0 is None else s0[i:i + 1]
-        o_i, S_i = gla_recurrent(q[:, a:b], k[:, a:b], v[:, a:b], gi, initial_state=si, output_final_state=True)
+        o_i, S_i = naive_recurrent_gla(q[:, a:b], k[:, a:b], v[:, a:b], gi, initial_state=si, output_final_state=True)
         assert rel_err(o[:, a:b], o_i) < 1e-5
         assert rel_err(S[i:i + 1], S_i) < 1e-5
 
@@ -126,8 +126,8 @@ def test_chunk_gradients_equal_recurrent(T, chunk_size, gate, varlen):
         ((o * w_o).sum() + (S * w_s).sum()).backward()
         return [t.grad for t in leaves]
 
-    g_rec = grads(gla_recurrent)
-    g_chk = grads(gla_chunk, chunk_size=chunk_size)
+    g_rec = grads(naive_recurrent_gla)
+    g_chk = grads(chunk_gla, chunk_size=chunk_size)
     for name, a, b in zip("q k v g initial_state".split(), g_chk, g_rec):
         assert a is not None, f"no gradient for {name}"
         assert rel_err(a, b) < 1e-5, f"gradient of {name}: {rel_err(a, b):.2e}"
@@ -141,21 +141,21 @@ def test_chunk_gradcheck_fp64(gate):
     def f(*xs):
         xs = list(xs)
         gg = xs.pop(3) if g is not None else None
-        o, S = gla_chunk(xs[0], xs[1], xs[2], gg, initial_state=xs[3], output_final_state=True, chunk_size=4)
+        o, S = chunk_gla(xs[0], xs[1], xs[2], gg, initial_state=xs[3], output_final_state=True, chunk_size=4)
         return o, S
     assert torch.autograd.gradcheck(f, leaves)
 
 
 def test_no_final_state_unless_asked():
     q, k, v, g, _ = inputs(1, 9, "vector")
-    assert gla_chunk(q, k, v, g)[1] is None
-    assert gla_recurrent(q, k, v, g)[1] is None
+    assert chunk_gla(q, k, v, g)[1] is None
+    assert naive_recurrent_gla(q, k, v, g)[1] is None
 
 
 def test_custom_scale():
     q, k, v, g, _ = inputs(1, 9, "vector", torch.float64)
-    o1, _ = gla_chunk(q, k, v, g, scale=1.0, chunk_size=4)
-    o2, _ = gla_recurrent(q * 0.5, k, v, g, scale=2.0)
+    o1, _ = chunk_gla(q, k, v, g, scale=1.0, chunk_size=4)
+    o2, _ = naive_recurrent_gla(q * 0.5, k, v, g, scale=2.0)
     assert rel_err(o1, o2) < 1e-12
 
 
@@ -183,10 +183,10 @@ def test_dispatch_resolves_both_modes():
 def test_bad_cu_seqlens_raise():
     q, k, v, g, _ = inputs(2, 10, "scalar")
     with pytest.raises(ValueError, match="batch size 1"):
-        gla_chunk(q, k, v, g, cu_seqlens=cu_seqlens_of([4, 6]))
+        chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens_of([4, 6]))
     q, k, v, g, _ = inputs(1, 10, "scalar")
     with pytest.raises(ValueError, match="does not match"):
-        gla_chunk(q, k, v, g, cu_seqlens=cu_seqlens_of([4, 5]))
+        chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens_of([4, 5]))
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
@@ -198,9 +198,9 @@ def test_factorised_and_pairwise_intra_chunk_scores_agree(monkeypatch, gate):
     B, T, H, K, V = 2, 70, 2, 8, 6
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *([K] if gate == "vector" else [])))
-    fast, _ = gla_mod.gla_chunk(q, k, v, g, chunk_size=16)
+    fast, _ = gla_mod.chunk_gla(q, k, v, g, chunk_size=16)
     monkeypatch.setattr(gla_mod, "FACTORISED_MAX_SPAN", -1.0)   # force the pairwise path
-    slow, _ = gla_mod.gla_chunk(q, k, v, g, chunk_size=16)
-    ref, _ = gla_mod.gla_recurrent(q, k, v, g)
+    slow, _ = gla_mod.chunk_gla(q, k, v, g, chunk_size=16)
+    ref, _ = gla_mod.naive_recurrent_gla(q, k, v, g)
     assert (fast - slow).abs().max() / slow.abs().max() < 1e-5
     assert (fast - ref).abs().max() / ref.abs().max() < 1e-5

@@ -1,4 +1,4 @@
-"""GLA in pieces (`ops/gla/triton_fwd.py`, `triton_bwd.py`) against `gla_recurrent`, forward and gradients.
+"""GLA in pieces (`ops/gla/triton_fwd.py`, `triton_bwd.py`) against `naive_recurrent_gla`, forward and gradients.
 
 Gates: interpreter (`TRITON_INTERPRET=1`, triton importable): fp32 against the fp64 recurrent reference,
 odd lengths, K != V, pieces that cut tiles, an initial and a final state, varlen documents with an empty one,
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.errors import UserError
-from hybridize.ops.gla.reference import gla_recurrent
+from hybridize.ops.gla.reference import naive_recurrent_gla
 
 from tests.ops.triton_gates import cuda_only, interp_only, rel
 
@@ -32,7 +32,7 @@ def compare(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5, stro
     """Kernel (given `strong` gates instead of `gate`, if any) against the fp64 recurrent op with `gate`."""
     from hybridize.ops.gla.triton_fwd import gla_fwd_triton
 
-    want, want_end = gla_recurrent(q, k, v, gate, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    want, want_end = naive_recurrent_gla(q, k, v, gate, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     with torch.no_grad():
         got, end = gla_fwd_triton(*(t.to(dtype) for t in (q, k, v, gate if strong is None else strong)),
                                   initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
@@ -82,12 +82,12 @@ def compare_grads(q, k, v, gate, h0=None, cu=None, dtype=torch.float32, tol=1e-5
     def run(fn, cast, gates, **extra):
         leaves = [t.detach().clone().to(cast).requires_grad_() for t in (q, k, v, gates)]
         s0 = None if h0 is None else h0.detach().clone().to(cast).requires_grad_()
-        g_in = leaves[3].clamp(min=G_MIN) if strong is not None and fn is gla_recurrent else leaves[3]
+        g_in = leaves[3].clamp(min=G_MIN) if strong is not None and fn is naive_recurrent_gla else leaves[3]
         o, end = fn(*leaves[:3], g_in, initial_state=s0, output_final_state=True, cu_seqlens=cu, **extra)
         ((o.double() * do).sum() + (end.double() * dht).sum()).backward()
         return [o, end] + [t.grad for t in leaves] + ([] if s0 is None else [s0.grad])
 
-    want = run(gla_recurrent, torch.float64, strong if strong is not None else gate)
+    want = run(naive_recurrent_gla, torch.float64, strong if strong is not None else gate)
     got = run(gla_triton, dtype, gate if strong is None else strong, **kw)
     for name, a, b in zip(("o", "final state", "dq", "dk", "dv", "dg", "dh0"), got, want):
         assert a is not None and bool(torch.isfinite(a).all()), name
@@ -141,7 +141,7 @@ def test_interp_gradient_from_the_final_state_alone():
     _, end = gla_triton(q, k, v, gate, initial_state=h0, output_final_state=True, chunk_size=16, segment_len=20)
     end.sum().backward()
     ref = [t.detach().double().requires_grad_() for t in (q, k, v, gate, h0)]
-    gla_recurrent(*ref[:4], initial_state=ref[4], output_final_state=True)[1].sum().backward()
+    naive_recurrent_gla(*ref[:4], initial_state=ref[4], output_final_state=True)[1].sum().backward()
     assert float(q.grad.abs().max()) == 0.0
     for a, b in zip((k, v, gate, h0), ref[1:]):
         assert rel(a.grad, b.grad) < 1e-5

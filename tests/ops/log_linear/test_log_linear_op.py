@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.gla.reference import gla_chunk, gla_recurrent
+from hybridize.ops.gla.reference import chunk_gla, naive_recurrent_gla
 from hybridize.ops.log_linear.reference import (
-    LogLinearState, bit_length, log_linear_chunk, log_linear_recurrent, occupied_levels)
+    LogLinearState, bit_length, chunk_log_linear, naive_recurrent_log_linear, occupied_levels)
 
 
 def rel(a, b):
@@ -120,7 +120,7 @@ def test_reference_matches_fla_naive():
 @pytest.mark.parametrize("T,L", [(1, None), (63, None), (130, None), (63, 4), (130, 2)])
 def test_recurrent_matches_reference(T, L):
     q, k, v, g, lam = inputs(2, T, L=L, dtype=torch.float64)
-    o, st = log_linear_recurrent(q, k, v, g, lam, output_final_state=True)
+    o, st = naive_recurrent_log_linear(q, k, v, g, lam, output_final_state=True)
     o_ref, M_ref = reference(q, k, v, g, lam)
     assert rel(o, o_ref) < 1e-12
     assert rel(st.levels, M_ref) < 1e-12
@@ -135,10 +135,10 @@ def test_initial_state_per_row_matches_reference(form):
     # prefix of every row through the packed recurrent op -> one state row per document
     cu = torch.tensor([0, prefixes[0], sum(prefixes)])
     packed = [torch.cat([r[j][:, :n] for r, n in zip(rows, prefixes)], 1) for j in range(5)]
-    _, st = log_linear_recurrent(*packed, output_final_state=True, cu_seqlens=cu)
+    _, st = naive_recurrent_log_linear(*packed, output_final_state=True, cu_seqlens=cu)
     assert st.t.tolist() == prefixes
     suffix = [torch.cat([r[j][:, n:] for r, n in zip(rows, prefixes)], 0) for j in range(5)]
-    fn = log_linear_chunk if form == "chunk" else log_linear_recurrent
+    fn = chunk_log_linear if form == "chunk" else naive_recurrent_log_linear
     kw = {"chunk_size": 16} if form == "chunk" else {}
     o, fin = fn(*suffix, initial_state=st, output_final_state=True, **kw)
     for i, (r, n) in enumerate(zip(rows, prefixes)):
@@ -156,8 +156,8 @@ def test_initial_state_per_row_matches_reference(form):
 def test_chunk_equals_recurrent(T, chunk_size, with_state):
     q, k, v, g, lam = inputs(2, T, L=9)
     st = random_state(2, 2, 9, 8, 6, [5, 77]) if with_state else None
-    a, sa = log_linear_chunk(q, k, v, g, lam, initial_state=st, output_final_state=True, chunk_size=chunk_size)
-    b, sb = log_linear_recurrent(q, k, v, g, lam, initial_state=st, output_final_state=True)
+    a, sa = chunk_log_linear(q, k, v, g, lam, initial_state=st, output_final_state=True, chunk_size=chunk_size)
+    b, sb = naive_recurrent_log_linear(q, k, v, g, lam, initial_state=st, output_final_state=True)
     assert rel(a, b) < 1e-5
     assert rel(sa.levels, sb.levels) < 1e-5
     assert torch.equal(sa.t, sb.t)
@@ -168,8 +168,8 @@ def test_chunk_equals_recurrent_when_levels_clamp(L):
     """Few levels: the chunk is capped at 2^(L-2) tokens and old history piles into the top level."""
     q, k, v, g, lam = inputs(2, 70, L=L)
     st = random_state(2, 2, L, 8, 6, [3, 12])
-    a, sa = log_linear_chunk(q, k, v, g, lam, initial_state=st, output_final_state=True, chunk_size=32)
-    b, sb = log_linear_recurrent(q, k, v, g, lam, initial_state=st, output_final_state=True)
+    a, sa = chunk_log_linear(q, k, v, g, lam, initial_state=st, output_final_state=True, chunk_size=32)
+    b, sb = naive_recurrent_log_linear(q, k, v, g, lam, initial_state=st, output_final_state=True)
     assert rel(a, b) < 1e-5 and rel(sa.levels, sb.levels) < 1e-5
 
 
@@ -180,13 +180,13 @@ def test_cu_seqlens_equals_separate(form):
     q, k, v, g, lam = inputs(1, sum(lengths), L=L)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     st = random_state(len(lengths), 2, L, 8, 6, [0, 9, 4, 16])
-    fn = log_linear_chunk if form == "chunk" else log_linear_recurrent
+    fn = chunk_log_linear if form == "chunk" else naive_recurrent_log_linear
     o, fin = fn(q, k, v, g, lam, initial_state=st, output_final_state=True, cu_seqlens=cu)
     for i in range(len(lengths)):
         s, e = cu[i].item(), cu[i + 1].item()
         st_i = LogLinearState(st.levels[i:i + 1], st.t[i:i + 1])
-        o_i, f_i = log_linear_recurrent(*(x[:, s:e] for x in (q, k, v, g, lam)), initial_state=st_i,
-                                        output_final_state=True)
+        o_i, f_i = naive_recurrent_log_linear(*(x[:, s:e] for x in (q, k, v, g, lam)), initial_state=st_i,
+                                              output_final_state=True)
         if e > s:
             assert rel(o[:, s:e], o_i) < 1e-5
         assert rel(fin.levels[i:i + 1], f_i.levels) < 1e-5
@@ -205,8 +205,8 @@ def test_gradients_chunk_equal_recurrent():
         (o.pow(2).sum() + (fin.levels * 0.1).pow(2).sum()).backward()
         return [x.grad.clone() for x in leaves]
 
-    ga = grads(log_linear_chunk, chunk_size=8)
-    gb = grads(log_linear_recurrent)
+    ga = grads(chunk_log_linear, chunk_size=8)
+    gb = grads(naive_recurrent_log_linear)
     for name, a, b in zip("q k v g lam h0".split(), ga, gb):
         assert rel(a, b) < 1e-5, name
 
@@ -222,10 +222,10 @@ def test_unit_level_weights_give_linear_backbone(form):
     # a consistent state: a prefix of 21 / 40 tokens run through the op, and its gla counterpart
     pre = inputs(1, 61, L=L, seed=5)
     cu = torch.tensor([0, 21, 61])
-    _, st = log_linear_recurrent(*pre[:4], torch.ones(1, 61, 2, L), output_final_state=True, cu_seqlens=cu)
-    fn = log_linear_chunk if form == "chunk" else log_linear_recurrent
+    _, st = naive_recurrent_log_linear(*pre[:4], torch.ones(1, 61, 2, L), output_final_state=True, cu_seqlens=cu)
+    fn = chunk_log_linear if form == "chunk" else naive_recurrent_log_linear
     o, fin = fn(q, k, v, g, ones, initial_state=st, output_final_state=True)
-    gla = gla_chunk if form == "chunk" else gla_recurrent
+    gla = chunk_gla if form == "chunk" else naive_recurrent_gla
     o_ref, S_ref = gla(q, k, v, g, initial_state=st.levels.sum(2), output_final_state=True)
     assert rel(o, o_ref) < 1e-5
     assert rel(fin.levels.sum(2), S_ref) < 1e-5
@@ -236,7 +236,7 @@ def test_state_is_logarithmic(T):
     """After T tokens only the Fenwick levels of T are occupied: at most floor(log2 T) + 2 of them."""
     L = levels_for(T) + 1
     q, k, v, g, lam = inputs(1, T, L=L, H=1)
-    _, st = log_linear_chunk(q, k, v, g, lam, output_final_state=True, chunk_size=16)
+    _, st = chunk_log_linear(q, k, v, g, lam, output_final_state=True, chunk_size=16)
     nonzero = st.levels.flatten(3).abs().amax(-1)[0, 0] > 0              # [L]
     assert torch.equal(nonzero, occupied_levels(torch.tensor([T]), L)[0])
     assert int(nonzero.sum()) <= int(math.log2(T)) + 2
@@ -246,18 +246,18 @@ def test_state_is_logarithmic(T):
 def test_bad_inputs_are_refused():
     q, k, v, g, lam = inputs(1, 4, L=3)
     with pytest.raises(ValueError, match="LogLinearState"):
-        log_linear_recurrent(q, k, v, g, lam, initial_state=torch.zeros(1, 2, 3, 8, 6))
+        naive_recurrent_log_linear(q, k, v, g, lam, initial_state=torch.zeros(1, 2, 3, 8, 6))
     with pytest.raises(ValueError, match="at least 2 levels"):
-        log_linear_chunk(q, k, v, g, lam[..., :1])
+        chunk_log_linear(q, k, v, g, lam[..., :1])
     with pytest.raises(ValueError, match="level_scales"):
-        log_linear_chunk(q, k, v, g, lam[:, :2])
+        chunk_log_linear(q, k, v, g, lam[:, :2])
     with pytest.raises(ValueError, match="log-decay"):
-        log_linear_chunk(q, k, v, g[..., None].expand(1, 4, 2, 8), lam)
+        chunk_log_linear(q, k, v, g[..., None].expand(1, 4, 2, 8), lam)
 
 
 def test_bf16_inputs_run():
     q, k, v, g, lam = inputs(1, 40, L=7, dtype=torch.bfloat16)
-    o, st = log_linear_chunk(q, k, v, g, lam, output_final_state=True)
+    o, st = chunk_log_linear(q, k, v, g, lam, output_final_state=True)
     assert o.dtype == torch.bfloat16 and torch.isfinite(o.float()).all()
-    o32, _ = log_linear_chunk(*(x.float() for x in (q, k, v, g, lam)))
+    o32, _ = chunk_log_linear(*(x.float() for x in (q, k, v, g, lam)))
     assert rel(o, o32) < 2e-2

@@ -5,7 +5,7 @@ Three groups:
   index bounds (`check_plan`, also run on the host before every CUDA varlen call below);
 - interpreter (TRITON_INTERPRET=1 and triton importable, CPU tensors): the Triton row movers and the
   slot-broadcast decode step against their PyTorch references, and the whole `sse_varlen` /
-  `sse_recurrent` with our kernels forced on against the PyTorch path (tiny shapes, odd lengths,
+  `naive_recurrent_sse` with our kernels forced on against the PyTorch path (tiny shapes, odd lengths,
   padding, an empty sequence);
 - CUDA: the GPU paths (fla varlen op + our kernels; Triton decode) against the PyTorch path on the
   same inputs, fp32 and bf16, forward and gradients; decode leaves unselected partitions
@@ -143,7 +143,7 @@ def test_decode_inplace_flag_on_torch_path_never_writes_inputs():
     sh, sp, logits, _ = make("gla", 2, 1, 2, 4, 3, 1)
     h0 = state(2, 3, 2, 4)
     before = [t.clone() for t in h0]
-    sse.sse_recurrent("gla", sh, sp, route(logits, 1), initial_state=h0, output_final_state=True, inplace=True)
+    sse.naive_recurrent_sse("gla", sh, sp, route(logits, 1), initial_state=h0, output_final_state=True, inplace=True)
     assert all(torch.equal(a, b) for a, b in zip(before, h0))
 
 
@@ -260,12 +260,12 @@ def test_recurrent_with_triton_decode_equals_torch_path(op, T, K, forced_triton,
     h0 = state(B, N, H, D)
     keep = [t.clone() for t in h0]
     with torch.no_grad():
-        o, s1, s2 = sse.sse_recurrent(op, sh, sp, route(logits, K, valid), initial_state=h0,
-                                      output_final_state=True)
+        o, s1, s2 = sse.naive_recurrent_sse(op, sh, sp, route(logits, K, valid), initial_state=h0,
+                                            output_final_state=True)
         assert all(torch.equal(a, b) for a, b in zip(keep, h0)), "inplace=False wrote the given state"
         set_options(monkeypatch, force_triton=False)
-        o_r, s1_r, s2_r = sse.sse_recurrent(op, sh, sp, route(logits, K, valid), initial_state=h0,
-                                            output_final_state=True)
+        o_r, s1_r, s2_r = sse.naive_recurrent_sse(op, sh, sp, route(logits, K, valid), initial_state=h0,
+                                                  output_final_state=True)
     assert rel(o, o_r) < 1e-5 and rel(s1, s1_r) < 1e-5 and rel(s2, s2_r) < 1e-5
     used = route(logits, K, valid).selected.any(1)                   # [B, N]
     for b in range(B):
@@ -280,8 +280,8 @@ def test_recurrent_inplace_updates_given_state(forced_triton):
     h0 = state(2, 3, 2, 4)
     before = [t.clone() for t in h0]
     with torch.no_grad():
-        _, s1, s2 = sse.sse_recurrent("gla", sh, sp, route(logits, 1), initial_state=h0,
-                                      output_final_state=True, inplace=True)
+        _, s1, s2 = sse.naive_recurrent_sse("gla", sh, sp, route(logits, 1), initial_state=h0,
+                                            output_final_state=True, inplace=True)
     assert s1.data_ptr() == h0[0].data_ptr() and s2.data_ptr() == h0[1].data_ptr()
     assert not torch.equal(h0[1], before[1]) and not torch.equal(h0[0], before[0])
 
@@ -347,11 +347,11 @@ def test_cuda_decode_matches_torch_path(op, dtype, gpu_backend):
     r = route(logits, K, valid)
     check_routing(r, N)
     with torch.no_grad():
-        o, s1, s2 = sse.sse_recurrent(op, sh, sp, r, initial_state=h0, output_final_state=True)
+        o, s1, s2 = sse.naive_recurrent_sse(op, sh, sp, r, initial_state=h0, output_final_state=True)
         assert all(torch.equal(a, b) for a, b in zip(keep, h0)), "inplace=False wrote the given state"
         o_r, s1_r, s2_r = sse._recurrent_loop(op, sh, sp, r, True, True, None, h0, True)  # gather/op/scatter
-        o_t, s1_t, s2_t = _torch_path(lambda: sse.sse_recurrent(op, sh, sp, r, initial_state=h0,
-                                                                output_final_state=True))
+        o_t, s1_t, s2_t = _torch_path(lambda: sse.naive_recurrent_sse(op, sh, sp, r, initial_state=h0,
+                                                                      output_final_state=True))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in ((o, o_t), (s1, s1_t), (s2, s2_t), (o, o_r), (s2, s2_r)):
         assert a.dtype == b.dtype and rel(a, b) < tol
@@ -361,7 +361,7 @@ def test_cuda_decode_matches_torch_path(op, dtype, gpu_backend):
             assert same != bool(r.selected[b, 0, i]), (b, i)
     assert torch.equal(s1[2], h0[0][2])                             # padded row: shared state untouched
     with torch.no_grad():
-        _, s1_i, s2_i = sse.sse_recurrent(op, sh, sp, r, initial_state=h0, output_final_state=True, inplace=True)
+        _, s1_i, s2_i = sse.naive_recurrent_sse(op, sh, sp, r, initial_state=h0, output_final_state=True, inplace=True)
     assert s2_i.data_ptr() == h0[1].data_ptr() and torch.equal(h0[1], s2) and torch.equal(h0[0], s1)
 
 
@@ -374,8 +374,8 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
     h0 = state(B, N, H, D, device="cuda")
 
     def step():
-        o, _, _ = sse.sse_recurrent(op, sh, sp, route(logits, 1), initial_state=h0, output_final_state=True,
-                                    inplace=True)
+        o, _, _ = sse.naive_recurrent_sse(op, sh, sp, route(logits, 1), initial_state=h0, output_final_state=True,
+                                          inplace=True)
         return o
     eager_state = [t.clone() for t in h0]
     with torch.no_grad():
@@ -399,8 +399,8 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
         torch.cuda.synchronize()
         got_o, got_state = o_static.clone(), [t.clone() for t in h0]
         ref_h0 = [t.clone() for t in eager_state]
-        o_ref, s1_ref, s2_ref = sse.sse_recurrent(op, sh, sp, route(logits, 1), initial_state=ref_h0,
-                                                  output_final_state=True)
+        o_ref, s1_ref, s2_ref = sse.naive_recurrent_sse(op, sh, sp, route(logits, 1), initial_state=ref_h0,
+                                                        output_final_state=True)
     assert rel(got_o, o_ref) < 1e-5 and rel(got_state[0], s1_ref) < 1e-5 and rel(got_state[1], s2_ref) < 1e-5
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.sse.reference import (PathInputs, Routing, balance_loss, pick_layout, route, sse_masking,
-                                   sse_recurrent, sse_varlen, varlen_index)
+                                   naive_recurrent_sse, sse_varlen, varlen_index)
 
-LAYOUT_FNS = {"masking": sse_masking, "varlen": sse_varlen, "recurrent": sse_recurrent}
+LAYOUT_FNS = {"masking": sse_masking, "varlen": sse_varlen, "recurrent": naive_recurrent_sse}
 
 
 def rel(a, b):
@@ -223,7 +223,7 @@ def test_decode_step_touches_only_selected_partitions(op):
     B, H, D, N = 3, 2, 4, 4
     sh, sp, _, r = make_inputs(op, B, 1, H, D, N, 1, True, seed=3)
     h0 = random_state(B, N, H, D)
-    _, _, s2 = sse_recurrent(op, sh, sp, r, initial_state=h0, output_final_state=True)
+    _, _, s2 = naive_recurrent_sse(op, sh, sp, r, initial_state=h0, output_final_state=True)
     for b in range(B):
         for i in range(N):
             same = torch.equal(s2[b, i], h0[1][b, i])
