@@ -1,7 +1,7 @@
 """One entry point for every op: picks the PyTorch form or a GPU kernel.
 
-`run(op, mode, ...)` calls `hybridize.ops.<op>.reference.<op>_<mode>` (mode "chunk" or "recurrent") on
-CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
+`run(op, mode, ...)` calls the op's PyTorch form `chunk_<op>` or `naive_recurrent_<op>` (mode "chunk" or
+"recurrent"; `_TORCH_MODULES` says which module holds them) on CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
 (fla-core adapters, our Triton kernels) unless the kernel option `kernels` is "torch"
 (`HYBRIDIZE_KERNELS=torch`, `use_kernel_options(kernels="torch")`, `set_backend("torch")`), which forces
 the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.ops.common.options`).

@@ -30,6 +30,7 @@ patches Triton's autotuner process-wide when fla's kernels are first used (and a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,16 +113,20 @@ class KernelOptions:
 _FIELDS = {f.name: f for f in dataclasses.fields(KernelOptions)}
 
 
+def _kind(f: dataclasses.Field) -> str:
+    """"bool", "int" or "str": the field's annotation (a string under `from __future__ import annotations`)."""
+    return "bool" if f.type == "bool" else "int" if str(f.type).startswith("int") else "str"
+
+
 def _check(f: dataclasses.Field, value, where: str):
     """`value` as the field's type (strings from the environment or a command line parsed), or UserError."""
-    choices, low = f.metadata["choices"], f.metadata["min"]
-    default = f.default
+    choices, low, kind = f.metadata["choices"], f.metadata["min"], _kind(f)
     try:
         if value is None:
-            if default is not None:
+            if f.default is not None:
                 raise ValueError
             return None
-        if isinstance(default, bool):
+        if kind == "bool":
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
@@ -130,7 +135,7 @@ def _check(f: dataclasses.Field, value, where: str):
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if isinstance(default, int) or f.name == "ccq_segment":
+        if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             value = int(value)
@@ -142,9 +147,8 @@ def _check(f: dataclasses.Field, value, where: str):
             raise UserError(f"{where}: must be one of {' | '.join(choices)}, got {value!r}")
         return value
     except (TypeError, ValueError):
-        kind = "true/false" if isinstance(default, bool) else "an integer" if (
-            isinstance(default, int) or f.name == "ccq_segment") else "a string"
-        raise UserError(f"{where}: expected {kind}, got {value!r}") from None
+        expected = {"bool": "true/false", "int": "an integer", "str": "a string"}[kind]
+        raise UserError(f"{where}: expected {expected}, got {value!r}") from None
 
 
 # ---- the options in force ------------------------------------------------------------------------
@@ -186,7 +190,7 @@ def use_kernel_options(opts: KernelOptions | dict | None = None, **changes) -> I
     are in force; the options before are restored after."""
     new = opts if isinstance(opts, KernelOptions) else resolve_kernel_options(opts)
     if changes:
-        new = new.replace(**{k: _check(_field(k), v, f"kernel_options.{k}") for k, v in changes.items()})
+        new = new.replace(**check_overrides(changes))
     before = set_kernel_options(new)
     try:
         yield new
@@ -219,8 +223,6 @@ def resolve_kernel_options(overrides: dict | None = None) -> KernelOptions:
 def with_run_kernel_options(fn):
     """Decorator for a run entry point `fn(cfg, ...)`: the options of `cfg.kernel_options` (explicit fields
     over the current ones) are in force for the call, and config.yaml written by it records them."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(cfg, *args, **kwargs):
         with use_kernel_options(resolve_kernel_options(getattr(cfg, "kernel_options", None))):
