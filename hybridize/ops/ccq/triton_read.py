@@ -65,15 +65,12 @@ and of the rows, and `chunk_size` is ignored; under TRITON_INTERPRET=1 `chunk_si
 """
 from __future__ import annotations
 
-import os
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
-from hybridize.ops.common.triton_utils import (Pieces, autotuned, interp_tile, interpreter_shim, interpreting,
+from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting,
                                                make_pieces, mdot, mdot_r, piece_len, seg_bounds, tile_block,
                                                tune_buckets)
 
