@@ -207,16 +207,28 @@ def guard_probe():
     return [out]
 
 
+# Groups run as parallel processes, the slowest first. CCQ's read tunes its tiles per shape and dtype (about
+# 300 s per case from a cold cache), so each of its four cases is a group of its own: `ccq/<dtype>/<layout>`.
 GROUPS = {
-    "gla": ["gla/none", "gla/scalar", "gla/vector", "gla@rec/vector"],
+    **{f"ccq_{dt}_{lay}": [f"ccq/{dt}/{lay}"] for dt in ("float32", "bfloat16") for lay in ("dense", "varlen")},
     "gla_pieces": ["gla_pieces/vector"],
+    "gla": ["gla/none", "gla/scalar", "gla/vector", "gla@rec/vector"],
     "deltanet": ["delta/deltanet"],
     "gdn": ["delta/gdn", "delta@rec/gdn"],
     "qdelta": ["delta/qdelta", "delta@rec/qdelta"],
-    "ccq": ["ccq"],
     "log_linear": ["log_linear"],
     "extra": ["sse_decode", "probe"],
 }
+
+
+def case_runs(case: str):
+    """(case, dtype, varlen) triples a GROUPS entry stands for: a bare case runs fp32 and bf16, dense and
+    varlen; `case/<dtype>/<layout>` runs one of them."""
+    parts = case.split("/")
+    if len(parts) == 3 and parts[1] in ("float32", "bfloat16"):
+        return [(parts[0], getattr(torch, parts[1]), parts[2] == "varlen")]
+    return [(case, dt, v) for dt in (torch.float32, torch.bfloat16) for v in (False, True)
+            if not (case == "log_linear" and v)]   # fla's log-linear varlen: checked dense only (see RESULTS.md)
 
 
 def append_rows(path: str, rows: list[dict]) -> None:
@@ -250,18 +262,15 @@ def run_group(name, out):
         if case == "probe":
             done(guard_probe())
             continue
-        for dtype in (torch.float32, torch.bfloat16):
-            for varlen in (False, True):
-                if case == "log_linear" and varlen:
-                    continue  # fla's log-linear varlen: checked dense only (see RESULTS.md)
-                t0 = time.time()
-                try:
-                    row = check_one(case, dtype, varlen, grad=not case.startswith("delta@rec"))
-                except Exception as e:  # report, do not hide
-                    row = dict(case=case, dtype=str(dtype).split(".")[-1], layout="varlen" if varlen else "dense",
-                               worst=float("nan"), ok=False, errs={}, note=f"{type(e).__name__}: {str(e)[:160]}")
-                row["secs"] = round(time.time() - t0, 1)
-                done([row])
+        for case, dtype, varlen in case_runs(case):
+            t0 = time.time()
+            try:
+                row = check_one(case, dtype, varlen, grad=not case.startswith("delta@rec"))
+            except Exception as e:  # report, do not hide
+                row = dict(case=case, dtype=str(dtype).split(".")[-1], layout="varlen" if varlen else "dense",
+                           worst=float("nan"), ok=False, errs={}, note=f"{type(e).__name__}: {str(e)[:160]}")
+            row["secs"] = round(time.time() - t0, 1)
+            done([row])
 
 
 def group_failed(name: str, note: str) -> dict:
@@ -307,7 +316,7 @@ def run_groups(names: list[str], jobs: int, out: str, budget: float, env: dict) 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--group", default=None, help="run one group in-process (used by the parent)")
     ap.add_argument("--only", default=None, help="comma-separated groups")
     ap.add_argument("--out", default="gpu_check.jsonl",

@@ -15,6 +15,10 @@
 #   bash benchmarks/pipeline/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
 #                                                            # (setsid: it outlives the call); ARG seeds /root/rv
 #   bash benchmarks/pipeline/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
+#   bash benchmarks/pipeline/device_default.sh $OUT reasoning "--plan 5:1" # issue 23: benchmarks/pipeline/reasoning.py's
+#                                                            # teacher and hybrid tracks side by side in a background
+#                                                            # process session (ARG: its options), then the report;
+#                                                            # poll it with WORK=/root/reason ... poll 540
 # The GGUF ends up at /root/p/smollm2.gguf. Needs .whl/ installed on PYTHONPATH (see the device README).
 # Preparing the carried folders here (each under 64 MiB with the repo; list them in .git/info/exclude), as the
 # 2026-11-25 session did: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -75,13 +79,22 @@ case $STEP in
     { rv train fixed && rv eval fixed; } &
     { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+  reasoning)
+    mkdir -p /root/reason/logs
+    setsid nohup bash "$0" "$OUT" reasoning-run "$ARG" > /root/reason/pipeline.log 2>&1 < /dev/null &
+    echo "reasoning started: $(date +%T)" ;;
+  reasoning-run)
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    r() { python3 -m benchmarks.pipeline.reasoning "$1" --teacher "$GGUF" --work /root/reason --data /root/data/data $ARG; \
+          echo "$(date +%T) track $1 exit $?"; }
+    r teacher & r hybrid & wait; r report; echo "PIPELINE DONE $(date +%T)" ;;
   poll)
-    end=$(( $(date +%s) + ${ARG:-540} ))
-    while [ "$(date +%s)" -lt $end ] && ! grep -q "PIPELINE DONE" /root/rv/pipeline.log; do sleep 10; done
-    (cd /root/rv && tar czf "$OUT/rv.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-      --exclude='checkpoint*' --exclude='tokenizer*' . )
-    cat /root/rv/pipeline.log /root/rv/steps.jsonl 2>/dev/null; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
-    for l in /root/rv/logs/*.log; do echo "-- $l"; grep -v "it/s\]\|s/it\]" "$l" | tail -3; done ;;
+    W=${WORK:-/root/rv}; end=$(( $(date +%s) + ${ARG:-540} ))
+    while [ "$(date +%s)" -lt $end ] && ! grep -q "PIPELINE DONE" $W/pipeline.log; do sleep 10; done
+    (cd $W && tar czf "$OUT/$(basename $W).tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+      --exclude='checkpoint*' --exclude='tokenizer*' --exclude='completions*' . )
+    cat $W/pipeline.log $W/steps.jsonl 2>/dev/null; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
+    for l in $W/logs/*.log; do echo "-- $l"; grep -v "it/s\]\|s/it\]" "$l" | tail -3; done ;;
   recipes)
     # one process runs the variants in turn, on the torch kernels: at the demo's small fp32 shapes Triton gains
     # nothing, and its first use compiles and autotunes for minutes (8 processes side by side did so at once)

@@ -191,6 +191,11 @@ class TracesConfig:
     seed: int = _f(0, "sampling seed")
     dtype: str = _f("float32", "teacher dtype")
     threads: int = _f(0, "torch CPU threads (0 = leave as is)")
+    answer_format: str = _f("boxed", "boxed | number: the instruction in generated arithmetic prompts (the `prompt` "
+                                     "column) and the checker that keep=correct applies")
+    keep: str = _f("all", "all | correct: rejection sampling, only completions the checker grades correct against "
+                          "the row's `answer` are written (the others go to <out>.rejected.jsonl, so a rerun "
+                          "skips them too)")
     kernel_options: dict = _f({}, KERNEL_OPTIONS_HELP)
 
 

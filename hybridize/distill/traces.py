@@ -4,7 +4,9 @@ other names of `hybridize.eval.arith`) generates arithmetic problems; their `pro
 boxed-answer instruction to `problem`.
 
 Each output line keeps the prompt row's columns and adds `completion`, `sample` (0..k-1), `prompt_index`
-and `teacher`. Lines are appended and flushed per batch; rerunning the same command skips
+and `teacher`. `keep=correct` is rejection sampling (stage C of the SSE paper's recipe keeps only correct
+traces): a completion the checker of `answer_format` grades wrong against the row's `answer` goes to
+`<out>.rejected.jsonl` instead; sample k > 1 completions per prompt at a temperature to keep more prompts. Lines are appended and flushed per batch; rerunning the same command skips
 (prompt_index, sample) pairs already in the file, so an interrupted run loses at most one batch.
 Generation: chat template when the tokenizer has one, left padding, greedy at temperature 0, else
 sampling with `temperature`/`top_p` from a seeded generator.
@@ -20,6 +22,8 @@ import torch
 from hybridize.errors import UserError
 from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
+from hybridize.eval.formats import ANSWER_FORMATS
+from hybridize.eval.math import grade
 
 from .config import TracesConfig, save_config
 from .data import load_rows, read_jsonl, shared_data
@@ -55,24 +59,36 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+def rejected_path(out: Path) -> Path:
+    return out.with_suffix(".rejected.jsonl")
+
+
 def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") -> Path:
+    if cfg.keep not in ("all", "correct"):
+        raise UserError(f"keep={cfg.keep!r}: use keep=all or keep=correct")
+    if cfg.answer_format not in ANSWER_FORMATS:
+        raise UserError(f"answer_format={cfg.answer_format!r}: use one of {', '.join(ANSWER_FORMATS)}")
+    fmt = cfg.answer_format
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out.with_suffix(".config.yaml"))
     source = cfg.prompts or default_prompts()
     if is_arith_spec(source):   # generated arithmetic: split from the name, else `split`
-        ds = arith_dataset(source, default_split=cfg.split, max_rows=cfg.num_prompts)
+        ds = arith_dataset(source, default_split=cfg.split, max_rows=cfg.num_prompts, instruction=ANSWER_FORMATS[fmt])
     else:
         ds = load_rows(source, cfg.split, cfg.num_prompts)
     if cfg.prompt_field not in ds.column_names:
         raise UserError(f"prompts have no column {cfg.prompt_field!r}; columns: {ds.column_names}")
-    done = {(r.get("prompt_index"), r.get("sample")) for r in read_jsonl(out)}
+    if cfg.keep == "correct" and "answer" not in ds.column_names:
+        raise UserError(f"keep=correct needs an `answer` column to check against; columns: {ds.column_names}")
+    rejected = rejected_path(out)
+    done = {(r.get("prompt_index"), r.get("sample")) for r in [*read_jsonl(out), *read_jsonl(rejected)]}
     todo = [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
     if not todo:
         print(f"traces: all {len(ds) * cfg.samples_per_prompt} completions already in {out}")
         return out
     torch.manual_seed(cfg.seed)
-    t0, n_tok = time.perf_counter(), 0
+    t0, n_tok, n_kept = time.perf_counter(), 0, 0
     from tqdm.auto import tqdm
     bar = tqdm(total=len(todo), desc="traces", dynamic_ncols=True)
     for b in range(0, len(todo), cfg.batch_size):
@@ -86,16 +102,21 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
             continue
         prompts = [render_prompt(tokenizer, r[cfg.prompt_field], cfg.system_prompt) for _, r in keep]
         texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-        with out.open("a") as f:
+        with out.open("a") as f, rejected.open("a") as f_rej:
             for ((i, k), r), t in zip(keep, texts):
                 rec = {**{c: v for c, v in r.items() if isinstance(v, (str, int, float, bool, type(None)))},
                        "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name}
-                f.write(json.dumps(rec) + "\n")
+                good = cfg.keep == "all" or (r.get("answer") is not None and grade(t, str(r["answer"]), fmt))
+                (f if good else f_rej).write(json.dumps(rec) + "\n")
+                n_kept += good
                 n_tok += len(tokenizer(t, add_special_tokens=False)["input_ids"])
         bar.update(len(chunk))
-        bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
+        bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}", kept=n_kept)
     bar.close()
-    print(f"traces: wrote {len(todo)} completions ({n_tok} tokens, {time.perf_counter() - t0:.0f} s) to {out}")
+    kept = "" if cfg.keep == "all" else f", {n_kept} graded correct and kept ({n_kept / len(todo):.1%}; the rest in {rejected})"
+    print(f"traces: wrote {len(todo)} completions ({n_tok} tokens, {time.perf_counter() - t0:.0f} s){kept} to {out}")
+    if rejected.exists() and not rejected.stat().st_size:
+        rejected.unlink()
     return out
 
 

@@ -196,12 +196,12 @@ def load(name: str, default_split: str = "test") -> list[dict]:
     return generate(split, spec.levels, per_level, spec.seed)
 
 
-def as_dataset(name: str, default_split: str = "train", max_rows: int = 0):
+def as_dataset(name: str, default_split: str = "train", max_rows: int = 0, instruction: str = BOXED_INSTRUCTION):
     """A `datasets.Dataset` of the rows for `distill traces`, with a `prompt` column too (the problem and
-    the boxed-answer instruction on the next line; `prompt_field=problem` gives the bare problem)."""
+    `instruction` on the next line; `prompt_field=problem` gives the bare problem)."""
     import datasets  # deferred: slow import (pyarrow); only `distill traces` needs it
 
-    rows = [{**r, "prompt": f"{r['problem']}\n{BOXED_INSTRUCTION}"} for r in load(name, default_split)]
+    rows = [{**r, "prompt": f"{r['problem']}\n{instruction}"} for r in load(name, default_split)]
     if max_rows:
         rows = rows[:max_rows]
     return datasets.Dataset.from_list(rows)

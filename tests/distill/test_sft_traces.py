@@ -65,3 +65,50 @@ def test_traces_written_and_rerun_skips_done(tmp_path, tok):
     assert rows[0]["answer"] == "5" and isinstance(rows[0]["completion"], str) and rows[0]["teacher"] == "tiny"
     write_traces(model, tok, cfg, "tiny")  # the malformed row is retried and skipped, the others are done
     assert len((tmp_path / "tr.jsonl").read_text().splitlines()) == 2
+
+
+def test_traces_keep_correct_is_rejection_sampling(tmp_path, tok, monkeypatch):
+    """keep=correct writes only the completions the checker grades right; the rest go to the side file and a
+    rerun generates neither again."""
+    import hybridize.distill.traces as traces
+
+    calls = []
+
+    def fake_generate(model, tokenizer, prompts, *a, **k):
+        calls.append(len(prompts))
+        return ["12" if "5 + 7" in p else "3" for p in prompts]
+
+    monkeypatch.setattr(traces, "generate", fake_generate)
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 5 + 7?", "answer": "12"},
+                                                 {"problem": "What is 2 + 2?", "answer": "4"}])
+    cfg = load_config(TracesConfig, None, {"prompts": str(prompts), "out": str(tmp_path / "tr.jsonl"),
+                                           "num_prompts": 0, "batch_size": 2, "samples_per_prompt": 2,
+                                           "keep": "correct", "answer_format": "number"})
+    traces.write_traces(None, tok, cfg, "fake")
+    kept = [json.loads(x) for x in (tmp_path / "tr.jsonl").read_text().splitlines()]
+    rejected = [json.loads(x) for x in (tmp_path / "tr.rejected.jsonl").read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample"], r["completion"]) for r in kept] == [(0, 0, "12"), (0, 1, "12")]
+    assert sorted((r["prompt_index"], r["sample"]) for r in rejected) == [(1, 0), (1, 1)]
+    traces.write_traces(None, tok, cfg, "fake")
+    assert sum(calls) == 4      # the rerun found every (prompt, sample) done, kept or rejected
+
+
+def test_traces_bad_keep_or_format_is_one_line(tmp_path, tok):
+    from hybridize.errors import UserError
+    from hybridize.distill.traces import write_traces
+
+    for bad in ({"keep": "best"}, {"answer_format": "latex"}):
+        cfg = load_config(TracesConfig, None, {"prompts": "arith:L1", "out": str(tmp_path / "t.jsonl"), **bad})
+        with pytest.raises(UserError, match="keep=|answer_format="):
+            write_traces(None, tok, cfg, "x")
+
+
+def test_traces_arith_prompt_carries_the_number_instruction(tmp_path, tok, monkeypatch):
+    import hybridize.distill.traces as traces
+
+    monkeypatch.setattr(traces, "generate", lambda m, t, prompts, *a, **k: ["0"] * len(prompts))
+    cfg = load_config(TracesConfig, None, {"prompts": "arith:L1", "prompt_field": "prompt", "num_prompts": 2,
+                                           "out": str(tmp_path / "t.jsonl"), "answer_format": "number"})
+    traces.write_traces(None, tok, cfg, "x")
+    rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["prompt"].endswith("\nAnswer with the number only.") for r in rows)
