@@ -10,7 +10,8 @@ one GPU:
 Stages of the hybrid (the issue's rows): `converted` (the plan, no training), `distilled` (stage A + B,
 sized by --align-steps / --e2e-steps), `sft` (TRL SFTTrainer on the teacher's traces of `arith:train`, kept
 only where the number-only checker grades them correct), `grpo` (TRL GRPOTrainer with the fast rollouts on
-`arith:train`). Control: the teacher with the same GRPO budget. Every model is scored on the held-out
+`arith:train`). Control: the teacher with the same GRPO budget. Evaluations run beside the training chain
+(their own processes on the same GPU), so the wall times of the steps overlap. Every model is scored on the held-out
 `arith:test` split (disjoint from train by construction; 50 problems per level) with the number-only answer
 format, greedy and avg@k sampled; the AIME / MATH path runs at the SSE paper's protocol (temperature 1.0,
 top-p 0.7, avg@k) on MATH-500 levels 1-2 and AIME24 for the teacher and the final hybrid, with a generation
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,12 +71,26 @@ def hyb(work: Path, name: str, args: list[str], done: Path | None = None) -> Non
         f.write(json.dumps({"step": name, "seconds": took, "exit": r.returncode}) + "\n")
     print(f"{time.strftime('%T')} end {name} ({took} s, exit {r.returncode})", flush=True)
     if r.returncode != 0:
-        sys.exit(f"{name} failed: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:]))
+        msg = f"{name} failed: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+        print(msg, flush=True)   # a thread's SystemExit is silent
+        sys.exit(msg)
 
 
-def score(a, work: Path, stage: str, model: str) -> None:
+EVALS: list[threading.Thread] = []
+
+
+def aside(fn, *args) -> None:
+    """Run an evaluation beside the track's training chain (its own process on the same GPU); `main` waits for
+    them all. A failed one ends its thread with its log named, not the track."""
+    t = threading.Thread(target=fn, args=args)
+    t.start()
+    EVALS.append(t)
+
+
+def score(a, work: Path, stage: str, model: str, sampled: bool = True) -> None:
     """Held-out arith:test, greedy and avg@k (sampled at temperature 1.0, top-p 1.0)."""
-    for kind, extra in (("greedy", ["--greedy"]), (f"avg{a.k}", ["--samples", str(a.k), "--top-p", "1.0"])):
+    kinds = [("greedy", ["--greedy"])] + ([(f"avg{a.k}", ["--samples", str(a.k), "--top-p", "1.0"])] if sampled else [])
+    for kind, extra in kinds:
         out = work / "eval" / stage / kind
         hyb(work, f"eval-{stage}-{kind}", ["eval", "math", "-m", model, "-d", "arith:test", *FORMAT, *extra,
                                             "--max-new-tokens", "32", "--batch-size", "512", "--out", str(out)],
@@ -106,7 +122,7 @@ def grpo(a, work: Path, name: str, model: str) -> Path:
 
 
 def teacher_track(a, work: Path) -> None:
-    score(a, work, "teacher", a.teacher)
+    aside(score, a, work, "teacher", a.teacher)
     traces = work / "traces.jsonl"
     hyb(work, "traces", ["distill", "traces", f"teacher={a.teacher}",
                          f"prompts=arith:train:n={a.trace_prompts}", "prompt_field=prompt", "answer_format=number",
@@ -114,8 +130,8 @@ def teacher_track(a, work: Path) -> None:
                          "max_new_tokens=32", "batch_size=512", "dtype=bfloat16", "num_prompts=0", f"out={traces}"],
         work / "traces.done")
     (work / "traces.done").touch()
-    score(a, work, "teacher_grpo", str(grpo(a, work, "grpo_teacher", a.teacher)))
-    math_path(a, work, "teacher", a.teacher)
+    aside(math_path, a, work, "teacher", a.teacher)
+    aside(score, a, work, "teacher_grpo", str(grpo(a, work, "grpo_teacher", a.teacher)))
 
 
 def hybrid_track(a, work: Path) -> None:
@@ -125,14 +141,14 @@ def hybrid_track(a, work: Path) -> None:
     conv, align, e2e = work / "converted", work / "align", work / "e2e"
     hyb(work, "convert", ["convert", "--src", a.teacher, "--layers", a.plan, "--mixer", "sse", "--out", str(conv),
                           "--overwrite"], conv / "config.json")
-    score(a, work, "converted", str(conv))
+    aside(score, a, work, "converted", str(conv), False)   # greedy only: the converted model is near 0
     hyb(work, "align", ["distill", "align", "-r", "smollm2-135m/align", f"student={conv}", f"train.run_dir={align}",
                         f"train.max_steps={a.align_steps}", "data.seq_len=1024", "data.batch_tokens=8192",
                         "gradient_checkpointing=false", *common], align / "final" / "config.json")
     hyb(work, "e2e", ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={align / 'final'}", f"train.run_dir={e2e}",
                       f"train.max_steps={a.e2e_steps}", "gradient_checkpointing=true", "data.seq_len_schedule=[]",
                       "data.seq_len=2048", "data.batch_tokens=16384", *common], e2e / "final" / "config.json")
-    score(a, work, "distilled", str(e2e / "final"))
+    aside(score, a, work, "distilled", str(e2e / "final"))
     while not (work / "traces.done").exists():   # the teacher track writes the traces
         if (work / "teacher.failed").exists():
             sys.exit("the teacher track failed before its traces were written: no SFT")
@@ -143,10 +159,10 @@ def hybrid_track(a, work: Path) -> None:
                       "max_length=128", "batch_size=32", f"train.run_dir={sft}", f"train.max_steps={a.sft_steps}",
                       "train.grad_accum=1", "train.lr=3e-5", "train.warmup_steps=10", "train.save_every=0",
                       "--overwrite"], sft / "final" / "config.json")
-    score(a, work, "sft", str(sft / "final"))
+    aside(score, a, work, "sft", str(sft / "final"))
     final = grpo(a, work, "grpo_hybrid", str(sft / "final"))
-    score(a, work, "grpo", str(final))
-    math_path(a, work, "hybrid_grpo", str(final))
+    aside(score, a, work, "grpo", str(final))
+    aside(math_path, a, work, "hybrid_grpo", str(final))
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -207,7 +223,7 @@ def read_grpo(run: Path) -> dict:
     p = run / "metrics.jsonl"
     rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
     keep = ("step", "reward", "rewards/correctness_reward/mean", "rewards/format_reward/mean",
-            "completions/mean_length", "train_runtime")
+            "completions/mean_length", "rollout/tokens_per_s", "train_runtime")
     return {"rows": [{key: r[key] for key in keep if key in r} for r in rows]}
 
 
@@ -276,8 +292,13 @@ def main(argv=None):
         except SystemExit:
             (work / "teacher.failed").touch()
             raise
+        finally:
+            [t.join() for t in EVALS]
     elif a.track == "hybrid":
-        hybrid_track(a, work)
+        try:
+            hybrid_track(a, work)
+        finally:
+            [t.join() for t in EVALS]
     else:
         report(a, work)
 
