@@ -6,7 +6,7 @@
 #                                                            # in turn, in one process
 #   bash benchmarks/pipeline/device_default.sh $OUT recovery "--time-budget 300"  # demo student vs teacher: eval recovery
 #   bash benchmarks/pipeline/device_default.sh $OUT select "--greedy"   # hybridize select --keep 5 on cuda (ARG: more options)
-#   bash benchmarks/pipeline/device_default.sh $OUT unpack .c1        # a carried folder: its wheels into /tmp/site, its
+#   bash benchmarks/pipeline/device_default.sh $OUT unpack .c1        # a carried folder: its wheels into $SITE, its
 #                                                            # GGUF parts (gp.*) joined once all three are there,
 #                                                            # its data.tar.xz into /root/data
 #   bash benchmarks/pipeline/device_default.sh $OUT variants "select train:fixed train:select long:select"
@@ -32,6 +32,11 @@
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
 GGUF=/root/p/smollm2.gguf
+# The carried wheels go here, put first on PYTHONPATH by the caller. Not under /tmp: with pyarrow in /tmp/site,
+# datasets 5.2's fingerprint (dill, recurse=True) copied the whole pyarrow module and failed on Python 3.12
+# ("Can't pickle <class 'MonthDayNano'>"), so every Dataset.from_list broke; from here it works (checked on
+# the H100 image, 2026-11-25).
+SITE=/usr/local/lib/hyb-site
 SHA=b179c952
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
 mkdir -p "$OUT" /root/p
@@ -43,7 +48,7 @@ case $STEP in
     else echo "part kept: $(ls /root/p)"; fi ;;
   unpack)
     ls "$ARG"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target /tmp/site "$ARG"/*.whl && echo "wheels: $(ls /tmp/site | grep -c dist-info) in /tmp/site"
+      --upgrade --target $SITE "$ARG"/*.whl && echo "wheels: $(ls $SITE | grep -c dist-info) in $SITE"
     ls "$ARG"/gp.* >/dev/null 2>&1 && cp "$ARG"/gp.* /root/p/
     if [ -f /root/p/gp.aa ] && [ -f /root/p/gp.ab ] && [ -f /root/p/gp.ac ] && [ ! -f "$GGUF" ]; then
       cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
