@@ -73,7 +73,7 @@ MODEL_TYPE = "hybridize"
 ATTN = "attn"
 MIXER_LAYER_TYPE = "hybridize_mixer"
 # MixerConfig fields that come from the teacher's shapes; a user setting may not change them
-TEACHER_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "qk_norm_scope",
+TEACHER_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "qk_norm", "qk_norm_scope",
                   "qk_norm_offset", "attn_scale", "rms_norm_eps")
 
 

@@ -27,7 +27,7 @@ from hybridize.families.traits import window_layers
 from hybridize.mixers import mixer_names
 from hybridize.mixers.base import FlatRMSNorm
 from hybridize.modeling import HybridForCausalLM
-from tests.convert.common import FAMILIES, FP32_TOL, left_padded, rel_err, tiny_teacher
+from tests.convert.common import CASES, FAMILIES, FP32_TOL, left_padded, rel_err, tiny_teacher
 from tests.test_modeling import _check_plain_decode, _hybrid, _ids
 
 
@@ -37,19 +37,19 @@ def test_the_table_covers_the_tested_families():
 
 # ------------------------------------------------------------------ decode == forward, every mixer
 @pytest.mark.parametrize("kind", mixer_names())
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_decode_equals_forward(family, kind):
     _, model = _hybrid(kind, family)
     assert _check_plain_decode(model) < FP32_TOL
 
 
 # ------------------------------------------------------------------ save / reload, generate
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_save_reload_exact(family, tmp_path):
     _, model = _hybrid("sse", family)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(loaded) is HybridForCausalLM and loaded.config.source_config.model_type == family
+    assert type(loaded) is HybridForCausalLM and loaded.config.source_config.model_type == family.removesuffix("_bias")
     assert loaded.config.mixer_settings == model.config.mixer_settings
     a, b = model.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -58,7 +58,7 @@ def test_save_reload_exact(family, tmp_path):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_generate_cached_equals_uncached(family):
     _, model = _hybrid("gla", family)
     ids, mask, _ = left_padded([_ids(1, 9, seed=3)[0], _ids(1, 5, seed=4)[0]])
@@ -67,7 +67,7 @@ def test_generate_cached_equals_uncached(family):
 
 
 # ------------------------------------------------------------------ the mapping, against the teacher
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_swa_reproduces_the_teachers_attention_layer(family):
     """SWA = softmax attention over a window: with the teacher's window on sliding layers and one longer
     than the sequence elsewhere, the converted layer's output equals the teacher attention's."""
@@ -168,7 +168,7 @@ def test_report_table_prints_dropped_lines():
 
 
 # ------------------------------------------------------------------ code that runs the decoder by hand
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_rl_fast_generate_same_tokens_or_falls_back(family):
     """The RL decode loop runs embed -> layers -> norm -> lm_head itself: where that is the family's forward it
     gives HF's tokens; where it is not (a RoPE per layer type, embedding multiplier, logits transform) it

@@ -19,6 +19,7 @@ import hybridize.mixers as mixers_pkg
 from hybridize.mixers import mixer_names
 from hybridize.modeling import HybridCache, HybridConfig, HybridForCausalLM, MixerCacheLayer
 from tests.convert.common import (
+    CASES,
     FAMILIES,
     FP32_TOL,
     VOCAB,
@@ -64,7 +65,7 @@ def _ids(B: int, T: int, seed: int = 0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ teacher equivalence
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_zero_layers_converted_equals_teacher(family):
     teacher = tiny_teacher(family)
     hybrid = convert_model(teacher, "none", mixer="gla").eval()
@@ -127,7 +128,7 @@ def _check_packed(model, rows_lens=((5, 7, 4), (6, 3, 7))):
     return max(errs)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_toy_mixer_plumbing(toy, family):
     """Plain / padded / packed decode equivalence on every family (toy mixer with conv + RoPE)."""
     settings = {"toy": {"short_conv": True, "use_rope": True}}

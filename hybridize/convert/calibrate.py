@@ -82,7 +82,10 @@ def _fit_layer(mixer, x, position_embeddings, target, valid) -> float:
     y = y.view(y.shape[0], -1, D)                                 # [N, H, D]
     w_o = mixer.o_proj.weight.float().view(-1, y.shape[1], D)     # [hidden, H, D]
     contrib = torch.einsum("nhd,ohd->nod", y, w_o).reshape(-1, D)  # column d: output of channel d alone
-    gain = fit_gains(contrib, target[valid].reshape(-1))
+    goal = target[valid].float()                                  # [N, hidden]
+    if mixer.o_proj.bias is not None:   # o_proj(y) = W y + b: the gains fit W y to the target less b
+        goal = goal - mixer.o_proj.bias.float()
+    gain = fit_gains(contrib, goal.reshape(-1))
     norm.weight.copy_(gain.to(norm.weight.dtype))
     return float(gain.mean())
 

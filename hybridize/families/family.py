@@ -41,6 +41,13 @@ class UnsupportedFamily(UserError, ValueError):
     """A teacher the table has no entry for, or a setting its entry cannot convert (one line: what is missing)."""
 
 
+
+def _flag(spec: str, config) -> bool:
+    """A bias spec of the table: "never", "always", or the name of a config flag."""
+    if spec in ("never", "always"):
+        return spec == "always"
+    return bool(getattr(config, spec, False))
+
 @dataclass(frozen=True)
 class Refusal:
     """A config flag the conversion cannot take: refused when `getattr(config, flag)` is truthy."""
@@ -61,6 +68,7 @@ class Family:
     # projections
     qkv: str = SEPARATE
     qkv_bias: str = "never"              # "never" | "always" | a config flag (Llama-style `attention_bias`)
+    o_bias: str = "never"                # the same for o_proj (Llama-style `attention_bias` biases both)
     qk_norm: str = NO_NORM
     qk_norm_offset: float = 0.0          # Gemma: the norm's gain is 1 + weight
     # attention math (config attribute names)
@@ -91,9 +99,10 @@ class Family:
         return heads, kv, head_dim
 
     def has_qkv_bias(self, config) -> bool:
-        if self.qkv_bias in ("never", "always"):
-            return self.qkv_bias == "always"
-        return bool(getattr(config, self.qkv_bias, False))
+        return _flag(self.qkv_bias, config)
+
+    def has_o_bias(self, config) -> bool:
+        return _flag(self.o_bias, config)
 
     def attn_scale(self, config) -> float | None:
         """The teacher's attention logit scale when it is not head_dim**-0.5 by construction, else None."""
@@ -120,6 +129,7 @@ class Family:
             num_kv_heads=kv,
             head_dim=head_dim,
             qkv_bias=self.has_qkv_bias(config),
+            o_bias=self.has_o_bias(config),
             qk_norm=self.qk_norm != NO_NORM,
             qk_norm_scope="full" if self.qk_norm == FULL_NORM else "head",
             qk_norm_offset=self.qk_norm_offset,

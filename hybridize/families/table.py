@@ -17,46 +17,44 @@ from .family import (
     Refusal,
 )
 
-#: Llama-style `attention_bias=True` also puts a bias on o_proj; the mixers' o_proj has none (and the
-#: output-gain calibration fits o_proj's input without one)
-O_PROJ_BIAS = Refusal("attention_bias", "it also puts a bias on o_proj, which the mixers' output projection "
-                      "does not have")
+#: Llama-style `attention_bias`: one flag biases q/k/v and o_proj alike (transformers 5.23's attention code)
+BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias")
 
 _ENTRIES = (
-    Family("llama", "Llama (incl. SmolLM2)", qkv_bias="attention_bias", refuse=(O_PROJ_BIAS,),
+    Family("llama", "Llama (incl. SmolLM2)", **BIAS,
            names=("llama",), default_checkpoint="meta-llama/Llama-3.2-1B-Instruct"),
     Family("qwen2", "Qwen2 / Qwen2.5 (incl. R1-distill-Qwen)", qkv_bias="always", sliding=LAYER_TYPES,
            names=("qwen2", "qwen2.5"), default_checkpoint="Qwen/Qwen2.5-1.5B-Instruct"),
-    Family("qwen3", "Qwen3", qkv_bias="attention_bias", qk_norm=HEAD_NORM, sliding=LAYER_TYPES,
-           refuse=(O_PROJ_BIAS,), names=("qwen", "qwen3"), default_checkpoint="Qwen/Qwen3-1.7B"),
+    Family("qwen3", "Qwen3", **BIAS, qk_norm=HEAD_NORM, sliding=LAYER_TYPES,
+           names=("qwen", "qwen3"), default_checkpoint="Qwen/Qwen3-1.7B"),
     Family("mistral", "Mistral", sliding=ALL_LAYERS,
            names=("mistral",), default_checkpoint="mistralai/Mistral-7B-Instruct-v0.3"),
-    Family("gemma3_text", "Gemma 3 (text)", qkv_bias="attention_bias", qk_norm=HEAD_NORM, qk_norm_offset=1.0,
+    Family("gemma3_text", "Gemma 3 (text)", **BIAS, qk_norm=HEAD_NORM, qk_norm_offset=1.0,
            query_scale=("query_pre_attn_scalar", -0.5),
            ignored=(("attn_logit_softcapping", "transformers' Gemma3Attention never passes it to the attention "
                                                "function, so the teacher does not cap"),),
            logits_softcap="final_logit_softcapping", sliding=LAYER_TYPES, rope=ROPE_PER_LAYER_TYPE,
            notes=("embeddings scaled by sqrt(hidden_size) and norms before and after attention and MLP "
                   "(decoder code around the attention)",),
-           refuse=(O_PROJ_BIAS, Refusal("use_bidirectional_attention", "bidirectional attention is not a causal "
-                                        "decoder's, and the mixers are causal")),
+           refuse=(Refusal("use_bidirectional_attention", "bidirectional attention is not a causal "
+                                        "decoder's, and the mixers are causal"),),
            names=("gemma", "gemma3"), default_checkpoint="google/gemma-3-270m-it"),
-    Family("gemma2", "Gemma 2", qkv_bias="attention_bias", query_scale=("query_pre_attn_scalar", -0.5),
+    Family("gemma2", "Gemma 2", **BIAS, query_scale=("query_pre_attn_scalar", -0.5),
            attn_softcap="attn_logit_softcapping", logits_softcap="final_logit_softcapping", sliding=LAYER_TYPES,
            notes=("embeddings scaled by sqrt(hidden_size) and norms before and after attention and MLP "
                   "(decoder code around the attention)",),
-           refuse=(O_PROJ_BIAS,), names=("gemma2",), default_checkpoint="google/gemma-2-2b-it"),
+           names=("gemma2",), default_checkpoint="google/gemma-2-2b-it"),
     Family("phi3", "Phi-3", qkv=FUSED, sliding=ALL_LAYERS, partial_rotary=True,
            names=("phi", "phi3"), default_checkpoint="microsoft/Phi-3-mini-4k-instruct"),
-    Family("olmo2", "OLMo 2", qkv_bias="attention_bias", qk_norm=FULL_NORM,
+    Family("olmo2", "OLMo 2", **BIAS, qk_norm=FULL_NORM,
            notes=("norms after attention and MLP, none before (decoder code around the attention)",),
-           refuse=(O_PROJ_BIAS,), names=("olmo", "olmo2"), default_checkpoint="allenai/OLMo-2-0425-1B-Instruct"),
-    Family("granite", "Granite", qkv_bias="attention_bias", query_scale=("attention_multiplier", 1.0),
+           names=("olmo", "olmo2"), default_checkpoint="allenai/OLMo-2-0425-1B-Instruct"),
+    Family("granite", "Granite", **BIAS, query_scale=("attention_multiplier", 1.0),
            multipliers=("embedding_multiplier", "residual_multiplier"), logits_divisor="logits_scaling",
-           refuse=(O_PROJ_BIAS,), names=("granite",), default_checkpoint="ibm-granite/granite-3.3-2b-instruct"),
-    Family("qwen3_moe", "Qwen3-MoE", qkv_bias="attention_bias", qk_norm=HEAD_NORM, sliding=ALL_LAYERS,
+           names=("granite",), default_checkpoint="ibm-granite/granite-3.3-2b-instruct"),
+    Family("qwen3_moe", "Qwen3-MoE", **BIAS, qk_norm=HEAD_NORM, sliding=ALL_LAYERS,
            notes=("mixture-of-experts MLPs (router and experts) are copied untouched: only attention converts",),
-           refuse=(O_PROJ_BIAS,), names=("qwen3-moe", "qwen3_moe"),
+           names=("qwen3-moe", "qwen3_moe"),
            default_checkpoint="Qwen/Qwen3-30B-A3B-Instruct-2507"),
 )
 

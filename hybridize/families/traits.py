@@ -97,6 +97,9 @@ def _projection_traits(family: Family, config, kinds) -> list[Trait]:
         out = [Trait("q/k/v/o", "q_proj, k_proj, v_proj, o_proj", _same(kinds, True, "copied by name"))]
     if family.has_qkv_bias(config):
         out.append(Trait("q/k/v biases", "biases on q/k/v", _same(kinds, True, "copied")))
+    if family.has_o_bias(config):
+        out.append(Trait("o_proj bias", "a bias on o_proj", _same(kinds, True, "copied (the output-gain "
+                                                                           "calibration fits around it)")))
     if family.qk_norm != NO_NORM:
         scope = "over all heads at once" if family.qk_norm == FULL_NORM else "per head"
         gain = ", gain 1 + weight" if family.qk_norm_offset else ""

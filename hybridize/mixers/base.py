@@ -42,6 +42,8 @@ class MixerConfig:
     num_kv_heads: int = field(default=3, metadata={"help": "key/value heads of the teacher (GQA)"})
     head_dim: int = field(default=64, metadata={"help": "per-head width of q/k/v"})
     qkv_bias: bool = field(default=False, metadata={"help": "q/k/v projections have biases (Qwen2)"})
+    o_bias: bool = field(default=False, metadata={
+        "help": "o_proj has a bias (Llama-style attention_bias=True, which biases q/k/v as well)"})
     qk_norm: bool = field(default=False, metadata={"help": "RMSNorm on q and k (Qwen3, Gemma 3, OLMo 2)"})
     qk_norm_scope: str = field(default="head", metadata={
         "help": "what the q/k norm normalises: 'head' (each head's head_dim channels: Qwen3, Gemma 3) or "
@@ -262,7 +264,7 @@ class Mixer(nn.Module):
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
             self.q_norm = qk_norm_module(c, c.num_heads)
             self.k_norm = qk_norm_module(c, c.num_kv_heads)

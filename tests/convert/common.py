@@ -33,6 +33,8 @@ from transformers import (
 import hybridize.mixers as mixers_pkg
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2", "granite", "qwen3_moe")
+#: the families plus variants of one: "llama_bias" is Llama with attention_bias=True (biases on q/k/v and o_proj)
+CASES = FAMILIES + ("llama_bias",)
 VOCAB = 97
 FP32_TOL = 1e-5
 
@@ -44,6 +46,8 @@ def tiny_teacher_config(family: str, layers: int = 3, **kw):
     common.update(kw)
     if family == "llama":
         return LlamaConfig(**common)
+    if family == "llama_bias":
+        return LlamaConfig(attention_bias=True, **common)
     if family == "qwen2":
         return Qwen2Config(**common)
     if family == "qwen3":

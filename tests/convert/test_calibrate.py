@@ -50,3 +50,31 @@ def test_gain_fit_is_the_least_squares_optimum_in_fp64():
     got = fit_gains(contrib, target)
     assert got.dtype == torch.float64 and (got >= 0).all()
     assert torch.allclose(got, ref, atol=1e-8, rtol=1e-8), (got - ref).abs().max()
+
+
+@torch.no_grad()
+def test_gain_fit_recovers_known_gains_through_an_o_proj_bias():
+    """Llama with attention_bias=True: o_proj(y) = W y + b. A target made by the mixer itself with known gains
+    is fitted back exactly only if the fit takes the bias out of the target first."""
+    from hybridize.convert.calibrate import _fit_layer
+    from hybridize.convert.report import capture_attention_io, right_pad
+
+    teacher = tiny_teacher("llama_bias")
+    hybrid = convert_model(teacher, "gla,attn,attn").eval()
+    mixer = hybrid.model.layers[0].self_attn
+    assert mixer.o_proj.bias is not None and mixer.o_proj.bias.abs().sum() > 0
+    ids, valid = right_pad(calibration_inputs(teacher))
+    records, handles = capture_attention_io(teacher, [0])
+    try:
+        teacher(input_ids=ids, attention_mask=valid.long())
+    finally:
+        for h in handles:
+            h.remove()
+    x, pe, _ = records[0][0]
+    known = torch.rand_like(mixer.o_norm.weight) + 0.5
+    mixer.o_norm.weight.copy_(known)
+    out = mixer.mixer_forward(x, pe, attention_mask=valid)
+    target = out[0] if isinstance(out, tuple) else out
+    mixer.o_norm.weight.fill_(1.0)
+    _fit_layer(mixer, x, pe, target, valid)
+    torch.testing.assert_close(mixer.o_norm.weight, known, rtol=1e-4, atol=1e-4)

@@ -11,10 +11,10 @@ from hybridize.convert.convert import convert_model, new_parameter_names, split_
 from hybridize.convert.report import conversion_report, report_table, sample_inputs
 from hybridize.mixers import mixer_names
 from hybridize.modeling import AttentionSlot, mixer_common_settings
-from tests.convert.common import FAMILIES, rel_err, tiny_teacher, tiny_teacher_config, toy_registered
+from tests.convert.common import CASES, rel_err, tiny_teacher, tiny_teacher_config, toy_registered
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_every_teacher_tensor_is_copied(family):
     """Every teacher tensor is in the hybrid, by name, or split by the family's entry (Phi-3's fused
     qkv_proj of a converted layer is held as the mixer's q/k/v_proj); nothing else is added but the
@@ -30,7 +30,11 @@ def test_every_teacher_tensor_is_copied(family):
     slot = hybrid.model.layers[0].self_attn
     assert isinstance(slot, AttentionSlot)
     assert slot.k_proj.weight.shape == (2 * 16, 64)  # GQA kept: KV-head width
-    assert (slot.q_proj.bias is not None) == (family == "qwen2")
+    assert (slot.q_proj.bias is not None) == (family in ("qwen2", "llama_bias"))
+    assert (slot.o_proj.bias is not None) == (family == "llama_bias")
+    if family == "llama_bias":   # a converted layer (gla) keeps the teacher's o_proj bias
+        mixer = hybrid.model.layers[1].self_attn
+        assert torch.equal(mixer.o_proj.bias, teacher.model.layers[1].self_attn.o_proj.bias)
     assert hasattr(slot, "q_norm") == (family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe"))
     new = set(new_parameter_names(hybrid))
     assert new and set(h) - set(t) == new
@@ -73,14 +77,14 @@ def test_settings_forms_and_errors():
 
 def test_common_settings_from_teacher_config():
     c = mixer_common_settings(tiny_teacher_config("qwen2"))
-    assert c == dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False,
+    assert c == dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, o_bias=False, qk_norm=False,
                      qk_norm_scope="head", qk_norm_offset=0.0, attn_scale=None, rms_norm_eps=1e-6)
     assert mixer_common_settings(tiny_teacher_config("qwen3"))["qk_norm"] is True
     assert mixer_common_settings(tiny_teacher_config("olmo2"))["qk_norm_scope"] == "full"
     gemma = mixer_common_settings(tiny_teacher_config("gemma3_text"))
     assert gemma["qk_norm_offset"] == 1.0 and gemma["attn_scale"] == 24 ** -0.5
-    with pytest.raises(ValueError, match="attention_bias=True is not supported: it also puts a bias on o_proj"):
-        mixer_common_settings(tiny_teacher_config("llama", attention_bias=True))
+    biased = mixer_common_settings(tiny_teacher_config("llama", attention_bias=True))
+    assert biased["qkv_bias"] is True and biased["o_bias"] is True
 
 
 def test_unsupported_family_is_refused_naming_what_is_missing():

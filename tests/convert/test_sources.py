@@ -77,8 +77,6 @@ def test_unsupported_family_names_what_is_missing(tmp_path):
                  "head_dim": 16, "intermediate_size": 64, "vocab_size": 50, "num_local_experts": 2},
      ["attention model.layers.N.self_attn also has sinks"]),
     # a supported family with a setting its entry refuses
-    ("llama", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
-               "vocab_size": 50, "attention_bias": True}, ["puts a bias on o_proj"]),
     ("gemma3_text", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "head_dim": 16,
                      "intermediate_size": 64, "vocab_size": 50, "use_bidirectional_attention": True},
      ["use_bidirectional_attention=True is not supported"]),
