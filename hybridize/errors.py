@@ -1,9 +1,12 @@
 """The one exception type the CLI turns into a one-line message (no stack trace), and the readers of user
 files that raise it with the file (and line) named, for causes the libraries report badly: text that is
-not UTF-8, an empty file, YAML that does not parse."""
+not UTF-8, an empty file, YAML that does not parse, a JSON-lines row that does not parse.
+
+This module imports nothing of hybridize, so every layer (ops ... distill/eval/rl) may use its readers."""
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 
 
@@ -52,6 +55,37 @@ def read_text(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise not_utf8(path, data, e) from None
+
+
+def read_jsonl(path: str | Path, partial: bool = False) -> list[dict]:
+    """One dict per non-empty line of a JSON-lines file. Bytes that are not UTF-8 -> `UserError` naming the
+    file, line and column.
+
+    `partial=False` (a finished input: eval sets, RL prompts): a missing file raises FileNotFoundError and a
+    line that is not JSON raises ValueError naming the file and line.
+    `partial=True` (a file a run appends to and may have died while writing, read back to skip the rows
+    already done): a missing file is `[]`, and a line that is not JSON (a cut-off last row) is skipped with a
+    warning on the screen."""
+    path = Path(path)
+    if partial and not path.exists():
+        return []
+    out = []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise not_utf8(path, raw, e, offset=i) from None
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if partial:
+                    print(f"warning: {path}:{i + 1} is not valid JSON; skipped")
+                    continue
+                raise ValueError(f"{path}:{i + 1} is not valid JSON ({e}); expected one JSON object per line") from e
+    return out
 
 
 def read_yaml(path: str | Path, load=None):

@@ -17,28 +17,41 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Literal
 
 from hybridize.errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# HF Trainer's folder name (what transformers.trainer_utils.get_last_checkpoint matches)
+_TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (unfinished `.tmp` folders are ignored)."""
-    root = checkpoint_dir(run_dir)
+def list_checkpoints(run_dir: str | Path, layout: Literal["steps", "trainer"] = "steps") -> list[Path]:
+    """Complete checkpoints (folders holding `trainer_state.json`), oldest first.
+
+    `layout="steps"`: this module's `<run_dir>/checkpoints/step-000120/` (distillation runs; unfinished
+    `.tmp` folders are ignored). `layout="trainer"`: HF Trainer's `<run_dir>/checkpoint-120/` (GRPO runs
+    through TRL; the Trainer writes `trainer_state.json` last, so a folder without it is unfinished)."""
+    if layout == "steps":
+        root, pattern = checkpoint_dir(run_dir), _STEP_DIR
+    elif layout == "trainer":
+        root, pattern = Path(run_dir), _TRAINER_DIR
+    else:
+        raise ValueError(f"layout={layout!r}: expected 'steps' or 'trainer'")
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name))
              and (p / "trainer_state.json").is_file()]
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
+def latest_checkpoint(run_dir: str | Path, layout: Literal["steps", "trainer"] = "steps") -> Path | None:
+    """The newest complete checkpoint of a run folder, or None; `layout` as in `list_checkpoints`."""
+    ckpts = list_checkpoints(run_dir, layout)
     return ckpts[-1] if ckpts else None
 
 

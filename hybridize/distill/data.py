@@ -13,14 +13,13 @@ Order: for a given row length the rows are shuffled by `seed`, `epoch` and sched
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybridize.errors import UserError, check_utf8, first_line, read_text
+from hybridize.errors import UserError, check_utf8, first_line
 
 from hybridize.builtin_text import builtin_texts
 
@@ -314,23 +313,8 @@ def heldout_ids(tokenizer, texts: list[str], max_tokens: int) -> torch.Tensor:
     return torch.tensor(out[:max_tokens], dtype=torch.long)
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    rows = []
-    p = Path(path)
-    if not p.exists():
-        return rows
-    for i, line in enumerate(read_text(p).splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            print(f"warning: {p}:{i + 1} is not valid JSON; skipped")
-    return rows
-
-
 __all__ = ["shared_data", "load_rows", "load_texts", "row_texts", "tokenize_docs", "pack_rows", "flatten_rows",
-           "pad_docs", "pack_docs_exact", "PackedData", "parse_schedule", "heldout_ids", "read_jsonl", "build_data",
+           "pad_docs", "pack_docs_exact", "PackedData", "parse_schedule", "heldout_ids", "build_data",
            "build_heldout", "default_train_source"]
 
 

@@ -32,11 +32,11 @@ from hybridize.convert.plan import parse_plan
 from hybridize.convert.settings import check_user_settings
 from hybridize.convert.sources import load_config as load_model_config
 from hybridize.cpu import ThreadGuard, pick_threads
-from hybridize.errors import UserError, read_text
+from hybridize.errors import UserError, read_jsonl, read_text
 from hybridize.ops.common.options import with_run_kernel_options
 from .align import align
 from .config import AlignConfig, DemoConfig, E2EConfig, load_config, save_config
-from .data import heldout_ids, load_texts, read_jsonl
+from .data import heldout_ids, load_texts
 from .e2e import e2e
 from .loop import save_final
 from .metrics import perplexity
@@ -81,7 +81,7 @@ def chat_answers(teacher, tok, path: Path, samples: int, max_new_tokens: int, ba
                  threads: ThreadGuard | None = None) -> list[str]:
     """The teacher's sampled answers to CHAT_PROMPTS as chat documents; rows already in `path` are kept
     (an interrupted demo does not write them again). `threads` is told after every batch."""
-    done = {(r["prompt"], r["sample"]): r["text"] for r in read_jsonl(path)}
+    done = {(r["prompt"], r["sample"]): r["text"] for r in read_jsonl(path, partial=True)}
     todo = [(i, s) for s in range(samples) for i in range(len(CHAT_PROMPTS)) if (i, s) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f, tqdm(total=len(todo), desc="teacher answers", unit="answer") as bar:

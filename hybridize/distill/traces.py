@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, read_jsonl
 from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 from hybridize.eval.formats import ANSWER_FORMATS
 from hybridize.eval.math import grade
 
 from .config import TracesConfig, save_config
-from .data import load_rows, read_jsonl, shared_data
+from .data import load_rows, shared_data
 from .models import load_teacher
 
 
@@ -82,7 +82,7 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
     if cfg.keep == "correct" and "answer" not in ds.column_names:
         raise UserError(f"keep=correct needs an `answer` column to check against; columns: {ds.column_names}")
     rejected = rejected_path(out)
-    done = {(r.get("prompt_index"), r.get("sample")) for r in [*read_jsonl(out), *read_jsonl(rejected)]}
+    done = {(r.get("prompt_index"), r.get("sample")) for r in [*read_jsonl(out, partial=True), *read_jsonl(rejected, partial=True)]}
     todo = [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
     if not todo:
         print(f"traces: all {len(ds) * cfg.samples_per_prompt} completions already in {out}")

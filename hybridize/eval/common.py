@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hybridize.errors import not_utf8
 # the eval tasks import these from here (and tests patch `load_model` here)
 from hybridize.generation.batched import default_batch_size, generate, resolve_generation  # noqa: F401
 from hybridize.generation.loading import load_model, model_device, resolve_device  # noqa: F401
@@ -50,24 +49,6 @@ def data_file(rel: str) -> Path | None:
         return None
     p = d / rel
     return p if p.exists() else None
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """One dict per non-empty line; bad JSON or bytes that are not UTF-8 -> one line naming file and line."""
-    out = []
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f):
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise not_utf8(path, raw, e, offset=i) from None
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1} is not valid JSON ({e}); expected one JSON object per line") from e
-    return out
 
 
 def write_jsonl(path: str | Path, rows: Iterable[dict]) -> Path:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, read_jsonl
 from . import arith
 from .common import (
     build_prompt,
@@ -51,7 +51,6 @@ from .common import (
     generate,
     has_chat_template,
     model_device,
-    read_jsonl,
     write_json,
     write_jsonl,
 )

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hybridize.builtin_text import builtin_texts
-from hybridize.errors import read_text
+from hybridize.errors import read_jsonl, read_text
 from .common import (
     build_prompt,
     data_file,
@@ -49,7 +49,6 @@ from .common import (
     has_chat_template,
     model_device,
     plt,
-    read_jsonl,
     write_csv,
     write_json,
     write_jsonl,

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.builtin_text import builtin_texts
-from hybridize.errors import read_text
+from hybridize.errors import read_jsonl, read_text
 from hybridize.families import head_logits
-from .common import data_file, model_device, read_jsonl, save_line_plot, write_csv, write_json
+from .common import data_file, model_device, save_line_plot, write_csv, write_json
 
 
 @dataclass

@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from hybridize.errors import UserError
+from hybridize.errors import UserError, read_jsonl
 from hybridize.eval.arith import is_arith_spec
-from hybridize.eval.common import data_file, has_chat_template, read_jsonl
+from hybridize.eval.common import data_file, has_chat_template
 from hybridize.eval.math import DATASETS, _normalise_record, keep_answered, load_math_dataset
 
 #: short name -> (path under the shared data folder, hub id, hub config, hub split)

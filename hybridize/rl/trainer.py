@@ -32,7 +32,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from hybridize.distill.checkpoint import check_trainer_resume
+from hybridize.distill.checkpoint import check_trainer_resume, latest_checkpoint
 from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
 from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
@@ -69,7 +69,7 @@ class HybridGRPOTrainer(GuardedTrainerMixin, GRPOTrainer):
     watch_loss_spikes = False
 
     def last_good_checkpoint(self) -> str | None:
-        ckpt = latest_checkpoint(self.args.output_dir)
+        ckpt = latest_checkpoint(self.args.output_dir, layout="trainer")
         return str(ckpt) if ckpt is not None else None
 
     def __init__(self, *args, fast_generation: bool = True, fast_config: FastGenConfig | None = None, **kwargs):
@@ -178,17 +178,6 @@ def plot_rewards(jsonl: str | Path, png: str | Path, keys=REWARD_KEYS) -> Path |
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return Path(png)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete `checkpoint-N` folder (Trainer layout), or None."""
-    root = Path(run_dir)
-    found = []
-    for p in root.glob("checkpoint-*") if root.is_dir() else []:
-        tail = p.name.split("-")[-1]
-        if p.is_dir() and tail.isdigit() and (p / "trainer_state.json").is_file():
-            found.append((int(tail), p))
-    return max(found)[1] if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,10 +332,10 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     run_dir = Path(cfg.output_dir)
     ckpt = None
     if resume:
-        ckpt = Path(resume) if isinstance(resume, str) else latest_checkpoint(run_dir)
+        ckpt = Path(resume) if isinstance(resume, str) else latest_checkpoint(run_dir, layout="trainer")
         if ckpt is None or not (ckpt / "trainer_state.json").is_file():
             raise UserError(f"--resume: no checkpoint-N folder with trainer_state.json in {resume if isinstance(resume, str) else run_dir}")
-    elif run_dir.is_dir() and latest_checkpoint(run_dir) is not None:
+    elif run_dir.is_dir() and latest_checkpoint(run_dir, layout="trainer") is not None:
         raise UserError(f"{run_dir} already holds checkpoints: pass --resume to continue, or another output_dir=")
     device, dtype = resolve_device_dtype(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import pytest
 
 from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS
 from hybridize.distill.demo import chat_answers, demo_config, run_demo
-from hybridize.distill.data import read_jsonl
+from hybridize.errors import read_jsonl
 from tests.distill.helpers import write_texts
 from tests.rl.helpers import byte_tokenizer, tiny_teacher
 
