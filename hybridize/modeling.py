@@ -65,7 +65,9 @@ from transformers.configuration_utils import SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from hybridize import families, mixers
+# the submodules, not the package root (hybridize/__init__ imports this module)
+import hybridize.families as families
+import hybridize.mixers as mixers
 from hybridize.ops.common.options import check_overrides, resolve_kernel_options, use_kernel_options
 from hybridize.mixers.base import Mixer, MixerState
 

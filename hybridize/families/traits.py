@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from hybridize import mixers
+# the submodule, not the package root: hybridize/__init__ imports modeling, which imports this module
+import hybridize.mixers as mixers
 from .family import ALL_LAYERS, FULL_NORM, FUSED, LAYER_TYPES, NO_NORM, ROPE_PER_LAYER_TYPE, Family
 
 ATTN = "attn"

@@ -1,4 +1,5 @@
-"""Registers every op's GPU wrappers (`hybridize/ops/<op>/fla.py`) with `dispatch.register_gpu`.
+"""Registers every op's GPU wrappers (`hybridize/ops/<op>/fla.py`) with `registry.register_gpu` (what
+`dispatch.run` reads).
 
 `dispatch.run` imports this module on its first CUDA call and calls `activate()`. Importing it imports nothing
 heavy: each wrapper imports fla-core (`ops/common/fla_adapter.fla`) or our Triton kernels on its first call, so
@@ -8,7 +9,7 @@ heavy: each wrapper imports fla-core (`ops/common/fla_adapter.fla`) or our Trito
 from __future__ import annotations
 
 from hybridize.ops.ccq import fla as ccq_fla
-from hybridize.ops.common import dispatch, fla_adapter
+from hybridize.ops.common import fla_adapter, registry
 from hybridize.ops.delta import fla as delta_fla
 from hybridize.ops.gla import fla as gla_fla
 from hybridize.ops.log_linear import fla as log_linear_fla
@@ -35,6 +36,6 @@ def activate(force: bool = False) -> bool:
     if not (force or fla_adapter.available()):
         return False
     for (op, mode), fn in WRAPPERS.items():
-        dispatch.register_gpu(op, mode, fn)
+        registry.register_gpu(op, mode, fn)
     _ACTIVE = True
     return True

@@ -1,22 +1,24 @@
 """One entry point for every op: picks the PyTorch form or a GPU kernel.
 
 `run(op, mode, ...)` calls the op's PyTorch form `chunk_<op>` or `naive_recurrent_<op>` (mode "chunk" or
-"recurrent"; `_TORCH_MODULES` says which module holds them) on CPU tensors. On CUDA tensors it prefers a GPU implementation registered with `register_gpu`
-(fla-core adapters, our Triton kernels) unless the kernel option `kernels` is "torch"
-(`HYBRIDIZE_KERNELS=torch`, `use_kernel_options(kernels="torch")`, `set_backend("torch")`), which forces
-the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.ops.common.options`).
+"recurrent"; `registry.torch_impl` finds them) on CPU tensors. On CUDA tensors it prefers a GPU
+implementation registered with `register_gpu` (fla-core adapters, our Triton kernels) unless the kernel
+option `kernels` is "torch" (`HYBRIDIZE_KERNELS=torch`, `use_kernel_options(kernels="torch")`,
+`set_backend("torch")`), which forces the PyTorch path; "gpu" makes a missing GPU kernel an error instead (`hybridize.ops.common.options`).
+The tables of implementations live in `hybridize.ops.common.registry`, below this module and
+`hybridize.ops.gpu` (`torch_impl` and `register_gpu` are re-exported here).
 """
 from __future__ import annotations
-
-import importlib
-from typing import Callable
 
 import torch
 
 from hybridize.ops.common.options import BACKENDS as _BACKENDS
 from hybridize.ops.common.options import current_kernel_options, set_kernel_options
+from hybridize.ops.common import registry
+from hybridize.ops.common.registry import register_gpu, torch_impl
 
-_GPU: dict[tuple[str, str], Callable] = {}
+__all__ = ["run", "set_backend", "get_backend", "register_gpu", "torch_impl"]
+
 _gpu_tried = False  # the fla adapter is imported on the first CUDA call only (CPU never loads triton/fla)
 
 
@@ -33,29 +35,6 @@ def get_backend() -> str:
     return current_kernel_options().kernels
 
 
-def register_gpu(op: str, mode: str, fn: Callable) -> None:
-    _GPU[(op, mode)] = fn
-
-
-_TORCH: dict[tuple[str, str], Callable] = {}
-# the module holding each op's PyTorch forms `chunk_<op>` / `naive_recurrent_<op>` (fla's naming)
-_TORCH_MODULES = {
-    "gla": "hybridize.ops.gla.reference",
-    "delta": "hybridize.ops.delta.reference",
-    "log_linear": "hybridize.ops.log_linear.reference",
-    "ccq": "hybridize.ops.ccq.reference",
-    "ccq_clean": "hybridize.ops.ccq.clean",
-}
-
-
-def torch_impl(op: str, mode: str) -> Callable:
-    fn = _TORCH.get((op, mode))
-    if fn is None:   # looked up once: a dict read is also what torch.compile can trace (import_module is not)
-        module = importlib.import_module(_TORCH_MODULES[op])
-        fn = _TORCH[(op, mode)] = getattr(module, f"chunk_{op}" if mode == "chunk" else f"naive_recurrent_{op}")
-    return fn
-
-
 def run(op: str, mode: str, *args, **kwargs):
     if mode not in ("chunk", "recurrent"):
         raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
@@ -67,7 +46,7 @@ def run(op: str, mode: str, *args, **kwargs):
             _gpu_tried = True
             from hybridize.ops import gpu   # the wrappers' modules: loaded on the first CUDA call only
             gpu.activate()
-        fn = _GPU.get((op, mode))
+        fn = registry._GPU.get((op, mode))
         if fn is not None:
             if torch.compiler.is_compiling():   # fla / Triton launchers stay opaque inside a compiled region
                 return torch.compiler.disable(fn)(*args, **kwargs)

@@ -1,10 +1,10 @@
 """Thin adapter to fla-core 0.6.0: its entry points (`fla()`) and what every op's GPU wrappers share.
 
 The wrappers live with their ops (`hybridize/ops/<op>/fla.py`); `hybridize.ops.gpu.activate()` registers one
-per (op, mode) with `dispatch.register_gpu` and imports nothing heavy. Each wrapper imports fla-core on its
+per (op, mode) with `registry.register_gpu` and imports nothing heavy. Each wrapper imports fla-core on its
 first call (so `import hybridize` on a CPU machine never imports triton or
 fla), maps our argument conventions onto fla's, and hands any case fla does not cover back to the
-PyTorch op (`dispatch.torch_impl`) instead of guessing.
+PyTorch op (`registry.torch_impl`) instead of guessing.
 
 | op / mode          | GPU path                                                                      |
 | ------------------ | ----------------------------------------------------------------------------- |
@@ -50,8 +50,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridize.ops.common import dispatch
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.registry import torch_impl
 
 _FLA: SimpleNamespace | None = None
 
@@ -104,7 +104,8 @@ def fla() -> SimpleNamespace:
 # ---- shared by the op wrappers (hybridize/ops/<op>/fla.py) -----------------------------------------
 
 def fallback(op: str, mode: str, *args, **kwargs):
-    return dispatch.torch_impl(op, mode)(*args, **kwargs)
+    """The PyTorch form of (op, mode) on the same arguments: what a wrapper runs for a case fla does not cover."""
+    return torch_impl(op, mode)(*args, **kwargs)
 
 
 def unsupported(*tensors) -> bool:

@@ -389,7 +389,7 @@ def test_cuda_mixer_through_dispatch():
     GPU path (fla `chunk_gla` read), fp32."""
     from hybridize.ops import gpu
     from hybridize.ops.ccq import fla as ccq_fla
-    from hybridize.ops.common import dispatch
+    from hybridize.ops.common import registry
     from hybridize.ops.ccq.triton_read import ccq_triton
     from hybridize.mixers.ccq import CCQGLA, CCQGLAConfig
 
@@ -399,17 +399,17 @@ def test_cuda_mixer_through_dispatch():
     cfg = CCQGLAConfig(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, ccq_fixed_lambda=0.7)
     mixer = CCQGLA(cfg).cuda()
     x = torch.randn(2, 300, 256, device="cuda")
-    saved = dispatch._GPU[("ccq", "chunk")]
+    saved = registry._GPU[("ccq", "chunk")]
     outs = []
     try:
         for fn in (ccq_triton, ccq_fla.chunk_ccq):
-            dispatch.register_gpu("ccq", "chunk", fn)
+            registry.register_gpu("ccq", "chunk", fn)
             mixer.zero_grad()
             y = mixer(x, mode="chunk").hidden
             y.square().sum().backward()
             outs.append((y.detach(), mixer.q_proj.weight.grad.clone()))
     finally:
-        dispatch.register_gpu("ccq", "chunk", saved)
+        registry.register_gpu("ccq", "chunk", saved)
     (y1, g1), (y2, g2) = outs
     assert rel(y1, y2) < 2e-3 and rel(g1, g2) < 2e-3   # the current path reads in tf32 inside chunk_gla
 

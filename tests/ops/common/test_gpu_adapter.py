@@ -12,7 +12,7 @@ import torch
 
 from hybridize.ops import gpu
 from hybridize.ops.ccq import fla as ccq_fla
-from hybridize.ops.common import dispatch, fla_adapter
+from hybridize.ops.common import dispatch, fla_adapter, registry
 from hybridize.ops.delta import fla as delta_fla
 from hybridize.ops.gla import fla as gla_fla
 from hybridize.ops.log_linear import fla as log_linear_fla
@@ -109,10 +109,10 @@ def test_importing_hybridize_does_not_import_triton_or_fla():
 
 
 def test_activate_registers_every_wrapper(monkeypatch):
-    monkeypatch.setattr(dispatch, "_GPU", {})
+    monkeypatch.setattr(registry, "_GPU", {})
     monkeypatch.setattr(gpu, "_ACTIVE", False)
     assert gpu.activate(force=True)
-    assert set(dispatch._GPU) == set(gpu.WRAPPERS)
+    assert set(registry._GPU) == set(gpu.WRAPPERS)
 
 
 def test_qdelta_maps_p_to_comba_convention(fake_fla):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridize.errors import UserError
-from hybridize.ops.common import dispatch, options
+from hybridize.ops.common import dispatch, options, registry
 from hybridize.ops.sse import reference as sse
 from hybridize.ops.common.options import KernelOptions, current_kernel_options, use_kernel_options
 
@@ -103,10 +103,10 @@ class _FakeCuda:
 @pytest.fixture
 def fake_ops(monkeypatch):
     monkeypatch.setattr(dispatch, "_gpu_tried", True)   # no fla adapter import
-    monkeypatch.setitem(dispatch._GPU, ("gla", "chunk"), lambda *a, **k: "gpu")
-    monkeypatch.setitem(dispatch._TORCH, ("gla", "chunk"), lambda *a, **k: "torch")
-    monkeypatch.setitem(dispatch._TORCH, ("delta", "chunk"), lambda *a, **k: "torch")
-    monkeypatch.delitem(dispatch._GPU, ("delta", "chunk"), raising=False)
+    monkeypatch.setitem(registry._GPU, ("gla", "chunk"), lambda *a, **k: "gpu")
+    monkeypatch.setitem(registry._TORCH, ("gla", "chunk"), lambda *a, **k: "torch")
+    monkeypatch.setitem(registry._TORCH, ("delta", "chunk"), lambda *a, **k: "torch")
+    monkeypatch.delitem(registry._GPU, ("delta", "chunk"), raising=False)
 
 
 @pytest.mark.parametrize("backend,gla,delta", [("auto", "gpu", "torch"), ("torch", "torch", "torch"),

@@ -1,4 +1,5 @@
-"""The piece table kernel (`ops/common/triton_piece_table.py`) against the PyTorch table it replaces (interpreter)."""
+"""The piece table kernel (`piece_table` in `ops/common/triton_utils.py`) against the PyTorch table it
+replaces (under the Triton interpreter)."""
 import importlib.util
 import os
 
@@ -28,7 +29,7 @@ def torch_table(B, T, cu, n0, seg_len, monkeypatch):
     (list(range(0, 2600, 1)), 512, False),            # 2599 one-token documents: several blocks of earlier ones
 ])
 def test_kernel_table_equals_torch_table(cu, seg_len, with_n0, monkeypatch):
-    from hybridize.ops.common.triton_piece_table import piece_table
+    from hybridize.ops.common.triton_utils import piece_table
     cu_t = torch.tensor(cu)
     N, total = len(cu) - 1, cu[-1]
     n0 = torch.arange(N) * 3 + 1 if with_n0 else None
