@@ -1,5 +1,6 @@
-"""The KV-regression probe (seed 003): the claim that DeltaNet's identity MSE stays flat with length
-while linear attention's grows, and the probe's building blocks against independent references."""
+"""The KV-regression probe of "Rethinking Key-Value Relationships in Linear Attention": the claim that
+DeltaNet's identity MSE stays flat with length while linear attention's grows, and the probe's building
+blocks against independent references."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Q-Delta mixer ("qdelta", seed 002): contract checks, hand-written reference, exact reduction to
-Gated DeltaNet at lambda = 0, lambda init and the stability condition."""
+"""Q-Delta mixer ("qdelta"; "Q-Delta: Beyond Key-Value Associative State Evolution"): contract checks,
+hand-written reference, exact reduction to Gated DeltaNet at lambda = 0, lambda init and the stability condition."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
-"""CCQ query cleaning around the covariance read (seed 000, eq. 9 and Algorithm 2), PyTorch form.
+"""CCQ query cleaning around the covariance read, PyTorch form (eq. 9 and Algorithm 2 of
+"Don't Read Everything: A Curvature-Conditioned Query for Linear Attention").
 
     kbar = k / ||k||     qbar = q / ||q||     lambda_t = sigmoid(w_h . qbar_t + b_h)  (or a fixed lambda)
     q_clean = q - lambda_t * Sigma_t q_t,  with Sigma_t q_t = read(q, kbar)  (`hybridize.ops.ccq.reference`)

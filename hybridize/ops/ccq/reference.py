@@ -1,4 +1,5 @@
-"""CCQ covariance read (seed 000, eq. 8-9, appendices B-C): Sigma_t q_t for every position.
+"""CCQ covariance read: Sigma_t q_t for every position (eq. 8-9, appendices B-C of
+"Don't Read Everything: A Curvature-Conditioned Query for Linear Attention").
 
 With unit-norm keys k_j, the running second moment and mean over the real tokens of a sequence are
 

@@ -1,4 +1,5 @@
-"""CCQ covariance read (seed 000, appendix B) as one fused Triton chunked pass, forward and backward.
+"""CCQ covariance read as one fused Triton chunked pass, forward and backward (appendix B of
+"Don't Read Everything: A Curvature-Conditioned Query for Linear Attention").
 
 Computes what `hybridize.ops.ccq.reference.chunk_ccq` computes, `Sigma_t q_t = C_t q_t - mu_t (mu_t . q_t)`
 for q, k `[B, T, H, K]`, with the same arguments (mask `[B, T]`, initial / final state `(C, mu, t)`,
@@ -460,7 +461,7 @@ def _configs():
     # BT=64 spills 1-4 KB per thread at 4 warps (and (64, 32, 4 warps) made an illegal memory access in the
     # forward on the H100 once the keys were centred, so it is out); the 8-warp rows hold wider channel
     # blocks (fewer programs recomputing q k^T); (64, 64, 8) and (32, 64, 4) are the dk passes' picks in a wider
-    # H100 sweep (16k: 0.85 -> 0.75 ms); (64, 128, 8) was fastest at 16k in session 9's sweep and 2x slow at 32k,
+    # H100 sweep (16k: 0.85 -> 0.75 ms); (64, 128, 8) was fastest at 16k in an earlier sweep and 2x slow at 32k,
     # which the key's length and row buckets (`_launch`) allow. Autotuning picks the fastest of these on the device
     # (the global cap, kernel option autotune_top, meant for fla's long lists, does not apply here; the option
     # ccq_tune_top=<n> (HYBRIDIZE_CCQ_TUNE_TOP=<n>) keeps the first n, e.g. 1 for tests that only check numbers)
@@ -489,7 +490,7 @@ def _launch(kernel, rows, K, chunk_size, args, meta, tokens):
 
 def _sums_configs():
     # (BT, BR, BC, warps, stages): a GEMM's tiles, wide along the tokens. H100 sweep of six configs at 4k, 16k
-    # and 32k (session 9): the key sums were fastest with the first at every length, the gradient sums with the
+    # and 32k: the key sums were fastest with the first at every length, the gradient sums with the
     # first or the second; the third is within 6-12% of the best for both. The autotune key has no length in it,
     # so the list keeps only configs that are good at every length
     table = [(128, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3)]

@@ -258,11 +258,11 @@ def piece_len(B, T, H, longest, rows: int | None = None):
     """Piece length: ~kernel option `ccq_rows` (`HYBRIDIZE_CCQ_ROWS`, default 128) (piece, head) rows so that
     B * H alone (often 16) does not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more
     in the prefix scan and the per-piece sums than they gain, longer ones idle SMs; H100 sweeps in
-    benchmarks/RESULTS.md, sessions 5, 9 and 10). A forward alone used 64 rows in session 9, when its tile
-    was tuned once for every shape; with the tiles tuned per length and rows bucket (`_launch`) 128 rows
-    measured faster for it too (read forward 4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The
-    option `ccq_segment=<n>` (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the
-    target instead of `ccq_rows` (the pieces GLA passes its own)."""
+    benchmarks/RESULTS.md). A forward alone used 64 rows while its tile was tuned once for every shape; with
+    the tiles tuned per length and rows bucket (`_launch`) 128 rows measured faster for it too (read forward
+    4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The option `ccq_segment=<n>`
+    (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the target instead of `ccq_rows`
+    (the pieces GLA passes its own)."""
     opts = current_kernel_options()
     if opts.ccq_segment is not None:
         n = opts.ccq_segment

@@ -1,6 +1,6 @@
 """Generalised (gated) delta rule with a separate erase direction p: DeltaNet, Gated DeltaNet, Q-Delta.
 
-Per head, state S `[K, V]`, per token (DESIGN.md sec. 2):
+Per head, state S `[K, V]`, per token:
 
     S'  = exp(g_t) S_{t-1}                    (scalar log-decay g_t <= 0; g=None means no decay)
     u_t = v_t - S'^T p_t                      (prediction error read along the erase direction p)
@@ -8,11 +8,11 @@ Per head, state S `[K, V]`, per token (DESIGN.md sec. 2):
     o_t = scale * S_t^T q_t
 
 i.e. S_t = exp(g_t) (I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t v_t^T. `p = None` means p = k, which is
-DeltaNet (g=None) / Gated DeltaNet. Q-Delta (seed 002) is p = x = k + lambda q: the paper writes
-S_t = alpha_t S_{t-1}(I - beta_t x_t k_t^T) + beta_t v_t k_t^T with S `[V, K]`; this module holds the
-transpose. (fla-core calls this family Comba / DPLR.)
+DeltaNet (g=None) / Gated DeltaNet. Q-Delta ("Q-Delta: Beyond Key-Value Associative State Evolution") is
+p = x = k + lambda q: the paper writes S_t = alpha_t S_{t-1}(I - beta_t x_t k_t^T) + beta_t v_t k_t^T with
+S `[V, K]`; this module holds the transpose. (fla-core calls this family Comba / DPLR.)
 
-Q-Delta stability (seed 002, Lemma 3.1): the erase map (I - beta k p^T) has eigenvalue 1 - beta_t a_t
+Q-Delta stability (the Q-Delta paper, Lemma 3.1): the erase map (I - beta k p^T) has eigenvalue 1 - beta_t a_t
 along k with a_t = k_t . p_t; the hybrid error contracts when beta_t a_t in (0, 2). With q, k
 L2-normalised, beta in (0, 1) and lambda in [0, 1], a_t = 1 + lambda cos(q_t, k_t) in [1 - lambda,
 1 + lambda], so beta_t a_t lies in [0, 2) always (0 only at lambda = 1 and q = -k). The op does not

@@ -16,7 +16,7 @@ rowsum(S_end(j) * R(j)) (that equals dL/dg at the next piece's first token, see 
 own; (4) `_dk_kernel`, backward in time from R(j): dk, and dg as the in-tile reverse cumsum of q * dq - k * dk
 plus the carried suffix; (5) `_dv_kernel`, backward in time from R(j): dv. (One pass for dk and dv, a program per
 (piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with 256 or
-more rows: 2.31-2.49 ms against 2.01-2.19 for the two, RESULTS session 11; their key / value blocks give more
+more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give more
 programs.)
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the

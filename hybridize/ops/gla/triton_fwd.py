@@ -4,7 +4,7 @@ Computes what `hybridize.ops.gla.reference.chunk_gla` computes for per-key-chann
 S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t, for q, k, g `[B, T, H, K]`, v `[B, T, H, V]`,
 an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. Written for SSE's speed target (issue 6): SSE
 runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per token than fla's
-`chunk_gla`; this forward runs at ~0.6x of chunk_gla per token (H100, benchmarks/RESULTS.md, sessions 10-11).
+`chunk_gla`; this forward runs at ~0.6x of chunk_gla per token (H100, benchmarks/RESULTS.md).
 `gla_fwd_triton` is the forward alone (no gradient); `gla_bwd.gla_triton` is the op with its backward. SSE's
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
@@ -66,7 +66,7 @@ def _load(x, x_sp, src, sparse, i_h, o_c, m, C: tl.constexpr, H: tl.constexpr, G
     """Rows `src` of x, or of x_sp for a sparse piece, channels o_c `[BT, BC]` (0 where not m). SELECT: one load
     from the chosen base pointer, which Triton software-pipelines (piece-state walk at 16k on the H100, gathered:
     0.455 ms, against 0.49 with the loads in a branch); otherwise the loads sit in a branch, not pipelined, which
-    the output pass prefers (1.00 ms pipelined against 0.78; benchmarks/RESULTS.md, sessions 11-12)."""
+    the output pass prefers (1.00 ms pipelined against 0.78; benchmarks/RESULTS.md)."""
     off = (src[:, None] * H + i_h) * C + o_c[None, :]
     if GATHER:
         if SELECT:
@@ -207,7 +207,7 @@ def _state_configs():
 
 
 #: (piece, head) rows the automatic piece length aims at (`triton_utils.piece_len`): the default of the kernel
-#: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (session 11),
+#: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (benchmarks/RESULTS.md),
 #: forward+backward 16k: 128 rows 5.35 ms, 256 4.84, 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31
 #: (at 4k every setting from 256 up gives 512-token pieces)
 ROWS = 1024

@@ -1,4 +1,5 @@
-"""Sparse State Expansion (seed 001, sec. 4 and appendix 11): routing and the two training layouts.
+"""Sparse State Expansion: routing and the two training layouts (sec. 4 and appendix 11 of "Scaling Linear
+Attention with Sparse State Expansion").
 
 The backbone op (`"gla"`: diagonal gate, or `"delta"`: gated delta rule) runs unchanged; this module
 decides which tokens reach which of the N state partitions of each head.
@@ -463,7 +464,7 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
     """Whether the pieces GLA reads the varlen layout in place (`ops/gla/triton_fwd.py` `Gather`) instead of the row
     packer copying it: the pieces GLA applies (`_gla_in_pieces`), nothing needs a gradient (the backward keeps the
     packed rows), per-key gates on both paths, and both paths in one dtype. Saves the four packs' copies: 0.46 of
-    SSE's 1.97 ms forward at 16k on the H100 (benchmarks/RESULTS.md, session 11)."""
+    SSE's 1.97 ms forward at 16k on the H100 (benchmarks/RESULTS.md)."""
     paths = [sparse] + ([] if shared is None else [shared])
     if not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
         return False
@@ -477,7 +478,7 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
     """Whether the varlen GLA call runs our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`; CUDA, bf16
     inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
-    (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md, session 11);
+    (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md);
     per-token log-decays below -8 are taken as -8 there (see `ops/gla/triton_fwd.py`).
     The kernel option `sse_gla_pieces=False` (`HYBRIDIZE_SSE_GLA_PIECES=0`) or `kernels="torch"` keeps
     `dispatch`'s op (fla's chunk_gla on CUDA)."""

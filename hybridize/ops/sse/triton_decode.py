@@ -1,4 +1,5 @@
-"""Partition-sparse SSE decode step (seed 001): reads and writes only the selected partition states.
+"""Partition-sparse SSE decode step ("Scaling Linear Attention with Sparse State Expansion"): reads and writes only the
+selected partition states.
 
 The PyTorch path of `ops.sse.reference.naive_recurrent_sse` gathers the K selected partitions of every row into
 a new tensor, runs the recurrent op and scatters them back: three full copies of the selected states

@@ -2,7 +2,7 @@
 
 The PyTorch plan sorts the M = L * K (token, slot) pairs by key = sequence * N + partition with a device radix
 sort, then finds the segments with `searchsorted`: about twenty launches, 1-3 us each on the H100, plus the sort
-(0.03-0.05 ms at 4k-16k tokens; benchmarks/RESULTS.md, session 12). The keys are small and the tokens are already
+(0.03-0.05 ms at 4k-16k tokens; benchmarks/RESULTS.md). The keys are small and the tokens are already
 in sequence order, so a counting sort over the N partitions does it:
 
     P[p, i]  = kept pairs before pair p with partition i (an exclusive prefix count over all pairs),

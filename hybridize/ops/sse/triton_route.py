@@ -1,4 +1,5 @@
-"""Fused row movement of SSE's varlen layout (seed 001, appendix 11, Algorithm 2) as Triton kernels.
+"""Fused row movement of SSE's varlen layout as Triton kernels (appendix 11, Algorithm 2 of "Scaling Linear
+Attention with Sparse State Expansion").
 
 `ops.sse.reference.sse_varlen` reorders the (token, slot) pairs of a packed row by (sequence, partition)
 (`ops.sse.reference.varlen_plan`: `order` [M] sorted pair ids, pair p = t * K + s; `inv` [L * K] the sorted

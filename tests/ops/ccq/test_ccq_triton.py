@@ -323,7 +323,7 @@ def test_autotuners_keep_their_whole_lists_under_the_global_cap(monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
 def test_pass_autotuners_tune_per_length_bucket(monkeypatch):
     """The passes' autotune key holds power-of-two buckets of the token count and of the rows, so a tile picked
-    at 4k is not reused at 32k (session 9: the best tile at 16k was 2x slow at 32k), nor one picked for a
+    at 4k is not reused at 32k (an H100 sweep: the best tile at 16k was 2x slow at 32k), nor one picked for a
     training step's rows by a forward alone with half as many."""
     from hybridize.ops.ccq import triton_read as cr
 
