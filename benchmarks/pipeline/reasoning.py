@@ -53,6 +53,12 @@ def args_parser():
     p.add_argument("--k", type=int, default=8, help="samples per problem of the sampled arith score (avg@k)")
     p.add_argument("--math-k", type=int, default=4, help="avg@k on MATH-500 L1-2 and AIME24")
     p.add_argument("--math-tokens", type=int, default=1024, help="generation cap on MATH-500 / AIME24")
+    # smaller sizes for a CPU smoke run of every step (e.g. --arith arith:test:n=2 --k 2 --align-tokens 512 ...)
+    p.add_argument("--arith", default="arith:test", help="the held-out set scored at every stage")
+    p.add_argument("--align-tokens", type=int, default=8192, help="tokens per stage-A step (1024 per sequence)")
+    p.add_argument("--e2e-tokens", type=int, default=16384, help="tokens per stage-B step (2048 per sequence)")
+    p.add_argument("--grpo-batch", type=int, default=64, help="completions per GRPO step (8 per prompt)")
+    p.add_argument("--math-limit", type=int, default=0, help="first N problems of each math set (0 = all)")
     return p
 
 
@@ -93,7 +99,7 @@ def score(a, work: Path, stage: str, model: str, sampled: bool = True) -> None:
     kinds = [("greedy", ["--greedy"])] + ([(f"avg{a.k}", ["--samples", str(a.k), "--top-p", "1.0"])] if sampled else [])
     for kind, extra in kinds:
         out = work / "eval" / stage / kind
-        hyb(work, f"eval-{stage}-{kind}", ["eval", "math", "-m", model, "-d", "arith:test", *FORMAT, *extra,
+        hyb(work, f"eval-{stage}-{kind}", ["eval", "math", "-m", model, "-d", a.arith, *FORMAT, *extra,
                                             "--max-new-tokens", "32", "--batch-size", "512", "--out", str(out)],
             out / "summary.json")
 
@@ -108,7 +114,8 @@ def math_path(a, work: Path, stage: str, model: str) -> None:
         out = work / "eval" / stage / name
         hyb(work, f"eval-{stage}-{name}", ["eval", "math", "-m", model, "-d", ds, "--samples", str(a.math_k),
                                             "--temperature", "1.0", "--top-p", "0.7", "--max-new-tokens",
-                                            str(a.math_tokens), "--batch-size", "256", "--out", str(out)],
+                                            str(a.math_tokens), "--batch-size", "256", "--out", str(out),
+                                            *(["--limit", str(a.math_limit)] if a.math_limit else [])],
             out / "summary.json")
 
 
@@ -117,7 +124,7 @@ def grpo(a, work: Path, name: str, model: str) -> Path:
     hyb(work, name, ["grpo", "--model", model, "--recipe", "smollm2-135m/grpo", "--output-dir", str(run),
                      f"data.instruction={NUMBER}", "data.eval=", f"grpo.max_steps={a.grpo_steps}",
                      f"grpo.learning_rate={a.grpo_lr}", "grpo.max_completion_length=64",
-                     "grpo.per_device_train_batch_size=64", "save_steps=0", "progress=false"],
+                     f"grpo.per_device_train_batch_size={a.grpo_batch}", "save_steps=0", "progress=false"],
         run / "final" / "config.json")
     return run / "final"
 
@@ -144,11 +151,13 @@ def hybrid_track(a, work: Path) -> None:
                           "--overwrite"], conv / "config.json")
     aside(score, a, work, "converted", str(conv), False)   # greedy only: the converted model is near 0
     hyb(work, "align", ["distill", "align", "-r", "smollm2-135m/align", f"student={conv}", f"train.run_dir={align}",
-                        f"train.max_steps={a.align_steps}", "data.seq_len=1024", "data.batch_tokens=8192",
+                        f"train.max_steps={a.align_steps}", f"data.seq_len={min(1024, a.align_tokens)}",
+                        f"data.batch_tokens={a.align_tokens}",
                         "gradient_checkpointing=false", *common], align / "final" / "config.json")
     hyb(work, "e2e", ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={align / 'final'}", f"train.run_dir={e2e}",
                       f"train.max_steps={a.e2e_steps}", "gradient_checkpointing=true", "data.seq_len_schedule=[]",
-                      "data.seq_len=2048", "data.batch_tokens=16384", *common], e2e / "final" / "config.json")
+                      f"data.seq_len={min(2048, a.e2e_tokens)}", f"data.batch_tokens={a.e2e_tokens}", *common],
+        e2e / "final" / "config.json")
     aside(score, a, work, "distilled", str(e2e / "final"))
     while not (work / "traces.done").exists():   # the teacher track writes the traces
         if (work / "teacher.failed").exists():
