@@ -62,6 +62,12 @@ def args_parser():
     return p
 
 
+def say(line: str) -> None:
+    """One whole line per write: the tracks' evaluation threads print too."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def hyb(work: Path, name: str, args: list[str], done: Path | None = None) -> None:
     """Run `hybridize ARGS` (output to <work>/logs/NAME.log) unless `done` exists; time it into steps.jsonl."""
     if done is not None and done.exists():
@@ -69,17 +75,17 @@ def hyb(work: Path, name: str, args: list[str], done: Path | None = None) -> Non
         return
     log = work / "logs" / f"{name}.log"
     t0 = time.perf_counter()
-    print(f"{time.strftime('%T')} start {name}", flush=True)
+    say(f"{time.strftime('%T')} start {name}")
     with log.open("w") as f:
         r = subprocess.run([sys.executable, "-m", "hybridize.cli", *args], stdout=f, stderr=subprocess.STDOUT,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     took = round(time.perf_counter() - t0, 1)
     with (work / "steps.jsonl").open("a") as f:
         f.write(json.dumps({"step": name, "seconds": took, "exit": r.returncode}) + "\n")
-    print(f"{time.strftime('%T')} end {name} ({took} s, exit {r.returncode})", flush=True)
+    say(f"{time.strftime('%T')} end {name} ({took} s, exit {r.returncode})")
     if r.returncode != 0:
         msg = f"{name} failed: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
-        print(msg, flush=True)   # a thread's SystemExit is silent
+        say(msg)   # a thread's SystemExit is silent
         sys.exit(msg)
 
 
@@ -282,7 +288,7 @@ def plot(out: dict, k: int, png: Path) -> None:
     for run, g in out["grpo"].items():
         pts = [(r["step"], r["reward"]) for r in g["rows"] if "reward" in r and "step" in r]
         if pts:
-            ax2.plot(*zip(*pts), label=run)
+            ax2.plot(*zip(*pts), marker=".", label=run)
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("mean rollout reward (correct + 0.1 format)")
     ax2.set_title("GRPO reward")
