@@ -190,7 +190,7 @@ def test_export_errors(tmp_path):
 def test_deepspeed_zero2_zero3_single_process(tmp_path):
     """One-process DeepSpeed runs (train.deepspeed=ds_zero{2,3}.json) of stage B on a converted SSE hybrid:
     ZeRO-2 with params=all, ZeRO-3 with params=mixer (frozen, partitioned tensors), gradient
-    checkpointing and 2 micro-batches per step. Losses of every step equal the plain run's within fp32
+    checkpointing, 2 micro-batches per step and the long-context stage's growing rows (seq_len_schedule). Losses of every step equal the plain run's within fp32
     noise; a run stopped after step 1 and resumed repeats the uninterrupted one; the final/ folder
     (ZeRO-3 shards gathered) and `export` of the DeepSpeed checkpoint (zero_to_fp32) give the same model."""
     res = run_worker(__file__, tmp_path)
@@ -218,7 +218,10 @@ def _worker(tmp: Path) -> None:
     folder = make_student_folder(tmp / "student")
     res = {}
     for stage, over in (("2", {"params": "all"}),
-                        ("3", {"params": "mixer", "gradient_checkpointing": True, "train": {"grad_accum": 2}})):
+                        # the long-context stage's mechanism: rows grow from 24 to 48 tokens at step 3 (and the
+                        # resume after step 1 crosses that change)
+                        ("3", {"params": "mixer", "gradient_checkpointing": True, "train": {"grad_accum": 2},
+                               "data": {"seq_len_schedule": [[0, 24], [2, 48]]}})):
         plain, _ = run_e2e(e2e_config(tmp, f"plain{stage}", folder, steps=3, **over))
         AcceleratorState._reset_state(True)
         train = {**over.pop("train", {}), "deepspeed": str(RECIPES / f"ds_zero{stage}.json")}
