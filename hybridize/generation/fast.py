@@ -61,6 +61,16 @@ Not supported (falls back to `model.generate`, with the reason in `last_fallback
 several return sequences, repetition penalties and other input-dependent processors, streamers,
 `return_dict_in_generate`, attention implementations other than sdpa/eager, models whose decoder
 layers do not follow the Llama layout.
+
+How it plugs in: callers call a `FastGenerator` directly (eval, `generation.batched`), or, where a library
+calls `model.generate` itself (TRL's GRPO rollouts), `fast_generate_installed` sets the generator as the
+HF model's instance `generate` for the duration of a block. Each run-time change is a context manager that
+restores what it changed, and each stands where the library offers no hook: TRL generates through
+`model.generate` (its `rollout_func` is marked experimental and would take over TRL's prompt tokenisation);
+HF attention modules pick their attention function from their config, so the decode kernel is registered
+with `AttentionInterface` and named in a per-module config view; `nn.Linear` has no hook that replaces its
+product, so the decode GEMM is an instance `forward` on plain linears; and HF decoders drop the cache
+while gradient checkpointing is on in training mode, so the flags are switched off for the call.
 """
 from __future__ import annotations
 
