@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import typer
 
+from hybridize.errors import UserError
+
 eval_app = typer.Typer(help="Evaluate a teacher or hybrid model: math, needle-in-a-haystack, MQAR, "
                             "perplexity, the KV-regression probe, speed.", no_args_is_help=True)
 
@@ -94,6 +96,7 @@ def math_cmd(
     """Math benchmarks with boxed answers checked by math-verify: avg@k, pass@k, per-problem JSONL."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table, write_csv, write_json
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .math import (ANSWER_FORMATS, DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math,
                        load_math_dataset)
 
@@ -152,6 +155,7 @@ def niah_cmd(
     """RULER-style needle-in-a-haystack: accuracy table (length x depth) and heatmap PNG."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_float_list, parse_int_list, print_table
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .niah import NiahConfig, evaluate_niah, get_task
 
     get_task(task)
@@ -190,6 +194,7 @@ def mqar_cmd(
     """Train small models from scratch on multi-query associative recall and report test accuracy."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .mqar import MqarConfig, parse_settings, run_mqar
 
     cfg = MqarConfig(mixers=tuple(x.strip() for x in mixers.split(",") if x.strip()), seq_len=seq_len, num_kv=num_kv,
@@ -219,6 +224,7 @@ def ppl_cmd(
     """Perplexity vs context length (length extrapolation) with plots."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table, save_line_plot, write_csv
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .perplexity import PplConfig, compare_rows, evaluate_ppl
 
     cfg = PplConfig(text=text, lengths=tuple(parse_int_list(lengths)), tokens=tokens)
@@ -253,6 +259,7 @@ def kv_probe_cmd(
     """Seed 003's key-value regression probe: relationships, normalisation, retrieval, short conv, scaling."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .kv_probe import ProbeConfig, run_probe
 
     _at_least_one(dim=dim, length=length, trials=trials)
@@ -281,6 +288,7 @@ def speed_cmd(
     """Prefill/decode tokens per second, cache size and peak memory, models side by side."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .speed import COLUMNS, SpeedConfig, run_speed
 
     _at_least_one(decode_tokens=decode_tokens, repeats=repeats)
@@ -320,8 +328,7 @@ def recovery_cmd(
     """Teacher vs models on a fixed suite (ppl, KL/agreement, S-NIAH, arith): ratio table, JSON and bars."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import load_model, parse_int_list
-    from hybridize.errors import UserError
-
+    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .recovery import NIAH_TASKS, RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
 
     specs = [parse_model_spec(s) for s in model]

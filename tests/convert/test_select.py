@@ -168,6 +168,7 @@ def test_teacher_cache_matches_plain_forwards():
 def test_a_crash_keeps_scored_layers_and_the_rerun_skips_them(kl_dir, kl_run, tmp_path, monkeypatch):
     import hybridize.convert.select.align as align_mod
     import hybridize.convert.select.probe as probe_mod
+    import hybridize.convert.select.run as run_mod
 
     real, calls = probe_mod.probe_cost, []
 
@@ -177,14 +178,14 @@ def test_a_crash_keeps_scored_layers_and_the_rerun_skips_them(kl_dir, kl_run, tm
             raise RuntimeError("power cut")
         return real(*a, **k)
 
-    monkeypatch.setattr(probe_mod, "probe_cost", crash_at_third)
+    monkeypatch.setattr(run_mod, "probe_cost", crash_at_third)
     with pytest.raises(RuntimeError, match="power cut"):
         run_select(str(kl_dir), SelectConfig(keep=1, **FAST), tmp_path, log=lambda s: None, progress=False)
     assert sorted(_scores(tmp_path, "kl")) == [0, 1] and not (tmp_path / "plan.txt").exists()
     assert (tmp_path / "aligned.safetensors").is_file()
 
     calls.clear()
-    monkeypatch.setattr(probe_mod, "probe_cost", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(run_mod, "probe_cost", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     monkeypatch.setattr(align_mod, "align_slots", lambda *a, **k: pytest.fail("aligned again"))
     rec = run_select(str(kl_dir), SelectConfig(keep=1, **FAST), tmp_path, log=lambda s: None, progress=False)
     assert len(calls) == 4 and rec["chosen"] == [KL_LAYER]  # layers 2 and 3, kl + needle each

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from hybridize.convert.fingerprint import fingerprint, recorded_source
 from hybridize.convert.settings import check_user_settings
@@ -13,6 +14,9 @@ from hybridize.convert.sources import load_config
 from hybridize.generation.loading import load_model, resolve_device
 from .choose import combined_scores, greedy_choice, plan_string, rank_choice
 from .config import SelectConfig, check_config, measure_settings
+from .data import align_data, kl_batches, kl_stream, load_docs, split_docs
+from .needle import needle_batches, needle_prompts
+from .probe import probe_cost, record_probe
 from .record import MD, PLAN, PNG, SelectRecord, atomic_write, save_bars, table_rows, write_md
 
 
@@ -32,9 +36,6 @@ class Session:
         self._slots = self._probes = self._prompts = None
 
     def prompts(self):
-        # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
-        from .needle import needle_prompts
-
         if self._prompts is None:
             self._prompts = needle_prompts(self.tokenizer, self.cfg.needle_length, self.cfg.needle_samples)
         return self._prompts
@@ -45,11 +46,6 @@ class Session:
         return self._slots
 
     def probes(self) -> dict:
-        # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
-        from .data import kl_batches, kl_stream
-        from .needle import needle_batches
-        from .probe import record_probe
-
         if self._probes is None:
             stream = kl_stream(self.tokenizer, self.cfg.text, self.cfg.tokens)
             self._probes = {"kl": record_probe(self.teacher, kl_batches(stream, self.cfg.seq_len), self.device)}
@@ -108,11 +104,6 @@ def measure(s: Session) -> None:
 
 def per_layer_costs(s: Session) -> None:
     """KL (and needle NLL increase) of the teacher with each layer alone converted to its aligned mixer."""
-    # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
-    from tqdm.auto import tqdm
-
-    from .probe import probe_cost
-
     needle = s.cfg.needs_needle()
     todo = [i for i in range(s.n) if i not in s.record.scores("kl") or (needle and i not in s.record.scores("needle"))]
     if not todo:
@@ -132,7 +123,6 @@ def aligned_slots(s: Session) -> dict:
     """Every layer's mixer slot, aligned now (then saved) or loaded from OUT/aligned.safetensors."""
     # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
     from .align import ALIGN_STATE, align_slots, converted_slots, load_slots, save_slots
-    from .data import align_data, load_docs, split_docs
 
     cfg = s.cfg
     slots = converted_slots(s.teacher, s.tokenizer, cfg.mixer, cfg.mixer_settings, cfg.seed)
@@ -167,11 +157,6 @@ def rank_kept(s: Session) -> list[int]:
 
 def greedy(s: Session) -> list[int]:
     """Greedy addition of kept layers on the first `greedy_tokens` KL tokens (`choose.greedy_choice`)."""
-    # deferred: the measurement modules load only when `hybridize select` runs (this module loads with the CLI)
-    from tqdm.auto import tqdm
-
-    from .probe import probe_cost
-
     done = s.record.data["greedy"]
     if len(done) >= s.cfg.keep:
         return sorted(step["layer"] for step in done[:s.cfg.keep])

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridize.ops.ccq import clean as ref
+
 EPS = 1e-12  # F.normalize's clamp
 
 
@@ -200,8 +202,6 @@ def ccq_clean_fused(q, k, weight, bias, fixed_lambda, read, unit_keys: bool = Fa
     (`unit_keys`: k is used as it is, no normalisation pass either way). `read_cleans`: `read` takes
     `clean=(weight, bias, fixed lambda)` and then returns the cleaned query itself (the Triton read's epilogue,
     `ops/ccq/triton_read.py`); used when nothing needs a gradient, saving the gate pass (inference)."""
-    from hybridize.ops.ccq import clean as ref
-
     ref.check_gate(q, weight, bias, fixed_lambda)
     if q.dtype == torch.float64 or q.numel() == 0:
         return ref.chunk_ccq_clean(q, k, weight, bias, fixed_lambda, read, unit_keys)

@@ -70,10 +70,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridize.ops.ccq import clean as ref_clean
+from hybridize.ops.ccq import reference as ref
 from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting,
                                                make_pieces, mdot, mdot_r, piece_len, seg_bounds, tile_block,
                                                tune_buckets)
+from hybridize.ops.common.varlen import check_cu_seqlens
 
 # ---- kernels ---------------------------------------------------------------------------------------
 
@@ -710,9 +713,7 @@ class _CCQReadFn(torch.autograd.Function):
 
 def _clean_torch(q, sigma_q, clean):
     """q - lambda Sigma q in PyTorch (`ops.ccq.clean`), for the inputs the fused epilogue does not take."""
-    from hybridize.ops.ccq import clean as ref
-
-    lam = ref.gate(ref.unit_rows(q), *clean)
+    lam = ref_clean.gate(ref_clean.unit_rows(q), *clean)
     return (q.to(lam.dtype) - lam.unsqueeze(-1) * sigma_q.to(lam.dtype)).to(q.dtype)
 
 
@@ -726,9 +727,6 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     interpreter; 0: off). `clean` = (weight `[H, K]`, bias `[H]`, fixed lambda): o is CCQ's cleaned query
     q - lambda Sigma q instead (`ops.ccq.clean`'s gate), computed in the output pass's epilogue: one pass
     over q and Sigma q less. Without gradient only (inference); training runs the cleaning as its own op."""
-    from hybridize.ops.ccq import reference as ref
-    from hybridize.ops.ccq import clean as ref_clean
-
     ref._check(q, k, mask)
     if clean is not None:
         ref_clean.check_gate(q, *clean)
@@ -748,7 +746,6 @@ def ccq_triton(q, k, mask=None, initial_state=None, output_final_state=False, cu
     q, k = q.contiguous(), k.contiguous()
     cu = None
     if cu_seqlens is not None:
-        from hybridize.ops.common.varlen import check_cu_seqlens
         check_cu_seqlens(q, cu_seqlens)
         cu = cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
     N = B if cu is None else len(cu) - 1

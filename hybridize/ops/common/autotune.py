@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from hybridize.ops.common.options import current_kernel_options
+
 _ORIGINAL = None
 
 
@@ -46,8 +48,6 @@ def limit_autotune(top: int) -> None:
 def limit_from_options() -> int:
     """Apply the kernel option `autotune_top` (`HYBRIDIZE_AUTOTUNE_TOP`); returns the cap in force (0 = none).
     0 leaves an autotuner never capped untouched and restores a capped one."""
-    from hybridize.ops.common.options import current_kernel_options
-
     top = current_kernel_options().autotune_top
     if top > 0 or _ORIGINAL is not None:
         limit_autotune(top)

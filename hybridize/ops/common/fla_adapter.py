@@ -50,6 +50,7 @@ from types import SimpleNamespace
 
 import torch
 
+from hybridize.ops.common.autotune import limit_from_options
 from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.registry import torch_impl
 
@@ -67,7 +68,6 @@ _CAP = 0   # the autotune cap applied (kernel option autotune_top; 0: Triton's a
 
 def _apply_cap() -> None:
     global _CAP
-    from hybridize.ops.common.autotune import limit_from_options
     _CAP = limit_from_options()
 
 

@@ -33,7 +33,7 @@ def _kernel():
     global _KERNEL, _OP
     if _KERNEL is None:
         try:
-            from hybridize.ops.decode_gemm import triton_gemm as mod
+            from hybridize.ops.decode_gemm import triton_gemm as mod  # deferred: imports triton (optional, GPU only)
         except ImportError:
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False

@@ -4,10 +4,14 @@ and Comba kernels with our argument conventions, our erase direction (`triton_er
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hybridize.ops.common.fla_adapter import fallback, fla, fp32_state, long_cu, needs_grad, unsupported
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.delta.fla_dqkwg import patched
+from hybridize.ops.delta.reference import check_erase
 
 
 def comba_p(p, g):
@@ -18,12 +22,10 @@ def comba_p(p, g):
 def _erase_for_fla(q, k, p, lam, g):
     """fla Comba's erase direction exp(g) p (contiguous), or None for p = k: from p, or from lam (Q-Delta's
     p = k + lam q) in one fused pass (`ops/delta/triton_erase.py`)."""
-    from hybridize.ops.delta.reference import check_erase
-
     check_erase(q, p, lam)
     if lam is None:
         return None if p is None else comba_p(p, g).contiguous()
-    from hybridize.ops.delta.triton_erase import comba_erase
+    from hybridize.ops.delta.triton_erase import comba_erase  # deferred: imports triton (optional, GPU only)
     return comba_erase(q, k, lam, g)
 
 
@@ -55,8 +57,6 @@ class _GatedDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         F = fla()
-        import contextlib
-        from hybridize.ops.delta.fla_dqkwg import patched
         q, k, v, gc, beta, A, h0, *rest = ctx.saved_tensors
         kw = dict(cu_seqlens=ctx.cu_seqlens, chunk_indices=ctx.chunk_indices)
         module = F.comba_module if ctx.comba else F.gdn_module

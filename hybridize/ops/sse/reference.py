@@ -305,6 +305,7 @@ def varlen_plan(routing: Routing, cu_seqlens: torch.Tensor, shared: bool = False
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
     keep = None if routing.dense else routing.selected[0].gather(-1, routing.index[0]).reshape(-1)
     if _triton_ok(routing.index):
+        # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_plan import MAX_PARTITIONS, plan_triton
         if n <= MAX_PARTITIONS:
             order, inv, seg_cu, layout_cu = plan_triton(routing.index[0], keep, cu.contiguous(), n,
@@ -370,6 +371,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 def _row_movers(x: torch.Tensor):
     if _triton_ok(x):
+        # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_route import combine_rows, pack_rows
         return pack_rows, combine_rows
     return pack_rows_torch, combine_rows_torch
@@ -427,6 +429,7 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
     if _gla_gathers(op, shared, sparse, w):
+        # deferred: imports triton (optional, GPU only)
         from hybridize.ops.gla.triton_fwd import Gather, gla_fwd_triton
         src = shared if shared is not None else sparse            # (no shared path: never read)
         gather = Gather(sparse.q, sparse.k, sparse.v, sparse.g, plan.order, w, K, 0 if shared is None else L,
@@ -438,6 +441,7 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
     x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
                    v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
     if _gla_in_pieces(op, x):
+        # deferred: imports triton (optional, GPU only)
         from hybridize.ops.gla.triton_bwd import gla_triton
         g = x.g if x.g.dim() == 4 else x.g.unsqueeze(-1).expand_as(x.q)
         o_all, st = gla_triton(x.q, x.k, x.v, g, scale=scale, initial_state=h0,
@@ -570,6 +574,7 @@ def _slot_index(routing: Routing):
 
 def _recurrent_loop_triton(op, shared, sparse, routing, emulq, emulk, scale, initial_state, output_final_state,
                            inplace):
+    # deferred: imports triton (optional, GPU only)
     from hybridize.ops.sse.triton_decode import sse_decode_step
     B, T, H = sparse.q.shape[:3]
     n = routing.probs.shape[-1]
