@@ -138,7 +138,9 @@ def hf_row(model, name, label, ids, mask, n, kw, warmup_calls, device) -> tuple[
 
 def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
                 attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",),
-                gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4) -> list[dict]:
+                gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4, hf: bool = True) -> list[dict]:
+    """Rows for `model` at prompt length T, batch B, n new tokens: HF generate (its variants, unless `hf` is
+    False) and the fast path per (attention, compile, GEMM) setting."""
 
     from hybridize.generation.fast import FastGenConfig, FastGenerator
 
@@ -150,7 +152,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     rows = []
     ref = None
-    for label, extra in hf_variants(model):
+    for label, extra in hf_variants(model) if hf else []:
         if budget.left() <= 0:
             break
         row, out = hf_row(model, name, label, ids, mask, n, dict(kw, **extra), hf_warmup, device)

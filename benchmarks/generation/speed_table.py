@@ -1,0 +1,207 @@
+"""The speed table (issue 24, item 5): context x batch x {prefill tok/s, decode ms/step, peak memory} for a
+Transformer ("teacher") and its hybrid at the real models' shapes (random weights: speed does not depend on
+them), every path in one process:
+
+- teacher: HF generate warmed by `--hf-warmup` untimed calls, HF generate with the static cache (its compiled
+  decode step), and our fast engine (`hybridize.generation.fast`, CUDA graphs);
+- hybrid (`--plan`, `--mixer`): our fast engine with the default settings, and with `compile="on"`.
+
+    python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl                 # measure (resumable)
+    python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --report        # table + plot only
+    python -m benchmarks.generation.speed_table --shapes tiny --lens 64,128 --batches 1,2 --new-tokens 8 \\
+        --dtype float32 --out /tmp/speed.jsonl                                           # CPU smoke run
+
+Each cell (shape, context, batch, model) is appended to the JSONL file as it finishes, with the device and
+versions; a rerun skips the cells already there, so the grid can be filled over several device calls
+(`--budget` seconds: no cell starts after it; on the device machine keep the file outside `$OUT`, e.g.
+`--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A cell that runs out of GPU memory is recorded as OOM. The
+report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
+token), the median decode step in ms, the peak allocated memory, and the hybrid's decode speed-up over the
+teacher on our own engine and over HF's static compiled decode.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from benchmarks.generation.rollouts import SHAPES, Budget, bench_model, build_pair
+
+TEACHER_PATHS = {"HF generate": "HF warmed", "HF generate (static cache, compiled)": "HF static compiled"}
+
+
+def args_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m", help=f"model shapes: {', '.join(SHAPES)}")
+    ap.add_argument("--lens", default="1024,2048,4096,8192,16384,32768", help="prompt lengths (context)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps per timed call")
+    ap.add_argument("--plan", default="5:1")
+    ap.add_argument("--mixer", default="sse")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds; no cell starts after it")
+    ap.add_argument("--out", default="speed_table.jsonl")
+    ap.add_argument("--report", action="store_true", help="only write the table and plot from --out")
+    return ap
+
+
+def done_cells(path: Path) -> set[tuple]:
+    if not path.is_file():
+        return set()
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {(r["shape"], r["prompt_len"], r["batch"], r["model"]) for r in rows}
+
+
+def path_name(model: str, row: dict) -> str:
+    """The table's name for a row's path: HF warmed / HF static compiled / engine / engine compiled."""
+    if row["path"] in TEACHER_PATHS:
+        return TEACHER_PATHS[row["path"]]
+    if row["path"] == "OOM":
+        return "OOM"
+    return "engine compiled" if row.get("compile") == "on" else "engine"
+
+
+def measure(a) -> None:
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a.dtype)
+    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "dtype": a.dtype}
+    done, budget = done_cells(out), Budget(a.budget)
+    for shape in a.shapes.split(","):
+        todo = [(T, B, m) for T in map(int, a.lens.split(",")) for B in map(int, a.batches.split(","))
+                for m in ("teacher", "hybrid") if (shape, T, B, m) not in done]
+        if not todo or budget.left() <= 0:
+            continue
+        teacher, hybrid = build_pair(shape, a.plan, a.mixer, dtype, device)
+        for T, B, m in todo:
+            if budget.left() <= 0:
+                print(f"budget spent: {shape} T={T} B={B} {m} and later cells not started", flush=True)
+                break
+            model = teacher if m == "teacher" else hybrid
+            try:
+                rows = bench_model(model, m, T, B, a.new_tokens, device, budget,
+                                   compiles=("off",) if m == "teacher" else ("off", "on"),
+                                   hf_warmup=a.hf_warmup, hf=m == "teacher")
+            except torch.cuda.OutOfMemoryError as e:
+                rows = [{"model": m, "path": "OOM", "error": str(e)[:160]}]
+            with out.open("a") as f:
+                for r in rows:
+                    r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
+                             mixer=a.mixer, table_path=path_name(m, r), **env)
+                    r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
+                    f.write(json.dumps(r) + "\n")
+                    print(json.dumps(r), flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del teacher, hybrid
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+
+COLUMNS = [("teacher", "HF warmed"), ("teacher", "HF static compiled"), ("teacher", "engine"),
+           ("hybrid", "engine"), ("hybrid", "engine compiled")]
+
+
+def cell_rows(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
+    """(shape, T, B) -> {(model, path): row}; the last row of a (cell, path) wins (a rerun's)."""
+    cells: dict[tuple, dict[tuple, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["shape"], r["prompt_len"], r["batch"]), {})[(r["model"], r["table_path"])] = r
+    return cells
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    cells = cell_rows(rows)
+    head = rows[0]
+    lines = [f"Device {head['device']}, torch {head['torch']}, {head['dtype']}, {head['new_tokens']} decode steps "
+             f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory.",
+             ""]
+    for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
+                                ("peak_gib", "peak memory GiB", ".1f")):
+        heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
+        if metric == "decode_ms":
+            heads += ["hybrid vs teacher (engine)", "hybrid vs HF static"]
+        lines += [f"**{title}**", "", "| " + " | ".join(heads) + " |",
+                  "| --- | " + " | ".join("---:" for _ in heads[1:]) + " |"]
+        for (shape, T, B), paths in sorted(cells.items()):
+            oom = {m for (m, p) in paths if p == "OOM"}
+            vals = ["OOM" if m in oom and (m, p) not in paths else fmt(paths.get((m, p), {}).get(metric), spec)
+                    for m, p in COLUMNS]
+            line = f"| {shape} | {T} | {B} | " + " | ".join(vals) + " |"
+            if metric == "decode_ms":
+                h = min((paths[k]["decode_ms"] for k in (("hybrid", "engine"), ("hybrid", "engine compiled"))
+                         if k in paths and paths[k].get("decode_ms")), default=None)
+                t_eng = paths.get(("teacher", "engine"), {}).get("decode_ms")
+                t_hf = paths.get(("teacher", "HF static compiled"), {}).get("decode_ms")
+                line += f" {fmt(t_eng / h if h and t_eng else None, '.2f')}x | {fmt(t_hf / h if h and t_hf else None, '.2f')}x |"
+            lines.append(line)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = cell_rows(rows)
+    shapes = sorted({s for s, _, _ in cells})
+    batches = sorted({b for _, _, b in cells})
+    metrics = (("prefill_tok_s", "prefill tokens/s"), ("decode_ms", "decode ms / step"), ("peak_gib", "peak GiB"))
+    fig, axes = plt.subplots(len(shapes), len(metrics), figsize=(5 * len(metrics), 3.8 * len(shapes)), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for i, shape in enumerate(shapes):
+        for j, (metric, title) in enumerate(metrics):
+            ax = axes[i][j]
+            for c, (m, p) in enumerate(COLUMNS):
+                for k, B in enumerate(batches):
+                    pts = sorted((T, paths[(m, p)][metric]) for (s, T, b), paths in cells.items()
+                                 if s == shape and b == B and (m, p) in paths and paths[(m, p)].get(metric))
+                    if pts:
+                        ax.plot(*zip(*pts), styles[k % 4], marker=".", color=f"C{c}",
+                                label=f"{m}: {p}" if k == 0 else None)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_title(f"{shape}: {title}")
+            if metric == "prefill_tok_s":
+                ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7, title="line style: batch " + ", ".join(map(str, batches)), title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def report(out: Path) -> None:
+    rows = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
+    if not rows:
+        raise SystemExit(f"{out}: no rows to report")
+    md = markdown(rows)
+    out.with_suffix(".md").write_text(md)
+    plot(rows, out.with_suffix(".png"))
+    print(md)
+
+
+def main(argv=None):
+    a = args_parser().parse_args(argv)
+    if not a.report:
+        measure(a)
+    report(Path(a.out))
+
+
+if __name__ == "__main__":
+    main()
