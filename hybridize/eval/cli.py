@@ -96,7 +96,6 @@ def math_cmd(
     """Math benchmarks with boxed answers checked by math-verify: avg@k, pass@k, per-problem JSONL."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table, write_csv, write_json
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .math import (ANSWER_FORMATS, DATASETS, MathEvalConfig, check_checker as run_check, evaluate_math,
                        load_math_dataset)
 
@@ -155,7 +154,6 @@ def niah_cmd(
     """RULER-style needle-in-a-haystack: accuracy table (length x depth) and heatmap PNG."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_float_list, parse_int_list, print_table
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .niah import NiahConfig, evaluate_niah, get_task
 
     get_task(task)
@@ -194,7 +192,6 @@ def mqar_cmd(
     """Train small models from scratch on multi-query associative recall and report test accuracy."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import print_table
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .mqar import MqarConfig, parse_settings, run_mqar
 
     cfg = MqarConfig(mixers=tuple(x.strip() for x in mixers.split(",") if x.strip()), seq_len=seq_len, num_kv=num_kv,
@@ -224,7 +221,6 @@ def ppl_cmd(
     """Perplexity vs context length (length extrapolation) with plots."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table, save_line_plot, write_csv
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .perplexity import PplConfig, compare_rows, evaluate_ppl
 
     cfg = PplConfig(text=text, lengths=tuple(parse_int_list(lengths)), tokens=tokens)
@@ -256,10 +252,9 @@ def kv_probe_cmd(
     seed: int = typer.Option(0, help="data seed"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/kv_probe)"),
 ):
-    """Seed 003's key-value regression probe: relationships, normalisation, retrieval, short conv, scaling."""
+    """The key-value regression probe of "Rethinking Key-Value Relationships in Linear Attention": relationships, normalisation, retrieval, short conv, scaling."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .kv_probe import ProbeConfig, run_probe
 
     _at_least_one(dim=dim, length=length, trials=trials)
@@ -288,7 +283,6 @@ def speed_cmd(
     """Prefill/decode tokens per second, cache size and peak memory, models side by side."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import parse_int_list, print_table
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .speed import COLUMNS, SpeedConfig, run_speed
 
     _at_least_one(decode_tokens=decode_tokens, repeats=repeats)
@@ -328,7 +322,6 @@ def recovery_cmd(
     """Teacher vs models on a fixed suite (ppl, KL/agreement, S-NIAH, arith): ratio table, JSON and bars."""
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import load_model, parse_int_list
-    # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
     from .recovery import NIAH_TASKS, RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
 
     specs = [parse_model_spec(s) for s in model]

@@ -54,7 +54,7 @@ def apply_feature_map(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def topk_softmax(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 001 eq. 7: softmax over the `k` largest entries of the last dim, 0 elsewhere.
+    """"Scaling Linear Attention with Sparse State Expansion", eq. 7: softmax over the `k` largest entries of the last dim, 0 elsewhere.
 
     x `[..., D]` -> (key `[..., D]`, selected `[..., D]` bool)."""
     vals, idx = x.topk(k, dim=-1)

@@ -37,7 +37,6 @@ def register(app: typer.Typer) -> None:
         # deferred: the command's modules load when it runs, so `hybridize --help` stays light (rl.trainer imports trl)
         import yaml
 
-        # deferred: CLI: subcommand modules load on use, so `hybridize --help` stays fast
         from hybridize.rl.config import GRPORunConfig, describe, load_grpo_config, to_dict
 
         if settings:

@@ -101,7 +101,7 @@ def test_init_and_settings():
 @torch.no_grad()
 @pytest.mark.parametrize("perturb,x_scale", [(0.5, 1.0), (2.0, 5.0)])
 def test_stability_condition_holds(perturb, x_scale):
-    """Seed 002 Lemma 3.1: beta_t (k_t . x_t) in (0, 2) for the mixer's own inputs, whatever the weights
+    """"Q-Delta: Beyond Key-Value Associative State Evolution", Lemma 3.1: beta_t (k_t . x_t) in (0, 2) for the mixer's own inputs, whatever the weights
     (with extreme weights beta may underflow to 0 in fp32: a skipped write, still never expanding)."""
     m = make_mixer("qdelta", perturb=perturb)
     m.lambda_logit.fill_(6.0)                                     # lambda ~ 1, the worst case

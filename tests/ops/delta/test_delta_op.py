@@ -187,7 +187,7 @@ def test_bf16_inputs():
 
 
 def test_contraction_factor_qdelta_range():
-    """Seed 002 Lemma 3.1: beta * k.(k + lambda q) in (0, 2) for unit q, k, beta in (0,1), lambda in [0,1]."""
+    """"Q-Delta: Beyond Key-Value Associative State Evolution", Lemma 3.1: beta * k.(k + lambda q) in (0, 2) for unit q, k, beta in (0,1), lambda in [0,1]."""
     for lam in (0.0, 0.3, 1.0):
         inp, _ = make_inputs(T=200, lam=lam, seed=4)
         a = contraction_factor(inp["k"], inp["beta"], inp["p"])
