@@ -165,6 +165,10 @@ def hybrid_track(a, work: Path) -> None:
                       f"data.seq_len={min(2048, a.e2e_tokens)}", f"data.batch_tokens={a.e2e_tokens}", *common],
         e2e / "final" / "config.json")
     aside(score, a, work, "distilled", str(e2e / "final"))
+    na = work / "needle_attention"   # issue 22's question: do the kept softmax layers still read the needle?
+    aside(hyb, work, "needle-attention", ["eval", "needle-attention", "--teacher", a.teacher, "-m", str(e2e / "final"),
+                                          "--length", "4096", "--samples", "16", "--out", str(na)],
+          na / "needle_attention.json")
     while not (work / "traces.done").exists():   # the teacher track writes the traces
         if (work / "teacher.failed").exists():
             sys.exit("the teacher track failed before its traces were written: no SFT")
@@ -228,7 +232,8 @@ def report(a, work: Path) -> dict:
            "grpo": {run: read_grpo(work / run) for run in ("grpo_hybrid", "grpo_teacher")},
            "settings": {key: v for key, v in vars(a).items() if key != "track"}}
     (work / "reasoning.json").write_text(json.dumps(out, indent=1))
-    (work / "reasoning.md").write_text(markdown(out, k))
+    na = work / "needle_attention" / "needle_attention.md"
+    (work / "reasoning.md").write_text(markdown(out, k) + (f"\nDistilled hybrid, {na.read_text()}" if na.is_file() else ""))
     plot(out, k, work / "reasoning.png")
     print((work / "reasoning.md").read_text())
     return out

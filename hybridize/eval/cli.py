@@ -341,3 +341,32 @@ def recovery_cmd(
         models[name] = m
     run_recovery(models, tok, cfg, out, log=lambda s: typer.secho(s, err=True))
     _done(out)
+
+
+# ---- needle attention ------------------------------------------------------------------------------
+
+@eval_app.command("needle-attention")
+def needle_attention_cmd(
+    teacher: str = typer.Option(..., "--teacher", help="'default' or the teacher's checkpoint dir"),
+    model: str = typer.Option(..., "--model", "-m", help="the converted model's folder"),
+    length: int = typer.Option(2048, help="S-NIAH-1 prompt length in tokens"),
+    samples: int = typer.Option(8, help="prompts (needle depths spread evenly)"),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/needle_attention/<model>)"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+):
+    """Per kept softmax layer: the teacher's needle-reading head and its mass beside the model's; answer log-prob."""
+    # deferred: the command's modules load when it runs, so `hybridize --help` stays light
+    from .common import load_model, model_device
+    from .needle_attention import NeedleAttentionConfig, compare, markdown, write
+    from .recovery import check_tokenizer
+
+    _at_least_one(length=length, samples=samples)
+    t, tok = load_model(teacher, dtype=dtype, device=device)
+    m, mtok = load_model(model, dtype=dtype, device=device)
+    check_tokenizer("model", tok, mtok)
+    rep = compare(t, m, tok, NeedleAttentionConfig(length=length, samples=samples), model_device(m))
+    d = _out(out, "needle_attention", Path(model).name)
+    write(rep, d)
+    typer.echo(markdown(rep))
+    _done(d)

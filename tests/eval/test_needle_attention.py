@@ -1,0 +1,68 @@
+"""`eval needle-attention`: kept softmax layers' needle mass, teacher vs hybrid, on tiny models with the real
+SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hybridize.convert.convert import convert_model
+from hybridize.errors import UserError
+from hybridize.eval.needle_attention import NeedleAttentionConfig, compare, markdown, softmax_layers
+from tests.distill.helpers import smol_tokenizer, tiny_llama_vocab
+
+CFG = NeedleAttentionConfig(length=320, samples=2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smol_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def teacher(tok):
+    return tiny_llama_vocab(len(tok))
+
+
+def test_no_layer_converted_matches_the_teacher(tok, teacher):
+    hybrid = convert_model(teacher, "none", mixer="gla").eval()
+    rep = compare(teacher, hybrid, tok, CFG, torch.device("cpu"))
+    assert [r["layer"] for r in rep["layers"]] == [0, 1, 2]
+    for r in rep["layers"]:
+        assert 0 < r["teacher_mass"] <= 1
+        assert r["model_mass_same_head"] == pytest.approx(r["teacher_mass"], rel=1e-5)
+        assert r["model_head"] == r["teacher_head"]
+    assert rep["model"]["answer_logprob"] == pytest.approx(rep["teacher"]["answer_logprob"], rel=1e-5)
+    assert rep["model"]["answer_logprob"] < 0 and 0 <= rep["model"]["answer_top1"] <= 1
+
+
+def test_a_converted_layer_below_changes_the_kept_layers_reads(tok, teacher):
+    hybrid = convert_model(teacher, "gla,attn,attn").eval()
+    assert softmax_layers(hybrid) == [1, 2] and softmax_layers(teacher) == [0, 1, 2]
+    rep = compare(teacher, hybrid, tok, CFG, torch.device("cpu"))
+    assert [r["layer"] for r in rep["layers"]] == [1, 2]
+    assert any(abs(r["model_mass_same_head"] - r["teacher_mass"]) > 1e-3 * r["teacher_mass"] for r in rep["layers"])
+    assert rep["model"]["answer_logprob"] != pytest.approx(rep["teacher"]["answer_logprob"], rel=1e-6)
+    assert "| 1 |" in markdown(rep) and "answer top-1" in markdown(rep)
+
+
+def test_a_model_without_softmax_layers_is_one_line(tok, teacher):
+    with pytest.raises(UserError, match="keeps no softmax attention layer"):
+        compare(teacher, convert_model(teacher, "all", mixer="gla").eval(), tok, CFG, torch.device("cpu"))
+
+
+def test_cli_writes_json_and_markdown(tmp_path, tok, teacher, monkeypatch):
+    import hybridize.eval.common as common
+    from hybridize.cli import app
+
+    hybrid = convert_model(teacher, "gla,attn,attn").eval()
+    models = {"T": (teacher, tok), "H": (hybrid, tok)}
+    monkeypatch.setattr(common, "load_model", lambda src, **kw: models[src])
+    res = CliRunner().invoke(app, ["eval", "needle-attention", "--teacher", "T", "-m", "H", "--length", "320",
+                                   "--samples", "2", "--out", str(tmp_path / "na")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "na" / "needle_attention.json").read_text())
+    assert [r["layer"] for r in rep["layers"]] == [1, 2]
+    assert (tmp_path / "na" / "needle_attention.md").read_text().startswith("S-NIAH-1 needle mass")
