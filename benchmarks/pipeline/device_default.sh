@@ -100,7 +100,7 @@ case $STEP in
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
     G=/root/p/gemma3.gguf W=/root/gemma
     python3 -m benchmarks.pipeline.recovery_variants train fixed --teacher $G --work $W --data /root/data/data \
-      ${VARIANTS_ARGS:-}; echo "$(date +%T) train exit $?"
+      ${VARIANTS_ARGS:---accum 2}; echo "$(date +%T) train exit $?"   # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's
     # (HYBRIDIZE_DATA_DIR=/root/data/data names the wikitext-2 files; SmolLM2's teacher beside, same settings)
     for m in teacher=$G converted=$W/fixed/converted distilled=$W/fixed/e2e/final smollm2=$GGUF; do
       python3 -m hybridize.cli eval ppl -m $m --text wikitext2 --lengths 1k --tokens 32768 \
