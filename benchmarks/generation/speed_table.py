@@ -132,7 +132,9 @@ def markdown(rows: list[dict]) -> str:
              f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory.",
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
-                                ("peak_gib", "peak memory GiB", ".1f")):
+                                ("peak_gib", "peak memory GiB", ".1f"),
+                                ("warmup_s", "warm-up seconds (HF: the untimed calls; engine: the first call at the shape, "
+                                             "graph capture and compilation included)", ".1f")):
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
         if metric == "decode_ms":
             heads += ["hybrid vs teacher (engine)", "hybrid vs HF static"]
