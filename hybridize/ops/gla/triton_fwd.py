@@ -4,7 +4,8 @@ Computes what `hybridize.ops.gla.reference.chunk_gla` computes for per-key-chann
 S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t, for q, k, g `[B, T, H, K]`, v `[B, T, H, V]`,
 an initial / final state `[N, H, K, V]` and packed `cu_seqlens`. Written for SSE's speed target (issue 6): SSE
 runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a GLA cheaper per token than fla's
-`chunk_gla`; this forward runs at ~0.6x of chunk_gla per token (H100, benchmarks/RESULTS.md).
+`chunk_gla`; this forward runs at ~0.6x of chunk_gla per token, with fla's autotuning capped to one config
+(H100, benchmarks/RESULTS.md).
 `gla_fwd_triton` is the forward alone (no gradient); `gla_bwd.gla_triton` is the op with its backward. SSE's
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.

@@ -482,7 +482,8 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:
     """Whether the varlen GLA call runs our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`; CUDA, bf16
     inputs, the dtype it was measured in), forward and backward: 0.61x / 0.54x of chunk_gla's device time
-    (forward / forward+backward) on this 2T-row layout at 16k (H100, benchmarks/RESULTS.md);
+    (forward / forward+backward) on this 2T-row layout at 16k, against chunk_gla with fla's autotuning capped to one
+    config (H100, benchmarks/RESULTS.md);
     per-token log-decays below -8 are taken as -8 there (see `ops/gla/triton_fwd.py`).
     The kernel option `sse_gla_pieces=False` (`HYBRIDIZE_SSE_GLA_PIECES=0`) or `kernels="torch"` keeps
     `dispatch`'s op (fla's chunk_gla on CUDA)."""
