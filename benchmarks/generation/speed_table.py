@@ -16,8 +16,9 @@ versions; a rerun skips the cells already there, so the grid can be filled over 
 (`--budget` seconds: no cell starts after it; on the device machine keep the file outside `$OUT`, e.g.
 `--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A cell that runs out of GPU memory is recorded as OOM. The
 report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
-token), the median decode step in ms, the peak allocated memory, and the hybrid's decode speed-up over the
-teacher on our own engine and over HF's static compiled decode.
+token), the median decode step in ms, the peak allocated memory, the decode step over its bytes floor (item 3:
+weights + states + softmax-layer keys/values read once per step, at `--hbm-gbs`), the warm-up of every path,
+and the hybrid's decode speed-up over the teacher on our own engine and over HF's static compiled decode.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation.rollouts import SHAPES, Budget, bench_model, build_pair
+from hybridize.eval.speed import cache_bytes
 
 TEACHER_PATHS = {"HF generate": "HF warmed", "HF generate (static cache, compiled)": "HF static compiled"}
 
@@ -45,6 +47,8 @@ def args_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no cell starts after it")
+    ap.add_argument("--hbm-gbs", type=float, default=3350.0,
+                    help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
     ap.add_argument("--out", default="speed_table.jsonl")
     ap.add_argument("--report", action="store_true", help="only write the table and plot from --out")
     return ap
@@ -55,6 +59,24 @@ def done_cells(path: Path) -> set[tuple]:
         return set()
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return {(r["shape"], r["prompt_len"], r["batch"], r["model"]) for r in rows}
+
+
+@torch.no_grad()
+def step_bytes(model, device) -> dict:
+    """What one decode step must read at least, as a function of context T and batch B:
+    weights (every distinct parameter once) + B x (per-sequence state + T x per-token cache), the cache measured
+    on two short prefills (a softmax layer's keys/values grow with T; a mixer's state does not)."""
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    sizes = []
+    for T in (16, 32):
+        ids = torch.randint(10, 100, (1, T), device=device)
+        sizes.append(cache_bytes(model(input_ids=ids, use_cache=True).past_key_values))
+    per_token = (sizes[1] - sizes[0]) / 16
+    return {"weights": weights, "per_token": per_token, "per_sequence": sizes[0] - 16 * per_token}
+
+
+def floor_ms(b: dict, T: int, B: int, gbs: float) -> float:
+    return 1e3 * (b["weights"] + B * (b["per_sequence"] + T * b["per_token"])) / (gbs * 1e9)
 
 
 def path_name(model: str, row: dict) -> str:
@@ -80,6 +102,7 @@ def measure(a) -> None:
         if not todo or budget.left() <= 0:
             continue
         teacher, hybrid = build_pair(shape, a.plan, a.mixer, dtype, device)
+        floors = {"teacher": step_bytes(teacher, device), "hybrid": step_bytes(hybrid, device)}
         for T, B, m in todo:
             if budget.left() <= 0:
                 print(f"budget spent: {shape} T={T} B={B} {m} and later cells not started", flush=True)
@@ -96,6 +119,9 @@ def measure(a) -> None:
                     r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
                              mixer=a.mixer, table_path=path_name(m, r), **env)
                     r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
+                    r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
+                    r["step_bytes"] = floors[m]
+                    r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
                     f.write(json.dumps(r) + "\n")
                     print(json.dumps(r), flush=True)
             gc.collect()
@@ -133,6 +159,8 @@ def markdown(rows: list[dict]) -> str:
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),
+                                ("of_floor", "decode step / bytes floor (weights + states + softmax KV read once "
+                                             "per step, at the --hbm-gbs bandwidth)", ".2f"),
                                 ("warmup_s", "warm-up seconds (HF: the untimed calls; engine: the first call at the shape, "
                                              "graph capture and compilation included)", ".1f")):
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
