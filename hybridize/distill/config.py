@@ -140,6 +140,9 @@ class E2EConfig:
     ce_weight: float = _f(0.1, "weight of next-token cross-entropy")
     temperature: float = _f(1.0, "softmax temperature of the KL term (scaled back by T^2)")
     balance_weight: float = _f(1.0, "multiplier on the model's auxiliary (SSE balance) loss when present")
+    hidden_weight: float = _f(0.0, "weight of the relative error of the hidden states entering the student's softmax "
+                                   "layers (what their queries and keys read) against the teacher's; `hybridize eval "
+                                   "needle-attention` shows retrieval lost there", min=0)
     params: str = _f("all", "what trains: all | mixer | mixer_new | lora (LoRA + mixer params) | globs")
     pretrained_lr_scale: float = _f(1.0, "learning-rate multiplier for trainable parameters outside the converted "
                                          "mixers (MLPs, embeddings, norms, softmax layers): below 1 lets the new "

@@ -1,6 +1,7 @@
 """Stage B, end-to-end distillation / long-context continual training.
 
     L = kl_weight * T^2 * KL(p_teacher^T || p_student^T) + ce_weight * CE(next token) + balance_weight * aux
+        + hidden_weight * mean over the student's softmax layers l of ||h_s[l] - h_t[l]||^2 / ||h_t[l]||^2
 
 on packed variable-length rows: each micro-batch is one row `[1, R*L]` of whole or cut documents whose
 `position_ids` restart at 0, with `attention_mask=None` and no cache. HF (transformers 5.x) then builds
@@ -8,6 +9,11 @@ a block-diagonal causal mask for eager/sdpa softmax layers (`find_packed_sequenc
 hybrid adapters split the row at the same restarts (`cu_seqlens`), so no attention or recurrent state
 crosses a document boundary; tests check packed == unpacked losses. The row length follows
 `data.seq_len_schedule` (growing context); tokens per micro-batch stay `data.batch_tokens`.
+
+`h[l]` `[B, T, hidden]` is the hidden state entering layer l (`output_hidden_states`). The hidden term is not in
+the SSE recipe: it targets what a kept softmax layer computes its queries and keys from, which the converted
+layers below it change (`hybridize eval needle-attention`: on the demo student the kept layers' retrieving
+heads put 5-8% of their attention on the needle where the teacher's put 70%). Off by default.
 
 `aux` is the model's auxiliary loss (`outputs.aux_loss`, SSE's partition-balance loss, already scaled
 by its alpha inside the model). Which parameters train is explicit (`params`) and written to
@@ -24,6 +30,7 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridize.errors import UserError
+from hybridize.modeling import ATTN
 from hybridize.ops.common.options import with_run_kernel_options
 
 from .config import E2EConfig, save_config
@@ -47,22 +54,49 @@ def fp32_packed_sdpa(model: nn.Module, batch: dict):
     return contextlib.nullcontext()
 
 
+def softmax_layer_indices(model: nn.Module) -> list[int]:
+    """The layers a hybrid keeps as softmax attention (`config.layer_plan`); [] for a model without a plan."""
+    plan = getattr(getattr(model, "config", None), "layer_plan", None) or []
+    return [i for i, kind in enumerate(plan) if kind == ATTN]
+
+
+def hidden_error(h_s: tuple, h_t: tuple, layers: list[int], mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over `layers` of ||h_s[l] - h_t[l]||^2 / ||h_t[l]||^2 over the counted tokens (`mask` `[B, T]`)."""
+    errs = []
+    for i in layers:
+        d, t = (h_s[i] - h_t[i]).float(), h_t[i].float()
+        w = None if mask is None else mask.to(d.dtype)[..., None]
+        num = (d.square() if w is None else d.square() * w).sum()
+        den = (t.square() if w is None else t.square() * w).sum().clamp_min(1e-12)
+        errs.append(num / den)
+    return torch.stack(errs).mean()
+
+
 def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
-             ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0):
-    """(loss, {kl, ce, aux}) of one batch: packed (`position_ids` restarting, no mask) or padded
-    (`attention_mask`); both give the same value for the same documents."""
+             ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0,
+             hidden_weight: float = 0.0, hidden_layers: list[int] | None = None):
+    """(loss, {kl, ce, aux, hidden}) of one batch: packed (`position_ids` restarting, no mask) or padded
+    (`attention_mask`); both give the same value for the same documents. `hidden_layers`: the indices whose
+    input hidden states the hidden term compares (the student's softmax layers)."""
     ids = batch["input_ids"]
+    hidden = bool(hidden_weight and teacher is not None and hidden_layers)
     with fp32_packed_sdpa(student, batch):
-        out = student(**batch, use_cache=False)
+        out = student(**batch, use_cache=False, **({"output_hidden_states": True} if hidden else {}))
     logits = out.logits
     mask = token_mask(batch.get("attention_mask"), ids.shape, ids.device)
     parts, loss = {}, logits.new_zeros((), dtype=torch.float32)
-    if kl_weight and teacher is not None:
+    t_out = None
+    if (kl_weight or hidden) and teacher is not None:
         with torch.no_grad(), fp32_packed_sdpa(teacher, batch):
-            t_logits = teacher(**batch, use_cache=False).logits
-        kl = kl_to_teacher(logits, t_logits, mask, temperature)
+            t_out = teacher(**batch, use_cache=False, **({"output_hidden_states": True} if hidden else {}))
+    if kl_weight and t_out is not None:
+        kl = kl_to_teacher(logits, t_out.logits, mask, temperature)
         loss = loss + kl_weight * kl
         parts["kl"] = kl.detach()
+    if hidden:
+        err = hidden_error(out.hidden_states, t_out.hidden_states, hidden_layers, batch.get("attention_mask"))
+        loss = loss + hidden_weight * err
+        parts["hidden"] = err.detach()
     if ce_weight:
         valid = next_token_mask(batch.get("position_ids"), batch.get("attention_mask"), ids.shape)
         ce = causal_lm_ce(logits, ids, valid.to(ids.device))
@@ -86,6 +120,10 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     torch.manual_seed(cfg.train.seed)
     if cfg.kl_weight and teacher is None:
         raise UserError("kl_weight > 0 needs a teacher (or set kl_weight=0 for CE-only training)")
+    hidden_layers = softmax_layer_indices(student)
+    if cfg.hidden_weight and (teacher is None or not hidden_layers):
+        raise UserError("hidden_weight > 0 needs a teacher and a student that keeps softmax layers (its inputs are "
+                        "what the term compares); set hidden_weight=0")
     if not (cfg.kl_weight or cfg.ce_weight):
         raise UserError("kl_weight and ce_weight are both 0: nothing to learn from")
 
@@ -97,6 +135,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     lr_scales = lr_scales_outside_mixers(student, cfg.pretrained_lr_scale)
     print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
           f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}"
+          + (f" hidden {cfg.hidden_weight} at layers {hidden_layers}" if cfg.hidden_weight else "")
           + (f"; lr x{cfg.pretrained_lr_scale} outside the mixers" if lr_scales else ""))
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -112,7 +151,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
 
     def step_fn(module, batch):
         loss, parts = e2e_loss(module, teacher, batch, cfg.kl_weight, cfg.ce_weight, cfg.temperature,
-                               cfg.balance_weight)
+                               cfg.balance_weight, cfg.hidden_weight, hidden_layers)
         return loss, {k: float(v) for k, v in parts.items()}
 
     heldout = build_heldout(cfg.data, tokenizer)
