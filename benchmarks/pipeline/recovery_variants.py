@@ -57,6 +57,9 @@ def args_parser():
     p.add_argument("--align-steps", type=int, default=200)
     p.add_argument("--e2e-steps", type=int, default=150)
     p.add_argument("--long-steps", type=int, default=90)
+    p.add_argument("--hidden-weight", type=float, default=0.0,
+                   help="stage B's hidden_weight (the inputs of the kept softmax layers against the teacher's); run it "
+                        "in its own --work to compare with a run without it")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes no final/: size the steps instead)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
@@ -139,7 +142,7 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
          ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
           f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", f"train.grad_accum={a.accum}",
           "gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048",
-          f"data.batch_tokens={16384 // a.accum}",
+          f"data.batch_tokens={16384 // a.accum}", f"hidden_weight={a.hidden_weight}",
           "--overwrite", *common])
 
 
