@@ -215,6 +215,11 @@ class HybridConfig(PreTrainedConfig):
     def mixer_layers(self) -> list[int]:
         return [i for i, k in enumerate(self.layer_plan) if k != ATTN]
 
+    @property
+    def softmax_layers(self) -> list[int]:
+        """The layers kept as the teacher's softmax attention."""
+        return [i for i, k in enumerate(self.layer_plan) if k == ATTN]
+
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
         """config.json with `auto_map`, and the module it names beside it (the model's save calls this).
 

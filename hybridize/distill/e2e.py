@@ -30,7 +30,6 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridize.errors import UserError
-from hybridize.modeling import ATTN
 from hybridize.ops.common.options import with_run_kernel_options
 
 from .config import E2EConfig, save_config
@@ -55,9 +54,9 @@ def fp32_packed_sdpa(model: nn.Module, batch: dict):
 
 
 def softmax_layer_indices(model: nn.Module) -> list[int]:
-    """The layers a hybrid keeps as softmax attention (`config.layer_plan`); [] for a model without a plan."""
-    plan = getattr(getattr(model, "config", None), "layer_plan", None) or []
-    return [i for i, kind in enumerate(plan) if kind == ATTN]
+    """The layers a hybrid keeps as softmax attention (`HybridConfig.softmax_layers`); [] for a model without a
+    plan."""
+    return list(getattr(getattr(model, "config", None), "softmax_layers", None) or [])
 
 
 def hidden_error(h_s: tuple, h_t: tuple, layers: list[int], mask: torch.Tensor | None) -> torch.Tensor:

@@ -26,10 +26,9 @@ import torch.nn as nn
 
 from hybridize.convert.select.needle import needle_prompts
 from hybridize.convert.select.probe import amp
-from hybridize.convert.select.retrieval import eager_attention
+from hybridize.convert.select.retrieval import needle_mass
 from hybridize.distill.models import decoder_layers
 from hybridize.errors import UserError
-from hybridize.modeling import ATTN
 
 
 @dataclass
@@ -40,46 +39,28 @@ class NeedleAttentionConfig:
 
 def softmax_layers(model: nn.Module) -> list[int]:
     """The layers of `model` that run softmax attention: all of a plain Transformer's, a hybrid's `attn` slots."""
-    plan = getattr(model.config, "layer_plan", None)
-    if plan is None:
-        return list(range(len(decoder_layers(model))))
-    return [i for i, kind in enumerate(plan) if kind == ATTN]
+    kept = getattr(model.config, "softmax_layers", None)   # HybridConfig's
+    return list(range(len(decoder_layers(model)))) if kept is None else list(kept)
 
 
 @torch.no_grad()
 def needle_stats(model: nn.Module, prompts, layers: list[int], device) -> dict:
     """{"mass": {layer: [H] mean needle mass per head}, "answer_logprob", "answer_top1"} over `prompts`."""
-    blocks = decoder_layers(model)
-    current: dict[int, torch.Tensor] = {}
-    where: dict[str, list[int]] = {}
-
-    def reduce(i):
-        def hook(module, args, output):
-            probs = output[1]   # [B, H, T, T] with eager attention
-            current[i] = probs[0][:, where["q"]][:, :, where["k"]].float().sum(-1).mean(-1)
-            return (output[0], None)
-        return hook
-
     total = {i: None for i in layers}
     logprob, top1, n = 0.0, 0, 0
-    with eager_attention(model):
-        handles = [blocks[i].self_attn.register_forward_hook(reduce(i)) for i in layers]
-        try:
-            for p in prompts:
-                where["q"], where["k"] = p.answer_positions, p.value_tokens
-                ids = torch.tensor([p.input_ids], device=device)
-                with amp(device):
-                    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-                    logits = model.lm_head(hidden[0, p.answer_positions]).float()   # [A, V]
-                targets = ids[0, [q + 1 for q in p.answer_positions]]
-                logprob += logits.log_softmax(-1).gather(-1, targets[:, None]).sum().item()
-                top1 += int((logits.argmax(-1) == targets).sum())
-                n += len(targets)
-                for i in layers:
-                    total[i] = current[i] if total[i] is None else total[i] + current[i]
-        finally:
-            for h in handles:
-                h.remove()
+    with needle_mass(model, layers) as nm:
+        for p in prompts:
+            nm.aim(p)
+            ids = torch.tensor([p.input_ids], device=device)
+            with amp(device):
+                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                logits = model.lm_head(hidden[0, p.answer_positions]).float()   # [A, V]
+            targets = ids[0, [q + 1 for q in p.answer_positions]]
+            logprob += logits.log_softmax(-1).gather(-1, targets[:, None]).sum().item()
+            top1 += int((logits.argmax(-1) == targets).sum())
+            n += len(targets)
+            for i in layers:
+                total[i] = nm.mass[i] if total[i] is None else total[i] + nm.mass[i]
     return {"mass": {i: (total[i] / len(prompts)).tolist() for i in layers},
             "answer_logprob": logprob / n, "answer_top1": top1 / n}
 

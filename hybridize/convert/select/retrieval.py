@@ -38,35 +38,54 @@ def eager_attention(model: nn.Module):
         model.set_attn_implementation(before)
 
 
+class NeedleMass:
+    """The needle mass per head `[H]` of each hooked layer after a forward (`mass[layer]`); `aim(prompt)`
+    before the forward says which positions count (a `needle.NeedlePrompt`)."""
+
+    def __init__(self):
+        self.mass: dict[int, torch.Tensor] = {}
+        self.query: list[int] = []
+        self.keys: list[int] = []
+
+    def aim(self, prompt) -> None:
+        self.query, self.keys = prompt.answer_positions, prompt.value_tokens
+
+    def hook(self, i: int):
+        def reduce(module, args, output):
+            probs = output[1]  # [B, H, T, T] with eager attention
+            self.mass[i] = probs[0][:, self.query][:, :, self.keys].float().sum(-1).mean(-1)
+            return (output[0], None)   # the probabilities are dropped at once: one layer's matrix at a time
+        return reduce
+
+
+@contextlib.contextmanager
+def needle_mass(model: nn.Module, layers):
+    """Within the block the model runs eager attention and each of `layers` (indices of its decoder layers)
+    reduces its probabilities to the needle mass of a `NeedleMass`, which the block gets."""
+    nm, blocks = NeedleMass(), decoder_layers(model)
+    with eager_attention(model):
+        handles = [blocks[i].self_attn.register_forward_hook(nm.hook(i)) for i in layers]
+        try:
+            yield nm
+        finally:
+            for h in handles:
+                h.remove()
+
+
 @torch.no_grad()
 def retrieval_scores(teacher: nn.Module, prompts, device: str, progress: bool = True) -> dict:
     """{"score": [L] max-head mass, "head": [L] that head, "mass": [L][H] mean mass per head}."""
     from tqdm.auto import tqdm
 
-    layers = decoder_layers(teacher)
-    current: dict[int, torch.Tensor] = {}
-    query, keys = [], []
-
-    def reduce(i):
-        def hook(module, args, output):
-            probs = output[1]  # [B, H, T, T]
-            current[i] = probs[0][:, query][:, :, keys].float().sum(-1).mean(-1)
-            return (output[0], None)
-        return hook
-
+    L = len(decoder_layers(teacher))
     total = None
-    with eager_attention(teacher):
-        handles = [layer.self_attn.register_forward_hook(reduce(i)) for i, layer in enumerate(layers)]
-        try:
-            for p in tqdm(prompts, desc="retrieval (teacher attention)", disable=not progress):
-                query[:], keys[:] = p.answer_positions, p.value_tokens
-                with amp(device):
-                    teacher.model(input_ids=torch.tensor([p.input_ids], device=device), use_cache=False)
-                mass = torch.stack([current[i] for i in range(len(layers))])  # [L, H]
-                total = mass if total is None else total + mass
-        finally:
-            for h in handles:
-                h.remove()
+    with needle_mass(teacher, range(L)) as nm:
+        for p in tqdm(prompts, desc="retrieval (teacher attention)", disable=not progress):
+            nm.aim(p)
+            with amp(device):
+                teacher.model(input_ids=torch.tensor([p.input_ids], device=device), use_cache=False)
+            mass = torch.stack([nm.mass[i] for i in range(L)])  # [L, H]
+            total = mass if total is None else total + mass
     mean = total / len(prompts)
     best = mean.max(-1)
     return {"score": best.values.tolist(), "head": best.indices.tolist(), "mass": mean.tolist()}
