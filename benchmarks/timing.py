@@ -8,6 +8,7 @@ and one way to print the table (device, shapes, dtype in the header; ratios side
 - `median_time(fn)`: seconds of one call, median of `repeats` after `warmup` calls, CUDA-synchronised
   around each call when CUDA is there (CPU scripts);
 - `timed_call(fn)`: (result, seconds) of one CUDA-synchronised call;
+- `free_memory(device)`: garbage collection and the CUDA cache emptied between models or shapes;
 - `graphed(fn)` / `graph_time_us(fns)`: a CUDA-graph replay of `fn`, and the mean time per call of a graph;
 - `md_header(columns, align)` / `md_table(columns, rows)`: markdown tables.
 
@@ -16,6 +17,7 @@ root as `python -m benchmarks.<folder>.<script>`.
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -27,6 +29,13 @@ def sync() -> None:
     """Wait for the GPU (no-op without CUDA)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    """Collect garbage and hand cached CUDA blocks back, between the models or shapes of a benchmark."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def gpu_stack(script: str) -> str:

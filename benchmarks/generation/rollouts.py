@@ -36,7 +36,6 @@ Prints markdown tables (device, dtype, shapes in the header) and writes `--out` 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import sync, timed_call
+from benchmarks.timing import free_memory, sync, timed_call
 
 SHAPES = {
     # name: (config class, kwargs) - the real models' shapes (weights random)
@@ -185,9 +184,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "same": same, "attention": f"{attention} ({st['attention']})", "compile": compile_,
                      "gemm": gemm, "warmup_s": t_warm})
         del gen
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return rows
 
 
@@ -213,13 +210,9 @@ def part_speed(args, device, dtype, budget: Budget) -> list[dict]:
                     r.update(shape=shape, prompt_len=T, batch=args.batch, new_tokens=args.new_tokens)
                     print(json.dumps(r), flush=True)
                 results += rows
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_memory(device)
         del teacher, hybrid
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return results
 
 

@@ -23,7 +23,6 @@ and the hybrid's decode speed-up over the teacher on our own engine and over HF'
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 from pathlib import Path
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation.rollouts import SHAPES, Budget, bench_model, build_pair
+from benchmarks.timing import free_memory, md_header
+from hybridize.errors import read_jsonl
 from hybridize.eval.speed import cache_bytes
 
 TEACHER_PATHS = {"HF generate": "HF warmed", "HF generate (static cache, compiled)": "HF static compiled"}
@@ -55,9 +56,7 @@ def args_parser():
 
 
 def done_cells(path: Path) -> set[tuple]:
-    if not path.is_file():
-        return set()
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = read_jsonl(path, partial=True)
     return {(r["shape"], r["prompt_len"], r["batch"], r["model"]) for r in rows}
 
 
@@ -66,7 +65,7 @@ def step_bytes(model, device) -> dict:
     """What one decode step must read at least, as a function of context T and batch B:
     weights (every distinct parameter once) + B x (per-sequence state + T x per-token cache), the cache measured
     on two short prefills (a softmax layer's keys/values grow with T; a mixer's state does not)."""
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())   # tied weights come once
     sizes = []
     for T in (16, 32):
         ids = torch.randint(10, 100, (1, T), device=device)
@@ -124,13 +123,9 @@ def measure(a) -> None:
                     r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
                     f.write(json.dumps(r) + "\n")
                     print(json.dumps(r), flush=True)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(device)
         del teacher, hybrid
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -166,8 +161,7 @@ def markdown(rows: list[dict]) -> str:
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
         if metric == "decode_ms":
             heads += ["hybrid vs teacher (engine)", "hybrid vs HF static"]
-        lines += [f"**{title}**", "", "| " + " | ".join(heads) + " |",
-                  "| --- | " + " | ".join("---:" for _ in heads[1:]) + " |"]
+        lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
             oom = {m for (m, p) in paths if p == "OOM"}
             vals = ["OOM" if m in oom and (m, p) not in paths else fmt(paths.get((m, p), {}).get(metric), spec)
@@ -217,7 +211,7 @@ def plot(rows: list[dict], png: Path) -> None:
 
 
 def report(out: Path) -> None:
-    rows = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
+    rows = read_jsonl(out, partial=True)
     if not rows:
         raise SystemExit(f"{out}: no rows to report")
     md = markdown(rows)

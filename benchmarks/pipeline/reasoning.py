@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 from benchmarks.pipeline.recovery_variants import training_text
+from benchmarks.timing import md_header, md_table
+from hybridize.errors import read_jsonl
 
 FORMAT = ["--answer-format", "number"]
 NUMBER = "Answer with the number only."
@@ -114,7 +116,7 @@ def math_path(a, work: Path, stage: str, model: str) -> None:
     """MATH-500 levels 1-2 and AIME24 at the SSE paper's protocol (boxed answers, T 1.0, top-p 0.7, avg@k)."""
     subset = work / "math500_L1-2.jsonl"
     if not subset.is_file():
-        rows = [json.loads(x) for x in (Path(a.data) / "math500" / "math500.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_jsonl(Path(a.data) / "math500" / "math500.jsonl")
         subset.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("level") in (1, 2)))
     for name, ds in (("math500_L1-2", str(subset)), ("aime24", str(Path(a.data) / "aime24" / "aime24.jsonl"))):
         out = work / "eval" / stage / name
@@ -223,11 +225,9 @@ def report(a, work: Path) -> dict:
                 math_rows.append({"model": stage, "dataset": ds, "problems": s["problems"], "samples": s["samples"],
                                   "avg": s.get(f"avg@{s['samples']}"), "format_rate": s.get("format_rate"),
                                   "mean_tokens": s.get("mean_tokens"), "truncated_rate": s.get("truncated_rate")})
-    steps = [json.loads(x) for x in (work / "steps.jsonl").read_text().splitlines()] if (work / "steps.jsonl").is_file() else []
-    traces = work / "traces.jsonl"
-    rejected = work / "traces.rejected.jsonl"
-    n_kept = len(traces.read_text().splitlines()) if traces.is_file() else 0
-    n_rej = len(rejected.read_text().splitlines()) if rejected.is_file() else 0
+    steps = read_jsonl(work / "steps.jsonl", partial=True)
+    n_kept = len(read_jsonl(work / "traces.jsonl", partial=True))
+    n_rej = len(read_jsonl(work / "traces.rejected.jsonl", partial=True))
     out = {"arith": rows, "math": math_rows, "steps": steps, "traces": {"kept": n_kept, "rejected": n_rej},
            "grpo": {run: read_grpo(work / run) for run in ("grpo_hybrid", "grpo_teacher")},
            "settings": {key: v for key, v in vars(a).items() if key != "track"}}
@@ -242,7 +242,7 @@ def report(a, work: Path) -> dict:
 def read_grpo(run: Path) -> dict:
     """Per-step reward / completion length from the GRPO run's metrics.jsonl, and its wall time."""
     p = run / "metrics.jsonl"
-    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
+    rows = read_jsonl(p, partial=True)
     keep = ("step", "reward", "rewards/correctness_reward/mean", "rewards/format_reward/mean",
             "completions/mean_length", "rollout/tokens_per_s", "train_runtime")
     return {"rows": [{key: r[key] for key in keep if key in r} for r in rows]}
@@ -255,8 +255,7 @@ def pct(v) -> str:
 def markdown(out: dict, k: int) -> str:
     lines = [f"Held-out `arith:test` (up to 50 problems per level: 22 / 16 / 18 / 50 / 50 / 50), number-only answers, accuracy in %: greedy and "
              f"avg@{k} (temperature 1.0, top-p 1.0).", "",
-             f"| model | greedy | avg@{k} | " + " | ".join(f"L{lv} greedy / avg@{k}" for lv in range(1, 7)) + " |",
-             "| --- | ---: | ---: | " + " | ".join("---:" for _ in range(6)) + " |"]
+             md_header(["model", "greedy", f"avg@{k}", *(f"L{lv} greedy / avg@{k}" for lv in range(1, 7))])]
     for r in out["arith"]:
         lv = " | ".join(f"{pct(r['greedy_by_level'][i])} / {pct(r[f'avg@{k}_by_level'][i])}" for i in range(1, 7))
         lines.append(f"| {r['label']} | {pct(r['greedy'])} | {pct(r[f'avg@{k}'])} | {lv} |")
@@ -266,12 +265,12 @@ def markdown(out: dict, k: int) -> str:
                       f"({t['kept'] / max(1, t['kept'] + t['rejected']):.1%})."]
     if out["math"]:
         lines += ["", "AIME / MATH path (boxed answers, temperature 1.0, top-p 0.7):", "",
-                  "| model | dataset | problems | k | avg@k (%) | format rate | mean tokens | truncated |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  md_header(["model", "dataset", "problems", "k", "avg@k (%)", "format rate", "mean tokens",
+                             "truncated"], "llrrrrrr")]
         for r in out["math"]:
             lines.append(f"| {r['model']} | {r['dataset']} | {r['problems']} | {r['samples']} | {pct(r['avg'])} | "
                          f"{pct(r['format_rate'])} | {r['mean_tokens']:.0f} | {pct(r['truncated_rate'])} |")
-    lines += ["", "| step | seconds |", "| --- | ---: |"] + [f"| {s['step']} | {s['seconds']} |" for s in out["steps"]]
+    lines += ["", md_table(["step", "seconds"], [[s["step"], s["seconds"]] for s in out["steps"]])]
     return "\n".join(lines) + "\n"
 
 
