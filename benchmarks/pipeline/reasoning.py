@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 from benchmarks.pipeline.recovery_variants import training_text
+from benchmarks.pipeline.steps import run_step
 from benchmarks.timing import md_header, md_table
 from hybridize.errors import read_jsonl
 
@@ -64,33 +63,6 @@ def args_parser():
     return p
 
 
-def say(line: str) -> None:
-    """One whole line per write: the tracks' evaluation threads print too."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def hyb(work: Path, name: str, args: list[str], done: Path | None = None) -> None:
-    """Run `hybridize ARGS` (output to <work>/logs/NAME.log) unless `done` exists; time it into steps.jsonl."""
-    if done is not None and done.exists():
-        print(f"{name}: {done} exists, skipped", flush=True)
-        return
-    log = work / "logs" / f"{name}.log"
-    t0 = time.perf_counter()
-    say(f"{time.strftime('%T')} start {name}")
-    with log.open("w") as f:
-        r = subprocess.run([sys.executable, "-m", "hybridize.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    took = round(time.perf_counter() - t0, 1)
-    with (work / "steps.jsonl").open("a") as f:
-        f.write(json.dumps({"step": name, "seconds": took, "exit": r.returncode}) + "\n")
-    say(f"{time.strftime('%T')} end {name} ({took} s, exit {r.returncode})")
-    if r.returncode != 0:
-        msg = f"{name} failed: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
-        say(msg)   # a thread's SystemExit is silent
-        sys.exit(msg)
-
-
 EVALS: list[threading.Thread] = []
 
 
@@ -107,7 +79,7 @@ def score(a, work: Path, stage: str, model: str, sampled: bool = True) -> None:
     kinds = [("greedy", ["--greedy"])] + ([(f"avg{a.k}", ["--samples", str(a.k), "--top-p", "1.0"])] if sampled else [])
     for kind, extra in kinds:
         out = work / "eval" / stage / kind
-        hyb(work, f"eval-{stage}-{kind}", ["eval", "math", "-m", model, "-d", a.arith, *FORMAT, *extra,
+        run_step(work, f"eval-{stage}-{kind}", ["eval", "math", "-m", model, "-d", a.arith, *FORMAT, *extra,
                                             "--max-new-tokens", "32", "--batch-size", "512", "--out", str(out)],
             out / "summary.json")
 
@@ -120,7 +92,7 @@ def math_path(a, work: Path, stage: str, model: str) -> None:
         subset.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("level") in (1, 2)))
     for name, ds in (("math500_L1-2", str(subset)), ("aime24", str(Path(a.data) / "aime24" / "aime24.jsonl"))):
         out = work / "eval" / stage / name
-        hyb(work, f"eval-{stage}-{name}", ["eval", "math", "-m", model, "-d", ds, "--samples", str(a.math_k),
+        run_step(work, f"eval-{stage}-{name}", ["eval", "math", "-m", model, "-d", ds, "--samples", str(a.math_k),
                                             "--temperature", "1.0", "--top-p", "0.7", "--max-new-tokens",
                                             str(a.math_tokens), "--batch-size", "256", "--out", str(out),
                                             *(["--limit", str(a.math_limit)] if a.math_limit else [])],
@@ -129,7 +101,7 @@ def math_path(a, work: Path, stage: str, model: str) -> None:
 
 def grpo(a, work: Path, name: str, model: str) -> Path:
     run = work / name
-    hyb(work, name, ["grpo", "--model", model, "--recipe", "smollm2-135m/grpo", "--output-dir", str(run),
+    run_step(work, name, ["grpo", "--model", model, "--recipe", "smollm2-135m/grpo", "--output-dir", str(run),
                      f"data.instruction={NUMBER}", "data.eval=", f"grpo.max_steps={a.grpo_steps}",
                      f"grpo.learning_rate={a.grpo_lr}", "grpo.max_completion_length=64",
                      f"grpo.per_device_train_batch_size={a.grpo_batch}", "save_steps=0", "progress=false"],
@@ -140,7 +112,7 @@ def grpo(a, work: Path, name: str, model: str) -> Path:
 def teacher_track(a, work: Path) -> None:
     aside(score, a, work, "teacher", a.teacher)
     traces = work / "traces.jsonl"
-    hyb(work, "traces", ["distill", "traces", f"teacher={a.teacher}",
+    run_step(work, "traces", ["distill", "traces", f"teacher={a.teacher}",
                          f"prompts=arith:train:n={a.trace_prompts}", "prompt_field=prompt", "answer_format=number",
                          "keep=correct", f"samples_per_prompt={a.trace_samples}", "temperature=1.0",
                          "max_new_tokens=32", "batch_size=512", "dtype=bfloat16", "num_prompts=0", f"out={traces}"],
@@ -155,20 +127,20 @@ def hybrid_track(a, work: Path) -> None:
               "train.mixed_precision=bf16", "train.max_minutes=6", "--overwrite",
               "data.train=[" + ",".join(training_text(Path(a.data))) + "]", f"teacher={a.teacher}"]
     conv, align, e2e = work / "converted", work / "align", work / "e2e"
-    hyb(work, "convert", ["convert", "--src", a.teacher, "--layers", a.plan, "--mixer", "sse", "--out", str(conv),
+    run_step(work, "convert", ["convert", "--src", a.teacher, "--layers", a.plan, "--mixer", "sse", "--out", str(conv),
                           "--overwrite"], conv / "config.json")
     aside(score, a, work, "converted", str(conv), False)   # greedy only: the converted model is near 0
-    hyb(work, "align", ["distill", "align", "-r", "smollm2-135m/align", f"student={conv}", f"train.run_dir={align}",
+    run_step(work, "align", ["distill", "align", "-r", "smollm2-135m/align", f"student={conv}", f"train.run_dir={align}",
                         f"train.max_steps={a.align_steps}", f"data.seq_len={min(1024, a.align_tokens)}",
                         f"data.batch_tokens={a.align_tokens}",
                         "gradient_checkpointing=false", *common], align / "final" / "config.json")
-    hyb(work, "e2e", ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={align / 'final'}", f"train.run_dir={e2e}",
+    run_step(work, "e2e", ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={align / 'final'}", f"train.run_dir={e2e}",
                       f"train.max_steps={a.e2e_steps}", "gradient_checkpointing=true", "data.seq_len_schedule=[]",
                       f"data.seq_len={min(2048, a.e2e_tokens)}", f"data.batch_tokens={a.e2e_tokens}", *common],
         e2e / "final" / "config.json")
     aside(score, a, work, "distilled", str(e2e / "final"))
     na = work / "needle_attention"   # issue 22's question: do the kept softmax layers still read the needle?
-    aside(hyb, work, "needle-attention", ["eval", "needle-attention", "--teacher", a.teacher, "-m", str(e2e / "final"),
+    aside(run_step, work, "needle-attention", ["eval", "needle-attention", "--teacher", a.teacher, "-m", str(e2e / "final"),
                                           "--length", "4096", "--samples", "16", "--out", str(na)],
           na / "needle_attention.json")
     while not (work / "traces.done").exists():   # the teacher track writes the traces
@@ -176,7 +148,7 @@ def hybrid_track(a, work: Path) -> None:
             sys.exit("the teacher track failed before its traces were written: no SFT")
         time.sleep(5)
     sft = work / "sft"
-    hyb(work, "sft", ["distill", "sft", "-r", "smollm2-135m/sft", f"student={e2e / 'final'}",
+    run_step(work, "sft", ["distill", "sft", "-r", "smollm2-135m/sft", f"student={e2e / 'final'}",
                       f"traces={work / 'traces.jsonl'}", "prompt_field=prompt", "completion_field=completion",
                       "max_length=128", "batch_size=32", f"train.run_dir={sft}", f"train.max_steps={a.sft_steps}",
                       "train.grad_accum=1", "train.lr=3e-5", "train.warmup_steps=10", "train.save_every=0",

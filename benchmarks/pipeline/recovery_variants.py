@@ -26,14 +26,12 @@ length, about 7 minutes. On the torch kernels stage A needs --accum 4 and runs a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from benchmarks.pipeline.steps import run_step
 from hybridize.eval.recovery import merge_reports
 
 VARIANTS = ("fixed", "select", "fixed_long", "select_long")
@@ -73,25 +71,6 @@ def args_parser():
     return p
 
 
-def hyb(args: list[str], log: Path, env: dict) -> float:
-    """Run `hybridize ARGS`, output to `log`; one line on failure (the log's tail) and exit."""
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        r = subprocess.run([sys.executable, "-m", "hybridize.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                           env=env)
-    took = time.perf_counter() - t0
-    if r.returncode != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        sys.exit(f"step failed ({log}):\n" + "\n".join(tail))
-    return took
-
-
-def record(work: Path, **row) -> None:
-    with (work / "steps.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
-
-
 def training_text(data: Path) -> list[str]:
     srcs = [data / "general_text" / "wiki_demo.jsonl", data / "general_text" / "c4_demo.jsonl",
             data / "wikitext2" / "valid.txt"]
@@ -105,14 +84,8 @@ DEADLINE = 0.0  # set from --deadline in main()
 
 
 def step(work: Path, env: dict, name: str, done: Path, args: list[str]) -> None:
-    if done.exists():
-        print(f"{name}: {done} exists, skipped", flush=True)
-        return
-    if DEADLINE and time.time() > DEADLINE:
-        print(f"{name}: past the deadline, not started", flush=True)
-        sys.exit(3)
-    took = hyb(args, work / "logs" / f"{name}.log", env)
-    record(work, step=name, seconds=round(took, 1))
+    """A training step of the pipeline (`steps.run_step`), not started past --deadline."""
+    run_step(work, name, args, done, env=env, deadline=DEADLINE)
 
 
 def plan_of(a, work: Path, variant: str) -> str:
@@ -205,9 +178,8 @@ def run_eval_one(a, work: Path, env: dict, variant: str) -> None:
     base = work / "recovery_base.json"
     if base.is_file() and not (out / "recovery.json").is_file():
         shutil.copy(base, out / "recovery.json")
-    took = hyb(["eval", "recovery", "--teacher", a.teacher, "--model", f"{variant}={d}", "--out", str(out),
-                *recovery_args(a)], work / "logs" / f"recovery_{variant}.log", env)
-    record(work, step=f"recovery_{variant}", seconds=round(took, 1))
+    run_step(work, f"recovery_{variant}", ["eval", "recovery", "--teacher", a.teacher, "--model", f"{variant}={d}",
+                                           "--out", str(out), *recovery_args(a)], env=env)
 
 
 def run_eval_all(a, work: Path, env: dict) -> None:
@@ -220,9 +192,9 @@ def run_eval_all(a, work: Path, env: dict) -> None:
                          work / "recovery" / "recovery.json"] if p.is_file()]
     if parts:
         merge_reports(parts, work / "recovery" / "recovery.json")
-    took = hyb(["eval", "recovery", "--teacher", a.teacher, *[x for k, d in models.items() for x in ("--model", f"{k}={d}")],
-                "--out", str(work / "recovery"), *recovery_args(a)], work / "logs" / "recovery.log", env)
-    record(work, step="recovery", seconds=round(took, 1), models=list(models))
+    run_step(work, "recovery", ["eval", "recovery", "--teacher", a.teacher,
+                                *[x for k, d in models.items() for x in ("--model", f"{k}={d}")],
+                                "--out", str(work / "recovery"), *recovery_args(a)], env=env, models=list(models))
     print((work / "recovery" / "recovery.md").read_text())
 
 if __name__ == "__main__":
