@@ -59,10 +59,6 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def rejected_path(out: Path) -> Path:
-    return out.with_suffix(".rejected.jsonl")
-
-
 def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") -> Path:
     if cfg.keep not in ("all", "correct"):
         raise UserError(f"keep={cfg.keep!r}: use keep=all or keep=correct")
@@ -81,7 +77,7 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
         raise UserError(f"prompts have no column {cfg.prompt_field!r}; columns: {ds.column_names}")
     if cfg.keep == "correct" and "answer" not in ds.column_names:
         raise UserError(f"keep=correct needs an `answer` column to check against; columns: {ds.column_names}")
-    rejected = rejected_path(out)
+    rejected = out.with_suffix(".rejected.jsonl")
     done = {(r.get("prompt_index"), r.get("sample")) for r in [*read_jsonl(out, partial=True), *read_jsonl(rejected, partial=True)]}
     todo = [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
     if not todo:
@@ -102,21 +98,24 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
             continue
         prompts = [render_prompt(tokenizer, r[cfg.prompt_field], cfg.system_prompt) for _, r in keep]
         texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-        with out.open("a") as f, rejected.open("a") as f_rej:
-            for ((i, k), r), t in zip(keep, texts):
-                rec = {**{c: v for c, v in r.items() if isinstance(v, (str, int, float, bool, type(None)))},
-                       "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name}
-                good = cfg.keep == "all" or (r.get("answer") is not None and grade(t, str(r["answer"]), fmt))
-                (f if good else f_rej).write(json.dumps(rec) + "\n")
-                n_kept += good
-                n_tok += len(tokenizer(t, add_special_tokens=False)["input_ids"])
+        lines = {True: [], False: []}   # kept, rejected
+        for ((i, k), r), t in zip(keep, texts):
+            rec = {**{c: v for c, v in r.items() if isinstance(v, (str, int, float, bool, type(None)))},
+                   "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name}
+            good = cfg.keep == "all" or (r.get("answer") is not None and grade(t, str(r["answer"]), fmt))
+            lines[good].append(json.dumps(rec) + "\n")
+            n_tok += len(tokenizer(t, add_special_tokens=False)["input_ids"])
+        n_kept += len(lines[True])
+        with out.open("a") as f:
+            f.writelines(lines[True])
+        if lines[False]:
+            with rejected.open("a") as f:
+                f.writelines(lines[False])
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}", kept=n_kept)
     bar.close()
     kept = "" if cfg.keep == "all" else f", {n_kept} graded correct and kept ({n_kept / len(todo):.1%}; the rest in {rejected})"
     print(f"traces: wrote {len(todo)} completions ({n_tok} tokens, {time.perf_counter() - t0:.0f} s){kept} to {out}")
-    if rejected.exists() and not rejected.stat().st_size:
-        rejected.unlink()
     return out
 
 
