@@ -57,7 +57,11 @@ case $STEP in
     if [ -f /root/p/gp.aa ] && [ -f /root/p/gp.ab ] && [ -f /root/p/gp.ac ] && [ ! -f "$GGUF" ]; then
       cat /root/p/gp.a? > "$GGUF" && sha256sum "$GGUF" | grep -q "^$SHA" && echo "GGUF ok" || echo "GGUF BAD"
     fi
-    [ -f "$ARG"/data.tar.xz ] && mkdir -p /root/data && tar -C /root/data -xJf "$ARG"/data.tar.xz && ls /root/data/data ;;
+    [ -f "$ARG"/data.tar.xz ] && mkdir -p /root/data && tar -C /root/data -xJf "$ARG"/data.tar.xz && ls /root/data/data
+    # a source snapshot (git archive HEAD): the background pipelines run from /root/src, which later calls (each
+    # re-sends the working tree) leave untouched
+    [ -f "$ARG"/src.tgz ] && rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xzf "$ARG"/src.tgz \
+      && echo "source snapshot in /root/src" ;;
   variants)
     # issue 22 part 4: each phase is `python3 -m benchmarks.pipeline.recovery_variants PHASE [VARIANT]`, state in /root/rv
     deadline=$(( $(date +%s) + ${VARIANTS_SECONDS:-300} ))
@@ -98,9 +102,16 @@ case $STEP in
     # the embedded default's recipe (recovery_variants' fixed 5:1 variant: convert, stage A 200 x 8192 tokens,
     # stage B 150 x 16384), then perplexity at 1k context on wikitext-2 test for teacher, converted, distilled
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    export HYBRIDIZE_DATA_DIR=/root/data/data
     G=/root/p/gemma3.gguf W=/root/gemma
+    # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's. Should the Triton kernels fail at Gemma's
+    # head_dim 256, the steps not yet done rerun on the torch kernels (4 micro-batches: their activations are larger)
     python3 -m benchmarks.pipeline.recovery_variants train fixed --teacher $G --work $W --data /root/data/data \
-      ${VARIANTS_ARGS:---accum 2}; echo "$(date +%T) train exit $?"   # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's
+      --accum 2 ${VARIANTS_ARGS:-}; rc=$?; echo "$(date +%T) train exit $rc"
+    if [ $rc -ne 0 ]; then
+      python3 -m benchmarks.pipeline.recovery_variants train fixed --teacher $G --work $W --data /root/data/data \
+        --accum 4 --kernels torch ${VARIANTS_ARGS:-}; echo "$(date +%T) train (torch kernels) exit $?"
+    fi
     # (HYBRIDIZE_DATA_DIR=/root/data/data names the wikitext-2 files; SmolLM2's teacher beside, same settings)
     for m in teacher=$G converted=$W/fixed/converted distilled=$W/fixed/e2e/final smollm2=$GGUF; do
       python3 -m hybridize.cli eval ppl -m $m --text wikitext2 --lengths 1k --tokens 32768 \

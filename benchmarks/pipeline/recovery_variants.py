@@ -58,7 +58,7 @@ def args_parser():
     p.add_argument("--hidden-weight", type=float, default=0.0,
                    help="stage B's hidden_weight (the inputs of the kept softmax layers against the teacher's); run it "
                         "in its own --work to compare with a run without it")
-    p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes no final/: size the steps instead)")
+    p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes final/ at the step it reached)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
                         "of a device call; 0 = none")
