@@ -60,8 +60,9 @@ case $STEP in
     [ -f "$ARG"/data.tar.xz ] && mkdir -p /root/data && tar -C /root/data -xJf "$ARG"/data.tar.xz && ls /root/data/data
     # a source snapshot (git archive HEAD): the background pipelines run from /root/src, which later calls (each
     # re-sends the working tree) leave untouched
-    [ -f "$ARG"/src.tgz ] && rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xzf "$ARG"/src.tgz \
-      && echo "source snapshot in /root/src" ;;
+    if [ -f "$ARG"/src.tgz ]; then
+      rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xzf "$ARG"/src.tgz && echo "source snapshot in /root/src"
+    fi ;;
   variants)
     # issue 22 part 4: each phase is `python3 -m benchmarks.pipeline.recovery_variants PHASE [VARIANT]`, state in /root/rv
     deadline=$(( $(date +%s) + ${VARIANTS_SECONDS:-300} ))

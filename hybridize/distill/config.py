@@ -193,6 +193,7 @@ class TracesConfig:
     batch_size: int = _f(4, "prompts per generate call")
     seed: int = _f(0, "sampling seed")
     dtype: str = _f("float32", "teacher dtype")
+    device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     threads: int = _f(0, "torch CPU threads (0 = leave as is)")
     answer_format: str = _f("boxed", "boxed | number: the instruction in generated arithmetic prompts (the `prompt` "
                                      "column) and the checker that keep=correct applies")

@@ -24,6 +24,7 @@ from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 from hybridize.eval.formats import ANSWER_FORMATS
 from hybridize.eval.math import grade
+from hybridize.generation.loading import resolve_device
 
 from .config import TracesConfig, save_config
 from .data import load_rows, shared_data
@@ -123,7 +124,7 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
 def run_traces(cfg: TracesConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tok = load_teacher(cfg.teacher, cfg.dtype)
+    model, tok = load_teacher(cfg.teacher, cfg.dtype, resolve_device(cfg.device))
     if tok is None:
         raise UserError(f"teacher {cfg.teacher!r} came without a tokenizer")
     return write_traces(model, tok, cfg, cfg.teacher)

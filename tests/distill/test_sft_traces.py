@@ -112,3 +112,21 @@ def test_traces_arith_prompt_carries_the_number_instruction(tmp_path, tok, monke
     traces.write_traces(None, tok, cfg, "x")
     rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["prompt"].endswith("\nAnswer with the number only.") for r in rows)
+
+
+def test_traces_load_the_teacher_on_the_configured_device(tmp_path, monkeypatch):
+    """`device=auto` puts the teacher on the GPU when there is one (a CPU-only load made the H100 run's traces
+    take 20 minutes); an explicit device is passed through."""
+    import hybridize.distill.traces as traces
+    seen = {}
+
+    def fake_load(source, dtype, device):
+        seen["device"] = device
+        raise SystemExit(0)   # stop before any generation
+
+    monkeypatch.setattr(traces, "load_teacher", fake_load)
+    monkeypatch.setattr(traces.torch.cuda, "is_available", lambda: True)
+    for device, want in (("auto", "cuda"), ("cpu", "cpu"), ("cuda:1", "cuda:1")):
+        with pytest.raises(SystemExit):
+            traces.run_traces(TracesConfig(teacher="default", out=str(tmp_path / "t.jsonl"), device=device))
+        assert seen["device"] == want
