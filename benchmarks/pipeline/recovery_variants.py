@@ -11,7 +11,9 @@ be spread over several 10-minute device calls on a warm machine:
     python -m benchmarks.pipeline.recovery_variants --teacher T eval              # merge those, report all variants
 
 Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
-select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it. Stages A and B
+select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it;
+`pattern` (`--pattern`) = the same 5 softmax layers with the other 25 alternating sliding-window attention (512
+tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe. Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -34,7 +36,8 @@ from pathlib import Path
 from benchmarks.pipeline.steps import run_step
 from hybridize.eval.recovery import merge_reports
 
-VARIANTS = ("fixed", "select", "fixed_long", "select_long")
+VARIANTS = ("fixed", "select", "fixed_long", "select_long", "pattern")
+TRAINABLE = ("fixed", "select", "pattern")
 
 
 def args_parser():
@@ -48,6 +51,12 @@ def args_parser():
     p.add_argument("--work", default="/root/rv")
     p.add_argument("--data", default="../shared/data", help="folder with general_text/ and wikitext2/")
     p.add_argument("--keep", type=int, default=5, help="softmax layers (5 = the 5:1 plan's count on 30 layers)")
+    p.add_argument("--pattern", default="attn=16,17,18,20,23;swa=0,2,4,6,8,10,12,14,19,22,25,27,29",
+                   help="the `pattern` variant's plan: by default `select`'s 5 softmax layers of the embedded default, "
+                        "the other 25 alternating sliding-window attention and SSE (the SSE paper's sse/swa/softmax "
+                        "recipe, 13 swa + 12 sse)")
+    p.add_argument("--pattern-settings", default="swa.window=512 swa.sinks=4",
+                   help="the `pattern` variant's --mixer-settings (space-separated)")
     p.add_argument("--select-args", default="", help="extra `hybridize select` options")
     p.add_argument("--recovery-args", default="--needle-samples 40 --generation hf",
                    help="`hybridize eval recovery` options (40 needle prompts per length: one is 0.025)")
@@ -91,6 +100,8 @@ def step(work: Path, env: dict, name: str, done: Path, args: list[str]) -> None:
 def plan_of(a, work: Path, variant: str) -> str:
     if variant == "fixed":
         return "5:1"
+    if variant == "pattern":
+        return a.pattern
     plan = work / "select" / "plan.txt"
     if not plan.is_file():
         sys.exit(f"{plan} is missing: run the `select` phase first")
@@ -105,7 +116,8 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
     v = work / variant
     step(work, env, f"{variant}-convert", v / "converted" / "config.json",
          ["convert", "--src", a.teacher, "--layers", plan_of(a, work, variant), "--mixer", "sse",
-          "--out", str(v / "converted"), "--overwrite"])
+          "--out", str(v / "converted"), "--overwrite",
+          *(x for kv in (a.pattern_settings.split() if variant == "pattern" else []) for x in ("--mixer-settings", kv))])
     step(work, env, f"{variant}-align", v / "align" / "final" / "config.json",
          ["distill", "align", "-r", "smollm2-135m/align", f"student={v / 'converted'}",
           f"train.run_dir={v / 'align'}", f"train.max_steps={a.align_steps}", "data.seq_len=1024",
@@ -154,8 +166,8 @@ def main(argv=None):
              ["select", "--src", a.teacher, "--keep", str(a.keep), "--mixer", "sse", "--out", str(work / "select"),
               *a.select_args.split()])
     elif a.phase in ("train", "long"):
-        if a.variant not in VARIANTS[:2]:
-            sys.exit(f"{a.phase}: name the variant ({', '.join(VARIANTS[:2])})")
+        if a.variant not in TRAINABLE:
+            sys.exit(f"{a.phase}: name the variant ({', '.join(TRAINABLE)})")
         (run_train if a.phase == "train" else run_long)(a, work, env, a.variant)
     elif a.variant is not None:
         run_eval_one(a, work, env, a.variant)

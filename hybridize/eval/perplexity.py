@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.builtin_text import builtin_texts
+from hybridize.distill.data import special_prefix
 from hybridize.errors import read_jsonl, read_text
 from hybridize.families import head_logits
 from .common import data_file, model_device, save_line_plot, write_csv, write_json
@@ -99,6 +100,7 @@ def evaluate_ppl(model, tokenizer, cfg: PplConfig, out_dir: str | Path | None = 
     if cfg.tokens < lengths[-1]:
         raise ValueError(f"--tokens {cfg.tokens} is smaller than the longest length {lengths[-1]}")
     ids = tokenize_budget(tokenizer, load_text(cfg.text), cfg.tokens)
+    prefix = torch.tensor(special_prefix(tokenizer), dtype=torch.long)   # BOS where the model expects one
     rows, curve = [], None
     total = sum(cfg.tokens // L for L in lengths)
     bar = tqdm(total=total, desc="ppl", disable=not progress)
@@ -106,7 +108,10 @@ def evaluate_ppl(model, tokenizer, cfg: PplConfig, out_dir: str | Path | None = 
         n = cfg.tokens // L
         per_window = []
         for i in range(n):
-            per_window.append(token_nll(model, ids[i * L:(i + 1) * L], cfg.chunk))
+            # each window starts as a sequence does (the tokenizer's BOS first, not scored): the same L - 1
+            # predictions of the window's own tokens with or without it
+            nll = token_nll(model, torch.cat([prefix, ids[i * L:(i + 1) * L]]), cfg.chunk)
+            per_window.append(nll[len(prefix):])
             bar.update(1)
         nll = torch.stack(per_window)                          # [n, L-1]
         mean = nll.mean().item()

@@ -138,7 +138,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.gain() * x.to(dtype)
+        # back in the input's dtype: an fp32 gain times a bf16 input (autocast training) would otherwise give fp32
+        # q/k beside bf16 v, which the fused kernels refuse; the teacher's attention casts them the same way
+        return (self.gain() * x.to(dtype)).to(dtype)
 
 
 class FlatRMSNorm(RMSNorm):

@@ -92,3 +92,48 @@ def test_kl_zero_for_identical_logits_and_temperature_scaling():
     y = torch.randn(1, 5, 11)
     ref = (torch.softmax(y, -1) * (torch.log_softmax(y, -1) - torch.log_softmax(x, -1))).sum(-1).mean()
     assert torch.allclose(kl_to_teacher(x, y, m), ref, rtol=1e-5)
+
+
+class _Tok:
+    """A toy tokenizer: one id per character (ord % 90 + 3); `bos` put first when encoding with special tokens."""
+
+    eos_token_id = 2
+
+    def __init__(self, bos=None):
+        self.bos = bos
+
+    def __call__(self, texts, add_special_tokens=True):
+        one = isinstance(texts, str)
+        out = [[ord(c) % 90 + 3 for c in t] for t in ([texts] if one else texts)]
+        if add_special_tokens and self.bos is not None:
+            out = [[self.bos] + x for x in out]
+        return {"input_ids": out[0] if one else out}
+
+
+def test_documents_start_with_the_tokenizers_bos():
+    from hybridize.distill.data import special_prefix, tokenize_docs
+    assert special_prefix(_Tok()) == [] and special_prefix(_Tok(bos=1)) == [1]
+    assert tokenize_docs(_Tok(), ["ab", "", "c"]) == [[10, 11, 2], [12, 2]]
+    assert tokenize_docs(_Tok(bos=1), ["ab", "c"]) == [[1, 10, 11, 2], [1, 12, 2]]
+
+
+def test_pack_rows_with_a_prefix_starts_every_row_with_it():
+    """A row cut inside a document begins with the BOS too (Gemma-style models need it at every sequence
+    start); a row at a document start does not get a second one; no token of the stream is lost or reordered."""
+    docs = [[1] + d for d in _docs([9, 4, 13, 6])]          # documents as tokenize_docs makes them
+    ids, pos = pack_rows(docs, seq_len=6, prefix=[1])
+    assert (ids[:, 0] == 1).all() and (pos[:, 0] == 0).all()
+    stream = [t for d in docs for t in d]
+    # drop the prefix that rows cut inside a document received, then the stream must come back in order
+    rebuilt, k = [], 0
+    for r in ids.tolist():
+        if stream[k] != 1:        # this row started inside a document: its first id is the added prefix
+            r = r[1:]
+        rebuilt += r
+        k += len(r)
+    assert rebuilt == stream[:len(rebuilt)] and len(stream) - len(rebuilt) < 6
+    assert all(p2 == 0 for row, prow in zip(ids.tolist(), pos.tolist())
+                        for t, p2 in zip(row, prow) if t == 1)   # every BOS starts a sequence
+    # without a prefix nothing changes
+    a, b = pack_rows(_docs([5, 3, 9]), seq_len=6), pack_rows(_docs([5, 3, 9]), seq_len=6, prefix=())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -38,3 +38,34 @@ def test_evaluate_ppl_smoke(tmp_path, tiny_model, tiny_tokenizer):
     assert len(s["loss_by_position"]) == 4
     for f in ("ppl.csv", "summary.json", "ppl_vs_length.png", "loss_vs_position.png"):
         assert (tmp_path / "out" / f).exists()
+
+
+class _BosTokenizer:
+    """Wraps a tokenizer so that, like Gemma's and Llama 3's, it puts a BOS id before every encoded text."""
+
+    def __init__(self, inner, bos: int):
+        self.inner, self.bos = inner, bos
+
+    def __call__(self, text, add_special_tokens=True, **kw):
+        enc = self.inner(text, add_special_tokens=False, **kw)
+        if add_special_tokens:
+            ids = enc["input_ids"]
+            enc["input_ids"] = [[self.bos] + x for x in ids] if ids and isinstance(ids[0], list) else [self.bos] + ids
+        return enc
+
+
+def test_evaluate_ppl_starts_each_window_with_the_tokenizers_bos(tmp_path, tiny_model, tiny_tokenizer):
+    """A model that expects BOS (Gemma: about 2x worse perplexity without it) is scored on windows that start with
+    it; the same L - 1 tokens of each window are scored, and a tokenizer without BOS is scored as before."""
+    text = tmp_path / "t.txt"
+    text.write_text("The sky is blue and the grass is green. " * 200)
+    cfg = PplConfig(text=str(text), lengths=(64,), tokens=128, buckets=4)
+    bos_tok = _BosTokenizer(tiny_tokenizer, bos=1)
+    s = evaluate_ppl(tiny_model, bos_tok, cfg, None, progress=False)
+    ids = tokenize_budget(tiny_tokenizer, text.read_text(), 128)
+    with_bos = torch.cat([token_nll(tiny_model, torch.cat([torch.tensor([1]), ids[i * 64:(i + 1) * 64]]))[1:]
+                          for i in range(2)])
+    assert s["rows"][0]["tokens_scored"] == 2 * 63 == with_bos.numel()
+    assert abs(s["rows"][0]["ppl"] - math.exp(with_bos.mean().item())) < 1e-4 * s["rows"][0]["ppl"]
+    plain = evaluate_ppl(tiny_model, tiny_tokenizer, cfg, None, progress=False)["rows"][0]["ppl"]
+    assert abs(plain - s["rows"][0]["ppl"]) > 1e-3 * plain   # the BOS changed what the model saw

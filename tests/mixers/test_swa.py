@@ -185,3 +185,101 @@ def test_bad_settings_raise():
         make_mixer("swa", short_conv=True)
     with pytest.raises(ValueError, match="position_embeddings"):
         make_mixer("swa")(random_hidden(1, 3, 16))
+
+
+# ---- attention sinks ------------------------------------------------------------------------------
+
+def sink_mask(T, window, sinks):
+    """Teacher-side mask built independently: the band of `window` plus the first `sinks` tokens, causal."""
+    i, j = torch.arange(T).unsqueeze(1), torch.arange(T).unsqueeze(0)
+    ok = (j <= i) & ((i - j < window) | (j < sinks))
+    return torch.zeros(T, T).masked_fill(~ok, float("-inf")).view(1, 1, T, T)
+
+
+@pytest.mark.parametrize("window,sinks", [(7, 1), (5, 3), (4, 9)])
+@torch.no_grad()
+def test_sinks_equal_teacher_under_band_plus_sink_mask(window, sinks):
+    """Every query sees its window and the sequence's first `sinks` tokens: the teacher under that mask, in
+    chunk and recurrent mode, and prefill + decode steps through the fixed-size buffers."""
+    att, rope, _ = teacher("llama")
+    T = 37
+    x = torch.randn(2, T, 32)
+    pos = torch.arange(T).expand(2, T)
+    ref, _ = att(x, position_embeddings=rope(x, pos), attention_mask=sink_mask(T, window, sinks))
+    cfg = SWAConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, window=window, sinks=sinks)
+    m = SlidingWindowAttention(cfg)
+    m.init_from_attention(att)
+    m.eval()
+    for mode in ("chunk", "recurrent"):
+        assert rel_err(m(x, position_embeddings=rope(x, pos), mode=mode).hidden, ref) < FP32_TOL
+    split = 11
+    o = m(x[:, :split], position_embeddings=rope(x, pos[:, :split]), output_state=True)
+    hs, st = [o.hidden], o.state
+    for t in range(split, T):
+        o = m(x[:, t:t + 1], state=st, position_embeddings=rope(x, pos[:, t:t + 1]), output_state=True)
+        assert o.state.sink_k.shape == (2, 2, sinks, 8) and o.state.k.shape == (2, 2, window - 1, 8)
+        hs.append(o.hidden)
+        st = o.state
+    assert rel_err(torch.cat(hs, 1), ref) < FP32_TOL
+    assert st.seen.tolist() == [T, T]
+
+
+@pytest.mark.parametrize("T", [1, 6, 40])
+@pytest.mark.parametrize("window,sinks", [(1, 1), (4, 2), (16, 4)])
+def test_sinks_chunk_equals_recurrent(T, window, sinks):
+    m = make_mixer("swa", window=window, sinks=sinks)
+    x = random_hidden(2, T, 16)
+    check_chunk_equals_recurrent(m, x)
+    for n in (1, 3, 9):   # from states before, at and after the sinks filled
+        st = call(m, random_hidden(2, n, 16, seed=1), output_state=True).state
+        check_chunk_equals_recurrent(m, x, state=st, positions=torch.arange(n, n + T).expand(2, T))
+
+
+@pytest.mark.parametrize("split", [1, 3, 25])
+def test_sinks_prefill_then_steps_and_continuation(split):
+    m = make_mixer("swa", window=6, sinks=3)
+    x = random_hidden(2, 30, 16)
+    check_prefill_then_steps(m, x, split)
+    check_prefill_then_steps(m, x, split, step_mode="chunk")
+    pos = torch.arange(30).expand(2, 30)
+    full = call(m, x, pos).hidden
+    st, hs = None, []
+    for a, b in ((0, 2), (2, 11), (11, 12), (12, 30)):
+        o = call(m, x[:, a:b], pos[:, a:b], state=st, output_state=True, mode="chunk")
+        hs.append(o.hidden)
+        st = o.state
+    assert rel_err(torch.cat(hs, 1), full) < FP32_TOL
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_sinks_varlen_padding_and_backward(mode):
+    """Packed documents each keep their own sinks (none leak across a boundary); padding is no sink."""
+    m = make_mixer("swa", window=5, sinks=2)
+    check_varlen_equals_separate(m, [1, 13, 4, 9], mode=mode)
+    st = call(m, random_hidden(4, 3, 16, seed=2), output_state=True).state
+    check_varlen_equals_separate(m, [1, 13, 4, 9], mode=mode, initial_state=st)
+    check_left_padding(m, [9, 3, 1], mode=mode)
+    check_padding_keeps_state(m, random_hidden(2, 7, 16), mode=mode)
+    x = random_hidden(1, 14, 16)
+    mask = torch.ones(1, 14, dtype=torch.bool)
+    mask[0, 1:4] = False                  # padding among the first tokens: the sinks are the first *real* ones
+    real = mask[0].nonzero().flatten()
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    out = call(m, x, pos, attention_mask=mask, mode=mode, output_state=True)
+    ref = call(m, x[:, real], output_state=True)
+    assert rel_err(out.hidden[:, real], ref.hidden) < FP32_TOL
+    assert rel_err(out.state.sink_k, ref.state.sink_k) < FP32_TOL
+    check_backward(m, random_hidden(2, 20, 16), mode=mode)
+
+
+def test_sink_buffer_holds_the_first_keys():
+    m = make_mixer("swa", window=3, sinks=4)
+    for T in (2, 4, 11):
+        x = random_hidden(1, T, 16)
+        st = call(m, x, output_state=True).state
+        k = apply_rope(m.k_proj(x).view(1, T, 1, 8), *rope_cos_sin(torch.arange(T).unsqueeze(0), 8))
+        n = min(T, 4)
+        assert st.sink_k.shape == (1, 1, 4, 8) and int(st.seen) == T
+        assert torch.allclose(st.sink_k[0, :, :n], k[0, :n].transpose(0, 1), atol=1e-6)
+    with pytest.raises(ValueError, match="sinks"):
+        make_mixer("swa", sinks=-1)
