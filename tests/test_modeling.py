@@ -323,3 +323,17 @@ def test_swa_with_sinks_through_the_model():
         with torch.no_grad():
             sizes.append(model(_ids(1, T), use_cache=True).past_key_values.mixer_nbytes())
     assert sizes[0] == sizes[1] > 0
+
+
+def test_qk_norm_keeps_the_input_dtype():
+    """Under bf16 autocast the projections give bf16 while the norm's gain is fp32: the normed q/k must stay bf16
+    like v (fla's fused kernels refuse mixed operands; seen on Gemma 3 on an H100)."""
+    from hybridize.mixers.base import FlatRMSNorm, RMSNorm
+    x = torch.randn(2, 5, 4, 8, dtype=torch.bfloat16)
+    for norm in (RMSNorm(8, offset=1.0), FlatRMSNorm(32)):
+        assert norm(x).dtype == torch.bfloat16
+        assert norm(x.float()).dtype == torch.float32
+    norm = RMSNorm(8, offset=1.0)
+    xf = x.float()
+    ref = norm.gain() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps))
+    assert (norm(x).float() - ref).abs().max() < 0.05
