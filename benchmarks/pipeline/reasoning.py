@@ -51,6 +51,9 @@ def args_parser():
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--grpo-steps", type=int, default=60)
     p.add_argument("--grpo-lr", type=float, default=1e-5)
+    p.add_argument("--long-grpo", default="400:2e-5",
+                   help="STEPS:LR of a second, longer GRPO run of the hybrid from the same SFT model (stage `grpo_long`, "
+                        "run grpo_hybrid_long; '' = none); the teacher control matches the first run only")
     p.add_argument("--k", type=int, default=8, help="samples per problem of the sampled arith score (avg@k)")
     p.add_argument("--math-k", type=int, default=4, help="avg@k on MATH-500 L1-2 and AIME24")
     p.add_argument("--math-tokens", type=int, default=1024, help="generation cap on MATH-500 / AIME24")
@@ -99,11 +102,11 @@ def math_path(a, work: Path, stage: str, model: str) -> None:
             out / "summary.json")
 
 
-def grpo(a, work: Path, name: str, model: str) -> Path:
+def grpo(a, work: Path, name: str, model: str, steps: int | None = None, lr: float | None = None) -> Path:
     run = work / name
     run_step(work, name, ["grpo", "--model", model, "--recipe", "smollm2-135m/grpo", "--output-dir", str(run),
-                     f"data.instruction={NUMBER}", "data.eval=", f"grpo.max_steps={a.grpo_steps}",
-                     f"grpo.learning_rate={a.grpo_lr}", "grpo.max_completion_length=64",
+                     f"data.instruction={NUMBER}", "data.eval=", f"grpo.max_steps={steps or a.grpo_steps}",
+                     f"grpo.learning_rate={lr or a.grpo_lr}", "grpo.max_completion_length=64",
                      f"grpo.per_device_train_batch_size={a.grpo_batch}", "save_steps=0", "progress=false"],
         run / "final" / "config.json")
     return run / "final"
@@ -157,12 +160,16 @@ def hybrid_track(a, work: Path) -> None:
     final = grpo(a, work, "grpo_hybrid", str(sft / "final"))
     aside(score, a, work, "grpo", str(final))
     aside(math_path, a, work, "hybrid_grpo", str(final))
+    if a.long_grpo:
+        steps, lr = a.long_grpo.split(":")
+        aside(score, a, work, "grpo_long", str(grpo(a, work, "grpo_hybrid_long", str(sft / "final"), int(steps), float(lr))))
 
 
 # ---- report ------------------------------------------------------------------------------------------------
 
 STAGES = [("teacher", "teacher"), ("converted", "hybrid: converted"), ("distilled", "hybrid: distilled (A + B)"),
-          ("sft", "hybrid: + SFT on traces"), ("grpo", "hybrid: + GRPO"), ("teacher_grpo", "teacher + GRPO (control)")]
+          ("sft", "hybrid: + SFT on traces"), ("grpo", "hybrid: + GRPO"), ("grpo_long", "hybrid: + longer GRPO (--long-grpo)"),
+          ("teacher_grpo", "teacher + GRPO (control, the first run's budget)")]
 
 
 def read_summary(work: Path, stage: str, kind: str) -> dict | None:
@@ -201,7 +208,7 @@ def report(a, work: Path) -> dict:
     n_kept = len(read_jsonl(work / "traces.jsonl", partial=True))
     n_rej = len(read_jsonl(work / "traces.rejected.jsonl", partial=True))
     out = {"arith": rows, "math": math_rows, "steps": steps, "traces": {"kept": n_kept, "rejected": n_rej},
-           "grpo": {run: read_grpo(work / run) for run in ("grpo_hybrid", "grpo_teacher")},
+           "grpo": {run: read_grpo(work / run) for run in ("grpo_hybrid", "grpo_hybrid_long", "grpo_teacher")},
            "settings": {key: v for key, v in vars(a).items() if key != "track"}}
     (work / "reasoning.json").write_text(json.dumps(out, indent=1))
     na = work / "needle_attention" / "needle_attention.md"
