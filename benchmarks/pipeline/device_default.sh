@@ -47,6 +47,13 @@ SITE=/usr/local/lib/hyb-site
 SHA=b179c952
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
 mkdir -p "$OUT" /root/p
+# the background runs (pipeline-run, pattern-run): 8 CPU threads each, since two processes of 16 threads on 16 cores made
+# each conversion 11x slower (623 s, not 54); rv = one recovery_variants phase, timed in the log
+background_env() {
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+}
+rv() { echo "$(date +%T) start $*"; python3 -m benchmarks.pipeline.recovery_variants "$@" --teacher "$GGUF" --work /root/rv \
+         --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
 case $STEP in
   join)
     cp "$ARG"/gp.* /root/p/
@@ -89,10 +96,7 @@ case $STEP in
     setsid nohup bash "$0" "$OUT" pipeline-run > /root/rv/pipeline.log 2>&1 < /dev/null &
     echo "pipeline started: $(date +%T)" ;;
   pipeline-run)
-    # 8 CPU threads each: two processes of 16 threads on 16 cores made each conversion 11x slower (623 s, not 54)
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
-    rv() { echo "$(date +%T) start $*"; python3 -m benchmarks.pipeline.recovery_variants "$@" --teacher "$GGUF" --work /root/rv \
-             --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
+    background_env
     { rv train fixed && rv eval fixed; } &
     { rv train select && { rv eval select & rv long select && rv eval select_long; wait; }; } &
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
@@ -103,9 +107,7 @@ case $STEP in
     setsid nohup bash "$0" "$OUT" pattern-run > /root/rv/pipeline.log 2>&1 < /dev/null &
     echo "pattern started: $(date +%T)" ;;
   pattern-run)
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
-    rv() { echo "$(date +%T) start $*"; python3 -m benchmarks.pipeline.recovery_variants "$@" --teacher "$GGUF" --work /root/rv \
-             --data /root/data/data ${VARIANTS_ARGS:-}; local rc=$?; echo "$(date +%T) end $* (exit $rc)"; return $rc; }
+    background_env
     # the teacher scored as a model of its own (the suite must give it 1.0): its rows become the base report
     { python3 -m hybridize.cli eval recovery --teacher "$GGUF" -m teacher="$GGUF" --out /root/rv/recovery_teacher \
         --needle-samples 40 --generation hf > /root/rv/logs/recovery_teacher.log 2>&1; echo "$(date +%T) teacher rows exit $?"; } &
@@ -121,7 +123,7 @@ case $STEP in
   gemma-run)
     # the embedded default's recipe (recovery_variants' fixed 5:1 variant: convert, stage A 200 x 8192 tokens,
     # stage B 150 x 16384), then perplexity at 1k context on wikitext-2 test for teacher, converted, distilled
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    background_env
     export HYBRIDIZE_DATA_DIR=/root/data/data
     G=/root/p/gemma3.gguf W=/root/gemma
     # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's. Should the Triton kernels fail at Gemma's
@@ -143,7 +145,7 @@ case $STEP in
     setsid nohup bash "$0" "$OUT" reasoning-run "$ARG" > /root/reason/pipeline.log 2>&1 < /dev/null &
     echo "reasoning started: $(date +%T)" ;;
   reasoning-run)
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HYBRIDIZE_AUTOTUNE_TOP=${HYBRIDIZE_AUTOTUNE_TOP:-1} OMP_NUM_THREADS=8
+    background_env
     r() { python3 -m benchmarks.pipeline.reasoning "$1" --teacher "$GGUF" --work /root/reason --data /root/data/data $ARG; \
           echo "$(date +%T) track $1 exit $?"; }
     r teacher & r hybrid & wait; r report; echo "PIPELINE DONE $(date +%T)" ;;

@@ -54,6 +54,17 @@ def test_same_tokens_as_hf_generate(mixer):
             assert torch.equal(out, ref), (kw, eos)
 
 
+def test_same_tokens_as_hf_generate_with_window_sinks():
+    """Sliding windows with attention sinks (their two fixed buffers and the token count) through the static
+    decode state: prompts and generations longer than window + sinks."""
+    model, _ = tiny_hybrid(mixer="swa", mixer_settings={"swa": {"window": 5, "sinks": 2}})
+    gen = FastGenerator(model)
+    for kw in SETTINGS:
+        ref, out = _both(model, gen, kw)
+        assert gen.last_fallback_reason is None
+        assert torch.equal(out, ref), kw
+
+
 @pytest.mark.parametrize("mixer", ["sse", "gdn"])
 def test_same_logits_as_hf_generate(mixer):
     """Every step's logits are bitwise equal (same operations on the same values), softmax layer

@@ -106,18 +106,21 @@ def test_prefill_then_steps(split):
     check_prefill_then_steps(m, x, split, step_mode="chunk")
 
 
-def test_multi_token_continuation():
-    """Chunks of several tokens after a prefill (speculative / chunked prefill) == full."""
-    m = make_mixer("swa", window=6)
+def check_chunked_continuation(m, cuts):
+    """Chunks of several tokens after a prefill (speculative / chunked prefill) == the full forward."""
     x = random_hidden(2, 30, 16)
     pos = torch.arange(30).expand(2, 30)
     full = call(m, x, pos).hidden
     st, hs = None, []
-    for a, b in ((0, 4), (4, 11), (11, 12), (12, 30)):
+    for a, b in cuts:
         o = call(m, x[:, a:b], pos[:, a:b], state=st, output_state=True, mode="chunk")
         hs.append(o.hidden)
         st = o.state
     assert rel_err(torch.cat(hs, 1), full) < FP32_TOL
+
+
+def test_multi_token_continuation():
+    check_chunked_continuation(make_mixer("swa", window=6), ((0, 4), (4, 11), (11, 12), (12, 30)))
 
 
 def test_buffer_contents_and_size():
@@ -241,14 +244,7 @@ def test_sinks_prefill_then_steps_and_continuation(split):
     x = random_hidden(2, 30, 16)
     check_prefill_then_steps(m, x, split)
     check_prefill_then_steps(m, x, split, step_mode="chunk")
-    pos = torch.arange(30).expand(2, 30)
-    full = call(m, x, pos).hidden
-    st, hs = None, []
-    for a, b in ((0, 2), (2, 11), (11, 12), (12, 30)):
-        o = call(m, x[:, a:b], pos[:, a:b], state=st, output_state=True, mode="chunk")
-        hs.append(o.hidden)
-        st = o.state
-    assert rel_err(torch.cat(hs, 1), full) < FP32_TOL
+    check_chunked_continuation(m, ((0, 2), (2, 11), (11, 12), (12, 30)))
 
 
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])

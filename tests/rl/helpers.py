@@ -49,13 +49,14 @@ def tiny_teacher(seed: int = 0, layers: int = 3) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_hybrid(out_dir: str | Path | None = None, mixer: str = "gla", seed: int = 0, layers: int = 3):
+def tiny_hybrid(out_dir: str | Path | None = None, mixer: str = "gla", seed: int = 0, layers: int = 3,
+                mixer_settings: dict | None = None):
     """(hybrid model, tokenizer); saved to `out_dir` (with the tokenizer) when given."""
     from hybridize.convert.convert import convert_model
 
     teacher = tiny_teacher(seed, layers)
     plan = [mixer] * (layers - 1) + ["attn"]
-    model = convert_model(teacher, plan, mixer=mixer).eval()
+    model = convert_model(teacher, plan, mixer=mixer, mixer_settings=mixer_settings).eval()
     tok = byte_tokenizer()
     if out_dir is not None:
         model.save_pretrained(out_dir)
