@@ -25,7 +25,7 @@ from hybridize.errors import UserError
 from hybridize.modeling import ATTN, resolve_mixer_settings
 
 #: integer settings where 0 means something (the rest are sizes or counts and must be >= 1)
-ZERO_OK = frozenset({"varlen_min_len"})
+ZERO_OK = frozenset({"varlen_min_len", "sinks"})
 
 _TYPE_WORDS = {bool: "a JSON bool (true or false)", int: "an integer", float: "a number", str: "a string",
                dict: "a JSON object", list: "a JSON list", type(None): "null"}

@@ -44,7 +44,9 @@ def test_check_settings_rejects(settings, needle):
 
 def test_check_settings_accepts_right_types():
     check_settings({"sse": {"use_rope": False, "top_k": 2, "decay_min": 1, "varlen_min_len": 0},
-                    "linear_attn": {"scale": None, "row_topk": 2}})
+                    "linear_attn": {"scale": None, "row_topk": 2}, "swa": {"window": 8, "sinks": 0}})
+    with pytest.raises(UserError, match="swa.sinks is a size or count and must be an integer >= 0"):
+        check_settings({"swa": {"sinks": -1}})
 
 
 @pytest.mark.parametrize("setting,needle", [
