@@ -126,8 +126,8 @@ case $STEP in
     background_env
     export HYBRIDIZE_DATA_DIR=/root/data/data
     G=/root/p/gemma3.gguf W=/root/gemma
-    # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's. Should the Triton kernels fail at Gemma's
-    # head_dim 256, the steps not yet done rerun on the torch kernels (4 micro-batches: their activations are larger)
+    # accum 2: Gemma's 262k vocabulary makes the KL logits 4.5x SmolLM2's. Should a Triton kernel fail at Gemma's
+    # shapes, the steps not yet done rerun on the torch kernels (4 micro-batches: their activations are larger)
     python3 -m benchmarks.pipeline.recovery_variants train fixed --teacher $G --work $W --data /root/data/data \
       --accum 2 ${VARIANTS_ARGS:-}; rc=$?; echo "$(date +%T) train exit $rc"
     if [ $rc -ne 0 ]; then

@@ -123,7 +123,7 @@ class SlidingWindowAttention(Mixer):
     def _sink_buffer(self, state: SWAState | None, B: int, k: torch.Tensor):
         """(sink keys, values `[B, sinks, Hkv, D]` in the token layout, valid `[B, sinks]`, seen `[B]`)."""
         st = state if state is not None else self.empty_state(B, k.device, k.dtype)
-        seen = st.seen.to(k.device) if st.seen is not None else st.count.to(k.device)
+        seen = st.seen.to(k.device)
         if not self.config.sinks:
             return None, None, None, seen
         if st.sink_k is None or st.sink_k.shape[2] != self.config.sinks:
@@ -139,11 +139,10 @@ class SlidingWindowAttention(Mixer):
         sk, sv = sk.clone(), sv.clone()
         for i in range(self.config.sinks):
             hit = real & (grank == i + 1)                               # at most one token per row
-            if hit.any():
-                w = hit[:, :, None, None].to(k.dtype)
-                row = hit.any(1)[:, None, None]
-                sk[:, i] = torch.where(row, (k * w).sum(1), sk[:, i])
-                sv[:, i] = torch.where(row, (v * w).sum(1), sv[:, i])
+            w = hit[:, :, None, None].to(k.dtype)
+            row = hit.any(1)[:, None, None]
+            sk[:, i] = torch.where(row, (k * w).sum(1), sk[:, i])
+            sv[:, i] = torch.where(row, (v * w).sum(1), sv[:, i])
         return sk.transpose(1, 2).contiguous(), sv.transpose(1, 2).contiguous()
 
     def _keep_last(self, k, v, valid) -> SWAState:
@@ -200,18 +199,15 @@ class SlidingWindowAttention(Mixer):
             # a buffered sink is read from the sink buffer only once it has left the window (no double count)
             s_rank = torch.arange(1, self.config.sinks + 1, device=q.device)
             s_ok = svalid.unsqueeze(1) & (q_grank.unsqueeze(2) - s_rank.view(1, 1, -1) >= W)
-            k_all, v_all = torch.cat([sk, k_all], 1), torch.cat([sv, v_all], 1)
-            allowed = torch.cat([s_ok, valid.unsqueeze(1) & causal & in_window], 2)
-            allowed[:, :, self.config.sinks:] |= (key_pos.view(1, 1, S) == q_pos.view(1, T, 1))
-        else:
-            allowed = valid.unsqueeze(1) & causal & in_window
-            allowed = allowed | (key_pos.view(1, 1, S) == q_pos.view(1, T, 1))   # padded queries: self only
-        o = self._sdpa(q, k_all, v_all, allowed)
+        allowed = valid.unsqueeze(1) & causal & in_window
+        allowed = allowed | (key_pos.view(1, 1, S) == q_pos.view(1, T, 1))   # padded queries: self only
+        if sk is None:
+            o = self._sdpa(q, k_all, v_all, allowed)
+        else:   # the sink buffer as extra keys in front
+            o = self._sdpa(q, torch.cat([sk, k_all], 1), torch.cat([sv, v_all], 1), torch.cat([s_ok, allowed], 2))
         new = None
         if output_state:
-            ring_k, ring_v, ring_valid = (k_all, v_all, valid) if sk is None else (
-                k_all[:, self.config.sinks:], v_all[:, self.config.sinks:], valid)
-            new = self._keep_last(ring_k, ring_v, ring_valid)
+            new = self._keep_last(k_all, v_all, valid)
             new.seen = seen + real.long().sum(1)
             if sk is not None:
                 new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
@@ -280,10 +276,9 @@ class SlidingWindowAttention(Mixer):
                                       cu_seqlens, value=False)
                 pk, pv = pack_to_padded(k, cu_seqlens), pack_to_padded(v, cu_seqlens)
                 new = self._keep_last(pk, pv, real)
-                zero = torch.zeros(len(lens), dtype=torch.long, device=q.device)
                 new.seen = real.long().sum(1)
                 if self.config.sinks:
-                    sk, sv, _, _ = self._sink_buffer(None, len(lens), pk)
+                    sk, sv, _, zero = self._sink_buffer(None, len(lens), pk)
                     new.sink_k, new.sink_v = self._new_sinks(sk, sv, pk, pv, real, zero)
             return o, new
         # with a per-document state: right-pad the documents into a batch (padding is not stored)
