@@ -41,7 +41,7 @@ def args_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m", help=f"model shapes: {', '.join(SHAPES)}")
     ap.add_argument("--lens", default="1024,2048,4096,8192,16384,32768", help="prompt lengths (context)")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="8,1,32", help="batch sizes, filled in this order (see --budget)")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps per timed call")
     ap.add_argument("--plan", default="5:1")
     ap.add_argument("--mixer", default="sse")
@@ -95,37 +95,45 @@ def measure(a) -> None:
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype}
     done, budget = done_cells(out), Budget(a.budget)
-    for shape in a.shapes.split(","):
-        todo = [(T, B, m) for T in map(int, a.lens.split(",")) for B in map(int, a.batches.split(","))
-                for m in ("teacher", "hybrid") if (shape, T, B, m) not in done]
-        if not todo or budget.left() <= 0:
-            continue
-        teacher, hybrid = build_pair(shape, a.plan, a.mixer, dtype, device)
-        floors = {"teacher": step_bytes(teacher, device), "hybrid": step_bytes(hybrid, device)}
-        for T, B, m in todo:
-            if budget.left() <= 0:
-                print(f"budget spent: {shape} T={T} B={B} {m} and later cells not started", flush=True)
-                break
-            model = teacher if m == "teacher" else hybrid
-            try:
-                rows = bench_model(model, m, T, B, a.new_tokens, device, budget,
-                                   compiles=("off",) if m == "teacher" else ("off", "on"),
-                                   hf_warmup=a.hf_warmup, hf=m == "teacher")
-            except torch.cuda.OutOfMemoryError as e:
-                rows = [{"model": m, "path": "OOM", "error": str(e)[:160]}]
-            with out.open("a") as f:
-                for r in rows:
-                    r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
-                             mixer=a.mixer, table_path=path_name(m, r), **env)
-                    r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
-                    r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
-                    r["step_bytes"] = floors[m]
-                    r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
-                    f.write(json.dumps(r) + "\n")
-                    print(json.dumps(r), flush=True)
+    shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
+    # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
+    # so a call cut by --budget leaves whole rows of the table rather than one shape only
+    todo = [(B, shape, T, m) for B in map(int, a.batches.split(",")) for shape in shapes for T in lens
+            for m in ("teacher", "hybrid") if (shape, T, B, m) not in done]
+    pair = {}   # one shape's (teacher, hybrid, floors) at a time
+    for B, shape, T, m in todo:
+        if budget.left() <= 0:
+            print(f"budget spent: {shape} T={T} B={B} {m} and later cells not started", flush=True)
+            break
+        if shape not in pair:
+            pair.clear()
             free_memory(device)
-        del teacher, hybrid
+            teacher, hybrid = build_pair(shape, a.plan, a.mixer, dtype, device)
+            pair[shape] = (teacher, hybrid, {"teacher": step_bytes(teacher, device),
+                                             "hybrid": step_bytes(hybrid, device)})
+            del teacher, hybrid
+        teacher, hybrid, floors = pair[shape]
+        model = teacher if m == "teacher" else hybrid
+        try:
+            rows = bench_model(model, m, T, B, a.new_tokens, device, budget,
+                               compiles=("off",) if m == "teacher" else ("off", "on"),
+                               hf_warmup=a.hf_warmup, hf=m == "teacher")
+        except torch.cuda.OutOfMemoryError as e:
+            rows = [{"model": m, "path": "OOM", "error": str(e)[:160]}]
+        with out.open("a") as f:
+            for r in rows:
+                r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
+                         mixer=a.mixer, table_path=path_name(m, r), **env)
+                r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
+                r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
+                r["step_bytes"] = floors[m]
+                r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
+                f.write(json.dumps(r) + "\n")
+                print(json.dumps(r), flush=True)
+        del model
         free_memory(device)
+    pair.clear()
+    free_memory(device)
 
 
 # ---- report ------------------------------------------------------------------------------------------------

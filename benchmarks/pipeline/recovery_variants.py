@@ -13,7 +13,8 @@ be spread over several 10-minute device calls on a warm machine:
 Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 softmax layers `hybridize
 select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it;
 `pattern` (`--pattern`) = the same 5 softmax layers with the other 25 alternating sliding-window attention (512
-tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe. Stages A and B
+tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; `pattern_long` = `pattern` plus the
+long-context recipe. Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -36,7 +37,7 @@ from pathlib import Path
 from benchmarks.pipeline.steps import run_step
 from hybridize.eval.recovery import merge_reports
 
-VARIANTS = ("fixed", "select", "fixed_long", "select_long", "pattern")
+VARIANTS = ("fixed", "select", "fixed_long", "select_long", "pattern", "pattern_long")
 TRAINABLE = ("fixed", "select", "pattern")
 
 
@@ -44,7 +45,7 @@ def args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=["select", "train", "long", "eval"])
     p.add_argument("variant", nargs="?", choices=VARIANTS,
-                   help="train/long: which variant (fixed, select); eval: that variant alone, into "
+                   help="train/long: which variant (fixed, select, pattern); eval: that variant alone, into "
                         "<work>/recovery_<variant> (side by side with the others); eval without one: merge those "
                         "and report every trained variant")
     p.add_argument("--teacher", default="default")
