@@ -3,7 +3,8 @@ Transformer ("teacher") and its hybrid at the real models' shapes (random weight
 them), every path in one process:
 
 - teacher: HF generate warmed by `--hf-warmup` untimed calls, HF generate with the static cache (its compiled
-  decode step), and our fast engine (`hybridize.generation.fast`, CUDA graphs);
+  decode step), and our fast engine (`hybridize.generation.fast`, CUDA graphs) with the default settings and
+  with `compile="on"`;
 - hybrid (`--plan`, `--mixer`): our fast engine with the default settings, and with `compile="on"`.
 
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl                 # measure (resumable)
@@ -11,14 +12,16 @@ them), every path in one process:
     python -m benchmarks.generation.speed_table --shapes tiny --lens 64,128 --batches 1,2 --new-tokens 8 \\
         --dtype float32 --out /tmp/speed.jsonl                                           # CPU smoke run
 
-Each cell (shape, context, batch, model) is appended to the JSONL file as it finishes, with the device and
-versions; a rerun skips the cells already there, so the grid can be filled over several device calls
+Each path of a cell (shape, context, batch, model) is appended to the JSONL file as it finishes, with the device
+and versions; a rerun skips the paths already there, so the grid can be filled over several device calls
 (`--budget` seconds: no cell starts after it; on the device machine keep the file outside `$OUT`, e.g.
-`--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A cell that runs out of GPU memory is recorded as OOM. The
+`--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A path that runs out of GPU memory is recorded as OOM (HF's two paths
+together: they run as one group). The
 report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
 token), the median decode step in ms, the peak allocated memory, the decode step over its bytes floor (item 3:
 weights + states + softmax-layer keys/values read once per step, at `--hbm-gbs`), the warm-up of every path,
-and the hybrid's decode speed-up over the teacher on our own engine and over HF's static compiled decode.
+and the hybrid's decode speed-up over the teacher on our own engine (best against best: the faster of
+default and compiled on each side) and over HF's static compiled decode.
 """
 from __future__ import annotations
 
@@ -55,9 +58,25 @@ def args_parser():
     return ap
 
 
-def done_cells(path: Path) -> set[tuple]:
-    rows = read_jsonl(path, partial=True)
-    return {(r["shape"], r["prompt_len"], r["batch"], r["model"]) for r in rows}
+HF_PATHS = tuple(TEACHER_PATHS.values())
+ENGINE_PATHS = {"off": "engine", "on": "engine compiled"}
+
+
+def done_paths(path: Path) -> set[tuple]:
+    """(shape, T, B, model, table path) of every row already measured, an OOM row standing for the paths it names."""
+    done = set()
+    for r in read_jsonl(path, partial=True):
+        key = (r["shape"], r["prompt_len"], r["batch"], r["model"])
+        for p in r.get("oom_paths", []) if r["table_path"] == "OOM" else [r["table_path"]]:
+            done.add((*key, p))
+    return done
+
+
+def path_groups(model: str) -> list[tuple[tuple[str, ...], dict]]:
+    """The paths of one model's cell, as `bench_model` runs them: HF generate's two (one call, the teacher only),
+    then our engine once per compile setting."""
+    groups = [(HF_PATHS, dict(hf=True, compiles=()))] if model == "teacher" else []
+    return groups + [((name,), dict(hf=False, compiles=(c,))) for c, name in ENGINE_PATHS.items()]
 
 
 @torch.no_grad()
@@ -94,16 +113,17 @@ def measure(a) -> None:
     dtype = getattr(torch, a.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype}
-    done, budget = done_cells(out), Budget(a.budget)
+    done, budget = done_paths(out), Budget(a.budget)
     shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
     # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
     # so a call cut by --budget leaves whole rows of the table rather than one shape only
-    todo = [(B, shape, T, m) for B in map(int, a.batches.split(",")) for shape in shapes for T in lens
-            for m in ("teacher", "hybrid") if (shape, T, B, m) not in done]
+    todo = [(B, shape, T, m, paths, kw) for B in map(int, a.batches.split(",")) for shape in shapes for T in lens
+            for m in ("teacher", "hybrid") for paths, kw in path_groups(m)
+            if any((shape, T, B, m, p) not in done for p in paths)]
     pair = {}   # one shape's (teacher, hybrid, floors) at a time
-    for B, shape, T, m in todo:
+    for B, shape, T, m, paths, kw in todo:
         if budget.left() <= 0:
-            print(f"budget spent: {shape} T={T} B={B} {m} and later cells not started", flush=True)
+            print(f"budget spent: {shape} T={T} B={B} {m} {'/'.join(paths)} and later paths not started", flush=True)
             break
         if shape not in pair:
             pair.clear()
@@ -113,13 +133,12 @@ def measure(a) -> None:
                                              "hybrid": step_bytes(hybrid, device)})
             del teacher, hybrid
         teacher, hybrid, floors = pair[shape]
-        model = teacher if m == "teacher" else hybrid
         try:
-            rows = bench_model(model, m, T, B, a.new_tokens, device, budget,
-                               compiles=("off",) if m == "teacher" else ("off", "on"),
-                               hf_warmup=a.hf_warmup, hf=m == "teacher")
+            rows = bench_model(teacher if m == "teacher" else hybrid, m, T, B, a.new_tokens, device, budget,
+                               hf_warmup=a.hf_warmup, **kw)
         except torch.cuda.OutOfMemoryError as e:
-            rows = [{"model": m, "path": "OOM", "error": str(e)[:160]}]
+            rows = [{"model": m, "path": "OOM", "oom_paths": list(paths), "error": str(e)[:160]}]
+        free_memory(device)
         with out.open("a") as f:
             for r in rows:
                 r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
@@ -130,8 +149,6 @@ def measure(a) -> None:
                 r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
                 f.write(json.dumps(r) + "\n")
                 print(json.dumps(r), flush=True)
-        del model
-        free_memory(device)
     pair.clear()
     free_memory(device)
 
@@ -139,19 +156,35 @@ def measure(a) -> None:
 # ---- report ------------------------------------------------------------------------------------------------
 
 COLUMNS = [("teacher", "HF warmed"), ("teacher", "HF static compiled"), ("teacher", "engine"),
-           ("hybrid", "engine"), ("hybrid", "engine compiled")]
+           ("teacher", "engine compiled"), ("hybrid", "engine"), ("hybrid", "engine compiled")]
 
 
 def cell_rows(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
-    """(shape, T, B) -> {(model, path): row}; the last row of a (cell, path) wins (a rerun's)."""
+    """(shape, T, B) -> {(model, path): row}; the last row of a (cell, path) wins (a rerun's); an OOM row stands
+    for each path it names."""
     cells: dict[tuple, dict[tuple, dict]] = {}
     for r in rows:
-        cells.setdefault((r["shape"], r["prompt_len"], r["batch"]), {})[(r["model"], r["table_path"])] = r
+        paths = r.get("oom_paths", ["OOM"]) if r["table_path"] == "OOM" else [r["table_path"]]
+        for p in paths:
+            cells.setdefault((r["shape"], r["prompt_len"], r["batch"]), {})[(r["model"], p)] = r
     return cells
+
+
+def best_engine(paths: dict, model: str):
+    """The faster of a model's two engine paths (default, compiled), in ms per decode step; None while either path
+    is unmeasured (a ratio against one path alone would not be best against best)."""
+    if any((model, p) not in paths for p in ENGINE_PATHS.values()):
+        return None
+    return min((paths[(model, p)]["decode_ms"] for p in ENGINE_PATHS.values()
+                if paths.get((model, p), {}).get("decode_ms")), default=None)
 
 
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+def ratio(baseline, hybrid) -> str:
+    return f"{baseline / hybrid:.2f}x" if baseline and hybrid else "-"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -168,19 +201,16 @@ def markdown(rows: list[dict]) -> str:
                                              "graph capture and compilation included)", ".1f")):
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
         if metric == "decode_ms":
-            heads += ["hybrid vs teacher (engine)", "hybrid vs HF static"]
+            heads += ["hybrid vs teacher (engine, best of each)", "hybrid (best) vs HF static"]
         lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
-            oom = {m for (m, p) in paths if p == "OOM"}
-            vals = ["OOM" if m in oom and (m, p) not in paths else fmt(paths.get((m, p), {}).get(metric), spec)
+            vals = ["OOM" if paths.get((m, p), {}).get("table_path") == "OOM" else fmt(paths.get((m, p), {}).get(metric), spec)
                     for m, p in COLUMNS]
             line = f"| {shape} | {T} | {B} | " + " | ".join(vals) + " |"
             if metric == "decode_ms":
-                h = min((paths[k]["decode_ms"] for k in (("hybrid", "engine"), ("hybrid", "engine compiled"))
-                         if k in paths and paths[k].get("decode_ms")), default=None)
-                t_eng = paths.get(("teacher", "engine"), {}).get("decode_ms")
+                h, t_eng = best_engine(paths, "hybrid"), best_engine(paths, "teacher")
                 t_hf = paths.get(("teacher", "HF static compiled"), {}).get("decode_ms")
-                line += f" {fmt(t_eng / h if h and t_eng else None, '.2f')}x | {fmt(t_hf / h if h and t_hf else None, '.2f')}x |"
+                line += f" {ratio(t_eng, h)} | {ratio(t_hf, h)} |"
             lines.append(line)
         lines.append("")
     return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""The speed table's bookkeeping (benchmarks/generation/speed_table.py): which paths a rerun skips, how an
+out-of-memory group is shown, and that the hybrid's speed-up is taken best engine path against best engine
+path (the teacher's compiled engine included). The measurement itself needs a GPU and is not run here."""
+import json
+
+from benchmarks.generation.speed_table import COLUMNS, done_paths, markdown, path_groups
+
+
+def row(model, path, decode_ms, T=1024, B=8, **kw):
+    r = {"shape": "s", "prompt_len": T, "batch": B, "model": model, "table_path": path, "decode_ms": decode_ms,
+         "prefill_s": 0.5, "prefill_tok_s": B * T / 0.5, "peak_gib": 1.0, "of_floor": 2.0, "warmup_s": 1.0,
+         "device": "d", "torch": "t", "dtype": "bfloat16", "new_tokens": 32, "plan": "5:1", "mixer": "sse"}
+    r.update(kw)
+    return r
+
+
+def test_every_column_is_a_path_some_group_measures():
+    measured = {(m, p) for m in ("teacher", "hybrid") for paths, _ in path_groups(m) for p in paths}
+    assert measured == set(COLUMNS)
+
+
+def test_done_paths_counts_an_oom_row_for_the_paths_it_names(tmp_path):
+    f = tmp_path / "speed.jsonl"
+    rows = [row("teacher", "engine", 5.0),
+            row("teacher", "OOM", None, T=2048, oom_paths=["HF warmed", "HF static compiled"])]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut off')   # a row cut by a killed call
+    done = done_paths(f)
+    assert done == {("s", 1024, 8, "teacher", "engine"), ("s", 2048, 8, "teacher", "HF warmed"),
+                    ("s", 2048, 8, "teacher", "HF static compiled")}
+
+
+def test_speedup_is_best_engine_against_best_engine():
+    rows = [row("teacher", "HF static compiled", 30.0), row("teacher", "engine", 11.0),
+            row("teacher", "engine compiled", 8.0), row("hybrid", "engine", 6.0),
+            row("hybrid", "engine compiled", 4.0)]
+    decode = markdown(rows).split("**decode ms per step**")[1].split("**")[0]
+    line = next(l for l in decode.splitlines() if l.startswith("| s |"))
+    assert line.endswith("| 2.00x | 7.50x |")   # 8 / 4 (not 11 / 4) and 30 / 4
+
+
+def test_oom_paths_show_as_oom_and_missing_ones_as_dash():
+    rows = [row("teacher", "OOM", None, oom_paths=["HF warmed", "HF static compiled"]),
+            row("teacher", "engine", 11.0), row("teacher", "OOM", None, oom_paths=["engine compiled"]),
+            row("hybrid", "engine", 6.0), row("hybrid", "engine compiled", 7.0)]
+    decode = markdown(rows).split("**decode ms per step**")[1].split("**")[0]
+    line = next(l for l in decode.splitlines() if l.startswith("| s |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3:9] == ["OOM", "OOM", "11.00", "OOM", "6.00", "7.00"]
+    assert cells[9:] == ["1.83x", "-"]   # an OOM path counts as measured: the best of the teacher's is 11
+
+
+def test_no_speedup_while_an_engine_path_is_unmeasured():
+    rows = [row("teacher", "engine", 11.0), row("hybrid", "engine", 6.0), row("hybrid", "engine compiled", 4.0)]
+    decode = markdown(rows).split("**decode ms per step**")[1].split("**")[0]
+    line = next(l for l in decode.splitlines() if l.startswith("| s |"))
+    assert line.endswith("| - | - |")
