@@ -14,7 +14,8 @@ them), every path in one process:
 
 Each path of a cell (shape, context, batch, model) is appended to the JSONL file as it finishes, with the device
 and versions; a rerun skips the paths already there, so the grid can be filled over several device calls
-(`--budget` seconds: no cell starts after it; on the device machine keep the file outside `$OUT`, e.g.
+(`--budget` seconds: no path starts after it, but one started runs to its end: a batch-32 path at 32k takes minutes,
+so leave a margin below a call's limit; on the device machine keep the file outside `$OUT`, e.g.
 `--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A path that runs out of GPU memory is recorded as OOM (HF's two paths
 together: they run as one group). The
 report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
@@ -50,7 +51,7 @@ def args_parser():
     ap.add_argument("--mixer", default="sse")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds; no cell starts after it")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
     ap.add_argument("--hbm-gbs", type=float, default=3350.0,
                     help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
     ap.add_argument("--out", default="speed_table.jsonl")
@@ -240,7 +241,7 @@ def plot(rows: list[dict], png: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (tokens)")
             ax.set_title(f"{shape}: {title}")
-            if metric == "prefill_tok_s":
+            if metric in ("prefill_tok_s", "decode_ms"):   # HF's dynamic cache decodes 10-30x slower than the rest
                 ax.set_yscale("log")
     axes[0][0].legend(fontsize=7, title="line style: batch " + ", ".join(map(str, batches)), title_fontsize=7)
     fig.tight_layout()
