@@ -137,9 +137,10 @@ def hf_row(model, name, label, ids, mask, n, kw, warmup_calls, device) -> tuple[
 
 def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget,
                 attentions: tuple[str, ...] = ("auto",), compiles: tuple[str, ...] = ("off",),
-                gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4, hf: bool = True) -> list[dict]:
+                gemms: tuple[str, ...] = ("auto",), hf_warmup: int = 4, hf: bool = True,
+                prefill_tokens: int = 0) -> list[dict]:
     """Rows for `model` at prompt length T, batch B, n new tokens: HF generate (its variants, unless `hf` is
-    False) and the fast path per (attention, compile, GEMM) setting."""
+    False) and the fast path per (attention, compile, GEMM) setting (`prefill_tokens`: FastGenConfig's)."""
 
     from hybridize.generation.fast import FastGenConfig, FastGenerator
 
@@ -166,7 +167,8 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
             break
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm))
+        gen = FastGenerator(model, FastGenConfig(fallback=False, attention=attention, compile=compile_, gemm=gemm,
+                                                 prefill_tokens=prefill_tokens))
         t_warm = time.perf_counter()
         gen(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)  # warm-up + graph capture, same bucket
         t_warm = time.perf_counter() - t_warm

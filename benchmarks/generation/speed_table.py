@@ -50,6 +50,9 @@ def args_parser():
     ap.add_argument("--plan", default="5:1")
     ap.add_argument("--mixer", default="sse")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="our engine's FastGenConfig.prefill_tokens, teacher and hybrid alike (prefill a few rows at a "
+                         "time: fits large batches of long prompts); 0 = one forward, as HF")
     ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
     ap.add_argument("--hbm-gbs", type=float, default=3350.0,
@@ -136,14 +139,14 @@ def measure(a) -> None:
         teacher, hybrid, floors = pair[shape]
         try:
             rows = bench_model(teacher if m == "teacher" else hybrid, m, T, B, a.new_tokens, device, budget,
-                               hf_warmup=a.hf_warmup, **kw)
+                               hf_warmup=a.hf_warmup, prefill_tokens=a.prefill_tokens, **kw)
         except torch.cuda.OutOfMemoryError as e:
             rows = [{"model": m, "path": "OOM", "oom_paths": list(paths), "error": str(e)[:160]}]
         free_memory(device)
         with out.open("a") as f:
             for r in rows:
                 r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
-                         mixer=a.mixer, table_path=path_name(m, r), **env)
+                         mixer=a.mixer, table_path=path_name(m, r), prefill_tokens=a.prefill_tokens, **env)
                 r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
                 r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
                 r["step_bytes"] = floors[m]
@@ -192,7 +195,9 @@ def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
     head = rows[0]
     lines = [f"Device {head['device']}, torch {head['torch']}, {head['dtype']}, {head['new_tokens']} decode steps "
-             f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory.",
+             f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory."
+             + (f" Our engine prefills at most {head['prefill_tokens']} tokens per forward (both models)."
+                if head.get("prefill_tokens") else ""),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),

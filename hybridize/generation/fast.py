@@ -5,7 +5,9 @@ for small batches (a fixed Python cost per decode step whatever the model size).
 mixers, so this module is a gpt-fast-style loop for the model classes we have:
 
 - prefill once with the model's own forward (the same call HF generate makes: HybridCache, 2-D mask,
-  position ids from the mask, `logits_to_keep=1`);
+  position ids from the mask, `logits_to_keep=1`), or with `prefill_tokens` a few rows at a time, each
+  group's cache copied into its rows of the buffers below and freed before the next (peak memory: one
+  group's activations and cache beside the buffers, not the whole batch's twice);
 - copy the prefill cache into static buffers: `[B, Hkv, L_buf, D]` keys/values per softmax layer
   (`L_buf` = prompt + new tokens rounded up to `bucket`), the fixed-size `MixerState` per mixer layer;
 - decode one token per step by calling the decoder layers directly on those buffers (softmax layers
@@ -116,6 +118,12 @@ class FastGenConfig:
         "help": "linear layers in decode steps: auto (<= 16 rows of bf16/fp16 on CUDA: per weight shape the faster "
                 "of cuBLAS and the Triton weight-streaming GEMM, timed on first use) | triton (also on CPU under "
                 "TRITON_INTERPRET=1) | torch (F.linear, cuBLAS)"})
+    prefill_tokens: int = field(default=0, metadata={
+        "help": "at most this many prompt tokens (rows x prompt length, at least one row) per prefill forward: the "
+                "batch is prefilled a few rows at a time, each straight into the static buffers, so neither the "
+                "whole batch's activations nor a second copy of its keys/values is held at once (rows are "
+                "independent: the same computation per row, though GEMMs of other shapes may round differently). "
+                "0 = the whole batch in one forward, as HF generate"})
     attention: str = field(default="auto", metadata={
         "help": "softmax attention in decode steps: auto (the Triton split-KV kernel on CUDA for the graph and "
                 "masked paths when triton imports, else HF's) | triton (also on the exact path; on CPU the "
@@ -489,6 +497,9 @@ class FastGenerator:
         if self.config.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {' | '.join(COMPILE_MODES)}, got {self.config.compile!r}")
         decode_linear.check_mode(self.config.gemm)
+        if not isinstance(self.config.prefill_tokens, int) or self.config.prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be a whole number >= 0 (0 = one forward), "
+                             f"got {self.config.prefill_tokens!r}")
         self._sessions: dict = {}
         self.last_fallback_reason: str | None = None
         self.last_logits: list | None = None
@@ -582,10 +593,10 @@ class FastGenerator:
             return self._generate(input_ids, attention_mask, sampling, max_new)
 
     # -- prefill + decode -------------------------------------------------------------------------
-    def _prefill(self, input_ids, attention_mask):
-        """The model's own forward on the prompt, as HF generate calls it. Returns (logits `[B, V]`
-        fp32, cache, position ids `[B, T]`, mask or None)."""
-        m = self.model
+    @staticmethod
+    def _positions(input_ids, attention_mask):
+        """Position ids `[B, T]` from the prompt mask, and the mask the prefill passes (None when every token is
+        real), decided for the whole batch so that every row group is prefilled alike."""
         am = attention_mask
         if am is not None:
             pos = am.long().cumsum(-1) - 1
@@ -594,17 +605,30 @@ class FastGenerator:
                 am = None
         else:
             pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        return pos, am
+
+    def _row_groups(self, B: int, T: int) -> list[slice]:
+        """The batch's rows in prefill groups of at most `prefill_tokens` tokens (one group when it is 0)."""
+        n = self.config.prefill_tokens
+        per = B if n == 0 else max(1, min(B, n // max(T, 1)))
+        return [slice(i, min(i + per, B)) for i in range(0, B, per)]
+
+    def _prefill(self, input_ids, am, pos):
+        """The model's own forward on the prompt rows, as HF generate calls it. Returns (logits `[b, V]` fp32,
+        cache)."""
+        m = self.model
         cache = HybridCache(m.config) if isinstance(m.config, HybridConfig) else None
         if cache is None:
             cache = DynamicCache(config=m.config)
         out = m(input_ids=input_ids, attention_mask=am, position_ids=pos, past_key_values=cache,
                 use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values, pos, am
+        return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values
 
     def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling, windows: list[int | None],
-                 attn_fn=None):
-        """A session whose buffers hold the prefill `cache`. With graphs, sessions are kept and reused
-        when the shapes, the sampling settings (baked into the graph) and the parameters' storage match."""
+                 attn_fn=None, rows: slice | None = None):
+        """A session whose buffers hold the prefill `cache` of the batch's `rows` (all of them by default; the
+        other groups are loaded after). With graphs, sessions are kept and reused when the shapes, the sampling
+        settings (baked into the graph) and the parameters' storage match."""
         m = self.model
         tc = _text_config(m)
         key = None
@@ -614,14 +638,14 @@ class FastGenerator:
             if key in self._sessions:
                 sess = self._sessions.pop(key)
                 self._sessions[key] = sess   # most recently used last
-                self._load(sess, cache, T)
+                self._load(sess, cache, T, rows)
                 return sess
         pos_slot = torch.zeros(1, device=device, dtype=torch.long)
         layers = []
         for i, layer in enumerate(m.model.layers):
             src = cache.layers[i]
-            if _is_mixer_layer(layer):
-                layers.append(StaticMixerLayer(src.state.map(lambda t: t.clone())))
+            if _is_mixer_layer(layer):   # zeros of the whole batch's shape (dim 0: rows), filled by _load
+                layers.append(StaticMixerLayer(src.state.map(lambda t: t.new_zeros((B, *t.shape[1:])))))
             else:
                 k, v = src.keys, src.values
                 keys = k.new_zeros(B, k.shape[1], L, k.shape[3])
@@ -635,7 +659,7 @@ class FastGenerator:
         sess.attn_fn = attn_fn
         if self.config.compile == "on":
             sess.compiled = torch.compile(sess.logits, dynamic=False)
-        self._load(sess, cache, T)
+        self._load(sess, cache, T, rows)
         if key is not None:
             self._sessions[key] = sess
             while len(self._sessions) > self.config.max_sessions:
@@ -643,31 +667,37 @@ class FastGenerator:
         return sess
 
     @staticmethod
-    def _load(sess: _Session, cache, T: int) -> None:
+    def _load(sess: _Session, cache, T: int, rows: slice | None = None) -> None:
+        """Copy a prefill cache of the batch's `rows` (all by default) into the session's buffers."""
+        rows = slice(None) if rows is None else rows
         for dst, src in zip(sess.cache.layers, cache.layers):
             if isinstance(dst, StaticKV):
                 # a sliding-window cache layer keeps only the last keys: they go to their own slots, the
                 # slots before them stay zero (outside the window of every decode step, hence masked)
                 n = src.keys.shape[2]
-                dst.keys[:, :, T - n:T].copy_(src.keys)
-                dst.values[:, :, T - n:T].copy_(src.values)
-                dst.keys[:, :, :T - n].zero_()   # slots never read must not hold NaN (0 * NaN = NaN)
-                dst.values[:, :, :T - n].zero_()
-                dst.keys[:, :, T:].zero_()
-                dst.values[:, :, T:].zero_()
+                dst.keys[rows, :, T - n:T].copy_(src.keys)
+                dst.values[rows, :, T - n:T].copy_(src.values)
+                dst.keys[rows, :, :T - n].zero_()   # slots never read must not hold NaN (0 * NaN = NaN)
+                dst.values[rows, :, :T - n].zero_()
+                dst.keys[rows, :, T:].zero_()
+                dst.values[rows, :, T:].zero_()
             else:
-                if dst.static:
-                    for d, s in zip(dst.state.tensors(), src.state.tensors()):
-                        d.copy_(s)
-                else:
-                    dst.state = src.state.map(lambda t: t.clone())
+                # the session's own state tensors (whole batch), in place: a captured graph reads these
+                for d, s in zip(dst.state.tensors(), src.state.tensors()):
+                    d[rows].copy_(s)
 
     def _generate(self, input_ids, attention_mask, sampling: _Sampling, max_new: int) -> torch.Tensor:
         m = self.model
         device = input_ids.device
         B, T = input_ids.shape
         t0 = time.perf_counter()
-        logits, cache, pos, am = self._prefill(input_ids, attention_mask)
+        pos, am = self._positions(input_ids, attention_mask)
+        groups = self._row_groups(B, T)
+
+        def prefill(rows: slice):
+            return self._prefill(input_ids[rows], None if am is None else am[rows], pos[rows])
+
+        logits, cache = prefill(groups[0])
         use_graphs = self._use_graphs(device)
         bucket = max(1, int(self.config.bucket))
         L = -(-(T + max_new) // bucket) * bucket
@@ -684,8 +714,16 @@ class FastGenerator:
         exact = self.config.exact_lengths and not use_graphs
         attn_fn = self._attention(device, exact, attention_mask)
         _refresh_decode_weights(m)
-        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn)
+        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0])
         del cache
+        if len(groups) > 1:   # the other row groups, each prefilled straight into the buffers
+            parts = [logits]
+            for rows in groups[1:]:
+                lg, cache = prefill(rows)
+                self._load(sess, cache, T, rows)
+                parts.append(lg)
+                del cache
+            logits = torch.cat(parts)
         sampling = sess.sampling
         sess.out.fill_(sampling.pad)
         sess.valid.fill_(True)

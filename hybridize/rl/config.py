@@ -102,6 +102,10 @@ class GRPORunConfig:
     decode_gemm: str = _f("auto", "linear layers in the fast path's decode steps: auto (per weight shape the faster "
                                   "of cuBLAS and our Triton weight-streaming GEMM, timed on first use; CUDA, "
                                   "16-bit) | torch (cuBLAS)")
+    prefill_tokens: int = _f(0, "the fast path's prefill: at most this many prompt tokens (rows x prompt length) per "
+                                "forward, the rows of a group loaded straight into the static buffers (less memory "
+                                "for large rollout batches of long prompts); 0 = the whole batch in one forward",
+                             min=0)
     save_steps: int = _f(50, "checkpoint every N optimizer steps (0 = only the final model)", min=0)
     save_total_limit: int = _f(2, "checkpoints kept", min=1)
     logging_steps: int = _f(1, "metrics line every N optimizer steps", min=1)

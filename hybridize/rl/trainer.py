@@ -378,7 +378,8 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
         callbacks=[MetricsCallback(run_dir), *(callbacks or [])],
         fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs,
                                                                    compile=cfg.compile_decode,
-                                                                   gemm=cfg.decode_gemm))
+                                                                   gemm=cfg.decode_gemm,
+                                                                   prefill_tokens=cfg.prefill_tokens))
     # under DeepSpeed, before its engine unpickles the checkpoint freely
     check_trainer_resume(trainer, ckpt, remedy="delete that checkpoint folder (or start over in another "
                                               "output_dir=)")

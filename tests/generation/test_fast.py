@@ -186,6 +186,41 @@ def test_compiled_decode_step_through_lora():
             input_ids=ids, attention_mask=am, pad_token_id=PAD, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("mixer,settings", [("sse", None), ("gdn", None), ("swa", {"swa": {"window": 5, "sinks": 2}})])
+@pytest.mark.parametrize("prefill_tokens", [9, 18])
+def test_prefill_in_row_groups_same_as_hf(mixer, settings, prefill_tokens):
+    """`prefill_tokens`: 5 rows of 9 tokens (two left-padded) prefilled 1 or 2 at a time, each group loaded into its
+    own rows of the static buffers (keys/values, mixer states, the window's sinks): the same tokens as HF
+    generate, the same logits up to rounding, on the exact and the whole-buffer (CUDA-graph layout) paths."""
+    model, _ = tiny_hybrid(mixer=mixer, mixer_settings=settings)
+    ids, am = _batch(B=5)
+    kw = dict(do_sample=True, max_new_tokens=16)
+    seq, ref = _hf_logits(model, ids, am, kw)
+    for exact in (True, False):
+        gen = FastGenerator(model, FastGenConfig(prefill_tokens=prefill_tokens, exact_lengths=exact, bucket=16,
+                                                 record_logits=True))
+        assert [r.stop - r.start for r in gen._row_groups(5, 9)] == ([1] * 5 if prefill_tokens == 9 else [2, 2, 1])
+        torch.manual_seed(1)
+        out = gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, **kw)
+        assert gen.last_fallback_reason is None
+        assert torch.equal(out, seq), exact
+        for a, b in zip(gen.last_logits, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), exact
+
+
+def test_prefill_row_groups_without_padding_and_bad_setting():
+    teacher = tiny_teacher()
+    ids = torch.randint(0, 256, (5, 7))
+    gen = FastGenerator(teacher, FastGenConfig(prefill_tokens=20))   # 2 rows of 7 tokens a group
+    assert [(r.start, r.stop) for r in gen._row_groups(5, 7)] == [(0, 2), (2, 4), (4, 5)]
+    assert [(r.start, r.stop) for r in gen._row_groups(2, 30)] == [(0, 1), (1, 2)]   # a row is the least
+    ref, out = _both(teacher, gen, dict(do_sample=False, max_new_tokens=12), ids=ids, am=torch.ones_like(ids))
+    assert torch.equal(out, ref)
+    assert [(r.start, r.stop) for r in FastGenerator(teacher)._row_groups(5, 7)] == [(0, 5)]
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        FastGenerator(teacher, FastGenConfig(prefill_tokens=-1))
+
+
 def test_plain_transformer_and_no_padding():
     teacher = tiny_teacher()
     gen = FastGenerator(teacher)
