@@ -103,7 +103,8 @@ case $STEP in
     wait; rv eval; echo "PIPELINE DONE $(date +%T)" ;;
   pattern)
     # issue 22's `pattern` variant (recovery_variants.py: select's softmax layers, the rest sse / swa with sinks)
-    # and pattern_long (plus the long-context stage), trained and scored in a background session; the teacher's rows are computed beside the training
+    # and pattern_long (plus the long-context stage), trained and scored in a background session; the teacher's
+    # rows are computed beside the training
     mkdir -p /root/rv/logs
     setsid nohup bash "$0" "$OUT" pattern-run > /root/rv/pipeline.log 2>&1 < /dev/null &
     echo "pattern started: $(date +%T)" ;;
