@@ -46,7 +46,7 @@ def test_bad_override_is_a_user_error():
     assert isinstance(r.exception, UserError) and "unknown setting" in str(r.exception)
     r = runner.invoke(_app(), ["grpo", "--show", "grpo.max_steps=abc"])
     assert isinstance(r.exception, UserError)
-    for bad in ("compile_decode=yes", "cuda_graphs=maybe", "decode_gemm=cutlass"):
+    for bad in ("compile_decode=yes", "cuda_graphs=maybe", "decode_gemm=cutlass", "prefill_tokens=-1"):
         r = runner.invoke(_app(), ["grpo", "--show", bad])
         assert isinstance(r.exception, UserError) and bad.split("=")[0] in str(r.exception), bad
     r = runner.invoke(_app(), ["grpo", "--show", "compile_decode=on"])

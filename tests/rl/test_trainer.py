@@ -96,7 +96,8 @@ def test_resume_without_checkpoint_is_one_line_error(setup):
 
 
 def test_fast_path_settings_reach_the_generator(setup, monkeypatch):
-    """cuda_graphs / compile_decode / decode_gemm from the run config are what the trainer's generator gets."""
+    """cuda_graphs / compile_decode / decode_gemm / prefill_tokens from the run config are what the trainer's
+    generator gets."""
     import hybridize.rl.trainer as tr
 
     class Built(Exception):
@@ -110,5 +111,6 @@ def test_fast_path_settings_reach_the_generator(setup, monkeypatch):
 
     monkeypatch.setattr(tr, "FastGenConfig", record)
     with pytest.raises(Built):
-        run_grpo(_cfg(setup, "decode_gemm=torch", "compile_decode=on", "cuda_graphs=off", "data.eval="))
-    assert seen == [dict(cuda_graphs="off", compile="on", gemm="torch")]
+        run_grpo(_cfg(setup, "decode_gemm=torch", "compile_decode=on", "cuda_graphs=off", "prefill_tokens=4096",
+                      "data.eval="))
+    assert seen == [dict(cuda_graphs="off", compile="on", gemm="torch", prefill_tokens=4096)]
