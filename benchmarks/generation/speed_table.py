@@ -17,7 +17,7 @@ and versions; a rerun skips the paths already there, so the grid can be filled o
 (`--budget` seconds: no path starts after it, but one started runs to its end: a batch-32 path at 32k takes minutes,
 so leave a margin below a call's limit; on the device machine keep the file outside `$OUT`, e.g.
 `--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A path that runs out of GPU memory is recorded as OOM (HF's two paths
-together: they run as one group). The
+together: they run as one group); a rerun with another `--prefill-tokens` retries it. The
 report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
 token), the median decode step in ms, the peak allocated memory, the decode step over its bytes floor (item 3:
 weights + states + softmax-layer keys/values read once per step, at `--hbm-gbs`), the warm-up of every path,
@@ -66,13 +66,17 @@ HF_PATHS = tuple(TEACHER_PATHS.values())
 ENGINE_PATHS = {"off": "engine", "on": "engine compiled"}
 
 
-def done_paths(path: Path) -> set[tuple]:
-    """(shape, T, B, model, table path) of every row already measured, an OOM row standing for the paths it names."""
+def done_paths(path: Path, prefill_tokens: int = 0) -> set[tuple]:
+    """(shape, T, B, model, table path) of every row already measured, an OOM row standing for the paths it names
+    when it was recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others)."""
     done = set()
     for r in read_jsonl(path, partial=True):
         key = (r["shape"], r["prompt_len"], r["batch"], r["model"])
-        for p in r.get("oom_paths", []) if r["table_path"] == "OOM" else [r["table_path"]]:
-            done.add((*key, p))
+        if r["table_path"] == "OOM":
+            if r.get("prefill_tokens", 0) == prefill_tokens:
+                done.update((*key, p) for p in r.get("oom_paths", []))
+        else:
+            done.add((*key, r["table_path"]))
     return done
 
 
@@ -117,7 +121,7 @@ def measure(a) -> None:
     dtype = getattr(torch, a.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype}
-    done, budget = done_paths(out), Budget(a.budget)
+    done, budget = done_paths(out, a.prefill_tokens), Budget(a.budget)
     shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
     # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
     # so a call cut by --budget leaves whole rows of the table rather than one shape only
@@ -196,8 +200,9 @@ def markdown(rows: list[dict]) -> str:
     head = rows[0]
     lines = [f"Device {head['device']}, torch {head['torch']}, {head['dtype']}, {head['new_tokens']} decode steps "
              f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory."
-             + (f" Our engine prefills at most {head['prefill_tokens']} tokens per forward (both models)."
-                if head.get("prefill_tokens") else ""),
+             + "".join(f" Rows measured with `--prefill-tokens {n}`: our engine prefilled at most {n} tokens per "
+                       f"forward (both models; the JSONL's `prefill_tokens`)." for n in sorted(
+                           {r.get("prefill_tokens", 0) for r in rows if r["table_path"] != "OOM"} - {0})),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),

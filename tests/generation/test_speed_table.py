@@ -27,6 +27,8 @@ def test_done_paths_counts_an_oom_row_for_the_paths_it_names(tmp_path):
     done = done_paths(f)
     assert done == {("s", 1024, 8, "teacher", "engine"), ("s", 2048, 8, "teacher", "HF warmed"),
                     ("s", 2048, 8, "teacher", "HF static compiled")}
+    # a rerun with row-group prefill retries what ran out of memory without it, and keeps what was measured
+    assert done_paths(f, prefill_tokens=65536) == {("s", 1024, 8, "teacher", "engine")}
 
 
 def test_speedup_is_best_engine_against_best_engine():
@@ -47,6 +49,13 @@ def test_oom_paths_show_as_oom_and_missing_ones_as_dash():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[3:9] == ["OOM", "OOM", "11.00", "OOM", "6.00", "7.00"]
     assert cells[9:] == ["1.83x", "-"]   # an OOM path counts as measured: the best of the teacher's is 11
+
+
+def test_header_names_the_prefill_setting_of_measured_rows():
+    rows = [row("teacher", "engine", 11.0), row("hybrid", "engine", 6.0, prefill_tokens=65536),
+            row("teacher", "OOM", None, oom_paths=["engine compiled"], prefill_tokens=4096)]
+    head = markdown(rows).splitlines()[0]
+    assert "--prefill-tokens 65536" in head and "4096" not in head
 
 
 def test_no_speedup_while_an_engine_path_is_unmeasured():
