@@ -35,7 +35,7 @@
 #        pydantic_core annotated_types typing_inspection gguf math-verify latex2sympy2_extended antlr4-python3-runtime
 #   .c2: transformers==5.23.* pandas, plus gp.aa    (split -b 38000000 -a 2 <the GGUF> gp.)
 #   .c3: gp.ab gp.ac, data.tar.xz (tar -C ../shared -cJf .c3/data.tar.xz data/general_text data/wikitext2
-#        data/haystack), src.tgz (git archive HEAD | gzip: run from it, untouched by uncommitted work)
+#        data/haystack data/gsm8k; gsm8k for recovery_variants' --chat-traces), src.tgz (git archive HEAD | gzip: run from it, untouched by uncommitted work)
 #   .c4: fla-core==0.6.0 einops (the Triton kernels; without them training falls back to the torch path)
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}

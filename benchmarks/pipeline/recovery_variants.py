@@ -14,7 +14,8 @@ Variants (the issue's (i)-(iii)): `fixed` = today's 5:1 plan; `select` = the 5 s
 select` measured; `select_long` = `select` plus the long-context recipe (smollm2-135m/long); `fixed_long` = `fixed` plus it;
 `pattern` (`--pattern`) = the same 5 softmax layers with the other 25 alternating sliding-window attention (512
 tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; `pattern_long` = `pattern` plus the
-long-context recipe. Stages A and B
+long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A and B: the teacher's answers to N
+GSM8K train questions in the chat template (`hybridize distill traces`). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -68,6 +69,10 @@ def args_parser():
     p.add_argument("--hidden-weight", type=float, default=0.0,
                    help="stage B's hidden_weight (the inputs of the kept softmax layers against the teacher's); run it "
                         "in its own --work to compare with a run without it")
+    p.add_argument("--chat-traces", type=int, default=0,
+                   help="a chat mix: the teacher's answers to this many GSM8K train questions (`hybridize distill "
+                        "traces`, greedy, chat template; <work>/traces/chat.jsonl) join stage A's and B's training "
+                        "text; 0 = none. Run it in its own --work to compare with a run without it")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes final/ at the step it reached)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
@@ -90,11 +95,27 @@ def training_text(data: Path) -> list[str]:
     return [str(s) for s in srcs]
 
 
+def chat_traces(a, work: Path, env: dict) -> list[str]:
+    """The chat mix (`--chat-traces N`): the teacher's greedy answers to the first N GSM8K train questions, each row's
+    `text` the whole conversation in the chat template, as one more training source ([] when N is 0). The traces
+    command resumes by itself, so the step always runs (a finished file is reported and kept)."""
+    if not a.chat_traces:
+        return []
+    prompts = Path(a.data) / "gsm8k" / "train.jsonl"
+    if not prompts.is_file():
+        sys.exit(f"--chat-traces needs {prompts} (pass --data)")
+    out = work / "traces" / "chat.jsonl"
+    step(work, env, "chat-traces", None,
+         ["distill", "traces", f"teacher={a.teacher}", f"prompts={prompts}", f"num_prompts={a.chat_traces}",
+          "max_new_tokens=256", "batch_size=64", "dtype=bfloat16", f"out={out}"])
+    return [str(out)]
+
+
 DEADLINE = 0.0  # set from --deadline in main()
 
 
-def step(work: Path, env: dict, name: str, done: Path, args: list[str]) -> None:
-    """A training step of the pipeline (`steps.run_step`), not started past --deadline."""
+def step(work: Path, env: dict, name: str, done: Path | None, args: list[str]) -> None:
+    """A training step of the pipeline (`steps.run_step`), not started past --deadline; skipped when `done` exists."""
     run_step(work, name, args, done, env=env, deadline=DEADLINE)
 
 
@@ -110,7 +131,7 @@ def plan_of(a, work: Path, variant: str) -> str:
 
 
 def run_train(a, work: Path, env: dict, variant: str) -> None:
-    text = "[" + ",".join(training_text(Path(a.data))) + "]"
+    text = "[" + ",".join(training_text(Path(a.data)) + chat_traces(a, work, env)) + "]"
     common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
               "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
               "train.mixed_precision=bf16"]

@@ -3,8 +3,11 @@ that stage C reads (`prompt_field=problem completion_field=completion`). `prompt
 other names of `hybridize.eval.arith`) generates arithmetic problems; their `prompt` column adds the
 boxed-answer instruction to `problem`.
 
-Each output line keeps the prompt row's columns and adds `completion`, `sample` (0..k-1), `prompt_index`
-and `teacher`. `keep=correct` is rejection sampling (stage C of the SSE paper's recipe keeps only correct
+Each output line keeps the prompt row's columns and adds `completion`, `sample` (0..k-1), `prompt_index`,
+`teacher` and `text`: the whole conversation as the model reads it (chat template with the assistant's turn, or
+prompt then completion), so the file is also a chat-formatted training text for stages A and B
+(`data.train=[..., traces.jsonl]`, whose rows are read from `text`; a prompt row's own `text` column is kept
+as `source_text`). `keep=correct` is rejection sampling (stage C of the SSE paper's recipe keeps only correct
 traces): a completion the checker of `answer_format` grades wrong against the row's `answer` goes to
 `<out>.rejected.jsonl` instead; sample k > 1 completions per prompt at a temperature to keep more prompts. Lines are appended and flushed per batch; rerunning the same command skips
 (prompt_index, sample) pairs already in the file, so an interrupted run loses at most one batch.
@@ -44,6 +47,16 @@ def render_prompt(tokenizer, text: str, system: str = "") -> str:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return (system + "\n" if system else "") + text + "\n"
+
+
+def render_conversation(tokenizer, prompt: str, completion: str, system: str = "") -> str:
+    """The conversation (system, user prompt, assistant completion) as one text, in the chat template when the
+    tokenizer has one (the turn's end marker included), else `render_prompt`'s text followed by the completion."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return tokenizer.apply_chat_template(msgs, tokenize=False)
+    return render_prompt(tokenizer, prompt, system) + completion
 
 
 @torch.no_grad()
@@ -101,8 +114,10 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
         texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
         lines = {True: [], False: []}   # kept, rejected
         for ((i, k), r), t in zip(keep, texts):
-            rec = {**{c: v for c, v in r.items() if isinstance(v, (str, int, float, bool, type(None)))},
-                   "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name}
+            cols = {("source_text" if c == "text" else c): v for c, v in r.items()
+                    if isinstance(v, (str, int, float, bool, type(None)))}
+            rec = {**cols, "completion": t, "sample": k, "prompt_index": i, "teacher": teacher_name,
+                   "text": render_conversation(tokenizer, r[cfg.prompt_field], t, cfg.system_prompt)}
             good = cfg.keep == "all" or (r.get("answer") is not None and grade(t, str(r["answer"]), fmt))
             lines[good].append(json.dumps(rec) + "\n")
             n_tok += len(tokenizer(t, add_special_tokens=False)["input_ids"])

@@ -63,6 +63,10 @@ def test_traces_written_and_rerun_skips_done(tmp_path, tok):
     rows = [json.loads(x) for x in (tmp_path / "tr.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in rows] == [0, 1]
     assert rows[0]["answer"] == "5" and isinstance(rows[0]["completion"], str) and rows[0]["teacher"] == "tiny"
+    # `text`: the conversation in the chat template, the completion inside the assistant's turn
+    msgs = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": rows[0]["completion"]}]
+    assert rows[0]["text"] == tok.apply_chat_template(msgs, tokenize=False)
+    assert rows[0]["text"].startswith(tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True))
     write_traces(model, tok, cfg, "tiny")  # the malformed row is retried and skipped, the others are done
     assert len((tmp_path / "tr.jsonl").read_text().splitlines()) == 2
 
@@ -130,3 +134,24 @@ def test_traces_load_the_teacher_on_the_configured_device(tmp_path, monkeypatch)
         with pytest.raises(SystemExit):
             traces.run_traces(TracesConfig(teacher="default", out=str(tmp_path / "t.jsonl"), device=device))
         assert seen["device"] == want
+
+
+def test_conversation_text_without_a_chat_template_and_a_prompt_text_column_kept():
+    from types import SimpleNamespace
+
+    from hybridize.distill.traces import render_conversation
+
+    plain = SimpleNamespace(chat_template=None)
+    assert render_conversation(plain, "Q?", " A.") == "Q?\n A."
+    assert render_conversation(plain, "Q?", " A.", system="S") == "S\nQ?\n A."
+
+
+def test_traces_keep_a_prompt_rows_text_column_as_source_text(tmp_path, tok, monkeypatch):
+    import hybridize.distill.traces as traces
+
+    monkeypatch.setattr(traces, "generate", lambda model, tokenizer, prompts, *a, **k: ["4"] * len(prompts))
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "2 + 2?", "text": "the row's own text"}])
+    cfg = load_config(TracesConfig, None, {"prompts": str(prompts), "out": str(tmp_path / "tr.jsonl"), "num_prompts": 0})
+    traces.write_traces(None, tok, cfg, "fake")
+    row = json.loads((tmp_path / "tr.jsonl").read_text())
+    assert row["source_text"] == "the row's own text" and "2 + 2?" in row["text"] and row["text"] != row["source_text"]

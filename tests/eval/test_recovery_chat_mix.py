@@ -1,0 +1,43 @@
+"""The recovery pipeline's chat mix (`benchmarks/pipeline/recovery_variants.py --chat-traces N`): the traces step is
+run with the teacher and the GSM8K questions, and its output joins stage A's and B's training text. The commands
+themselves are recorded, not run (they need the teacher and minutes of generation)."""
+import pytest
+
+import benchmarks.pipeline.recovery_variants as rv
+
+
+@pytest.fixture
+def data(tmp_path):
+    for rel in ("general_text/wiki_demo.jsonl", "general_text/c4_demo.jsonl", "wikitext2/valid.txt",
+                "gsm8k/train.jsonl"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}\n")
+    return tmp_path
+
+
+def run(monkeypatch, tmp_path, data, *extra):
+    calls = []
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: calls.append((name, args)))
+    a = rv.args_parser().parse_args(["train", "pattern", "--teacher", "T", "--data", str(data), *extra])
+    rv.run_train(a, tmp_path / "work", {}, "pattern")
+    return calls
+
+
+def test_chat_traces_join_stage_a_and_b(monkeypatch, tmp_path, data):
+    calls = run(monkeypatch, tmp_path, data, "--chat-traces", "500")
+    name, args = calls[0]
+    assert name == "chat-traces"
+    assert {"teacher=T", f"prompts={data / 'gsm8k' / 'train.jsonl'}", "num_prompts=500"} <= set(args)
+    out = next(x.split("=", 1)[1] for x in args if x.startswith("out="))
+    trains = {n: next(x for x in args if x.startswith("data.train=")) for n, args in calls[1:] if "align" in n or "e2e" in n}
+    assert set(trains) == {"pattern-align", "pattern-e2e"}
+    assert all(t.endswith("," + out + "]") for t in trains.values())
+
+
+def test_no_chat_traces_by_default_and_missing_questions_named(monkeypatch, tmp_path, data):
+    calls = run(monkeypatch, tmp_path, data)
+    assert [n for n, _ in calls] == ["pattern-convert", "pattern-align", "pattern-e2e"]
+    assert not any("chat.jsonl" in x for _, args in calls for x in args)
+    (data / "gsm8k" / "train.jsonl").unlink()
+    with pytest.raises(SystemExit, match="gsm8k"):
+        run(monkeypatch, tmp_path, data, "--chat-traces", "10")
