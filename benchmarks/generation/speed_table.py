@@ -66,18 +66,16 @@ HF_PATHS = tuple(TEACHER_PATHS.values())
 ENGINE_PATHS = {"off": "engine", "on": "engine compiled"}
 
 
+def row_paths(r: dict) -> list[str]:
+    """The table paths a row stands for: its own, or for an OOM row the paths that ran out of memory."""
+    return r.get("oom_paths", []) if r["table_path"] == "OOM" else [r["table_path"]]
+
+
 def done_paths(path: Path, prefill_tokens: int = 0) -> set[tuple]:
-    """(shape, T, B, model, table path) of every row already measured, an OOM row standing for the paths it names
-    when it was recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others)."""
-    done = set()
-    for r in read_jsonl(path, partial=True):
-        key = (r["shape"], r["prompt_len"], r["batch"], r["model"])
-        if r["table_path"] == "OOM":
-            if r.get("prefill_tokens", 0) == prefill_tokens:
-                done.update((*key, p) for p in r.get("oom_paths", []))
-        else:
-            done.add((*key, r["table_path"]))
-    return done
+    """(shape, T, B, model, table path) of every row already measured, an OOM row counting only when it was
+    recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others)."""
+    return {(r["shape"], r["prompt_len"], r["batch"], r["model"], p) for r in read_jsonl(path, partial=True)
+            if r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens for p in row_paths(r)}
 
 
 def path_groups(model: str) -> list[tuple[tuple[str, ...], dict]]:
@@ -128,21 +126,19 @@ def measure(a) -> None:
     todo = [(B, shape, T, m, paths, kw) for B in map(int, a.batches.split(",")) for shape in shapes for T in lens
             for m in ("teacher", "hybrid") for paths, kw in path_groups(m)
             if any((shape, T, B, m, p) not in done for p in paths)]
-    pair = {}   # one shape's (teacher, hybrid, floors) at a time
+    built, models, floors = None, {}, {}   # one shape's teacher and hybrid at a time, and their bytes floors
     for B, shape, T, m, paths, kw in todo:
         if budget.left() <= 0:
             print(f"budget spent: {shape} T={T} B={B} {m} {'/'.join(paths)} and later paths not started", flush=True)
             break
-        if shape not in pair:
-            pair.clear()
+        if shape != built:
+            models.clear()
             free_memory(device)
-            teacher, hybrid = build_pair(shape, a.plan, a.mixer, dtype, device)
-            pair[shape] = (teacher, hybrid, {"teacher": step_bytes(teacher, device),
-                                             "hybrid": step_bytes(hybrid, device)})
-            del teacher, hybrid
-        teacher, hybrid, floors = pair[shape]
+            models = dict(zip(("teacher", "hybrid"), build_pair(shape, a.plan, a.mixer, dtype, device)))
+            floors = {name: step_bytes(model, device) for name, model in models.items()}
+            built = shape
         try:
-            rows = bench_model(teacher if m == "teacher" else hybrid, m, T, B, a.new_tokens, device, budget,
+            rows = bench_model(models[m], m, T, B, a.new_tokens, device, budget,
                                hf_warmup=a.hf_warmup, prefill_tokens=a.prefill_tokens, **kw)
         except torch.cuda.OutOfMemoryError as e:
             rows = [{"model": m, "path": "OOM", "oom_paths": list(paths), "error": str(e)[:160]}]
@@ -157,7 +153,7 @@ def measure(a) -> None:
                 r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
                 f.write(json.dumps(r) + "\n")
                 print(json.dumps(r), flush=True)
-    pair.clear()
+    models.clear()
     free_memory(device)
 
 
@@ -172,8 +168,7 @@ def cell_rows(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
     for each path it names."""
     cells: dict[tuple, dict[tuple, dict]] = {}
     for r in rows:
-        paths = r.get("oom_paths", ["OOM"]) if r["table_path"] == "OOM" else [r["table_path"]]
-        for p in paths:
+        for p in row_paths(r):
             cells.setdefault((r["shape"], r["prompt_len"], r["batch"]), {})[(r["model"], p)] = r
     return cells
 
