@@ -184,7 +184,7 @@ def bench_model(model, name: str, T: int, B: int, n: int, device, budget: Budget
                      "rollout_tok_s": B * n / tot,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "same": same, "attention": f"{attention} ({st['attention']})", "compile": compile_,
-                     "gemm": gemm, "warmup_s": t_warm})
+                     "gemm": gemm, "warmup_s": t_warm, "prefill_synced": True})
         del gen
         free_memory(device)
     return rows

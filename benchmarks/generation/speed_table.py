@@ -71,11 +71,26 @@ def row_paths(r: dict) -> list[str]:
     return r.get("oom_paths", []) if r["table_path"] == "OOM" else [r["table_path"]]
 
 
+def unsynced(r: dict) -> bool:
+    """An engine row measured before the engine synced the device at the end of its prefill (no `prefill_synced`
+    field): the prefill's last queued kernels ran, and were timed, in the decode."""
+    return r["table_path"] in ENGINE_PATHS.values() and not r.get("prefill_synced")
+
+
+def split_invalid(r: dict) -> bool:
+    """An unsynced row prefilled in several row groups: the last group's whole forward was timed in the decode,
+    so its decode ms and prefill rate are not measurements of either (its rollout total still is)."""
+    n, B, T = r.get("prefill_tokens", 0), r["batch"], r["prompt_len"]
+    return unsynced(r) and n > 0 and B > max(1, n // max(T, 1))
+
+
 def done_paths(path: Path, prefill_tokens: int = 0) -> set[tuple]:
     """(shape, T, B, model, table path) of every row already measured, an OOM row counting only when it was
-    recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others)."""
+    recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others) and a row whose
+    prefill/decode split is invalid (`split_invalid`) not counting."""
     return {(r["shape"], r["prompt_len"], r["batch"], r["model"], p) for r in read_jsonl(path, partial=True)
-            if r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens for p in row_paths(r)}
+            if (r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens) and not split_invalid(r)
+            for p in row_paths(r)}
 
 
 def path_groups(model: str) -> list[tuple[tuple[str, ...], dict]]:
@@ -175,11 +190,24 @@ def cell_rows(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
 
 def best_engine(paths: dict, model: str):
     """The faster of a model's two engine paths (default, compiled), in ms per decode step; None while either path
-    is unmeasured (a ratio against one path alone would not be best against best)."""
-    if any((model, p) not in paths for p in ENGINE_PATHS.values()):
+    is unmeasured or its decode time invalid (a ratio against one path alone would not be best against best)."""
+    if any((model, p) not in paths or split_invalid(paths[(model, p)]) for p in ENGINE_PATHS.values()):
         return None
     return min((paths[(model, p)]["decode_ms"] for p in ENGINE_PATHS.values()
                 if paths.get((model, p), {}).get("decode_ms")), default=None)
+
+
+SPLIT_METRICS = ("prefill_tok_s", "decode_ms", "of_floor")   # what the prefill/decode split decides
+
+
+def cell(r: dict | None, metric: str, spec: str) -> str:
+    """One table cell: OOM, '-' (unmeasured), the value, or the value marked * where `split_invalid`."""
+    if r is None:
+        return "-"
+    if r["table_path"] == "OOM":
+        return "OOM"
+    v = fmt(r.get(metric), spec)
+    return f"{v} *" if metric in SPLIT_METRICS and v != "-" and split_invalid(r) else v
 
 
 def fmt(v, spec: str) -> str:
@@ -197,7 +225,14 @@ def markdown(rows: list[dict]) -> str:
              f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory."
              + "".join(f" Rows measured with `--prefill-tokens {n}`: our engine prefilled at most {n} tokens per "
                        f"forward (both models; the JSONL's `prefill_tokens`)." for n in sorted(
-                           {r.get("prefill_tokens", 0) for r in rows if r["table_path"] != "OOM"} - {0})),
+                           {r.get("prefill_tokens", 0) for r in rows if r["table_path"] != "OOM"} - {0}))
+             + (" Engine rows measured before the engine synced the device at the end of its prefill (no "
+                "`prefill_synced` in the JSONL) count the prefill's last copies into the static buffers in the "
+                "decode: up to a few percent more per step, the teacher (whole KV cache) more than the hybrid."
+                if any(unsynced(r) for r in rows) else "")
+             + (" Cells marked * were prefilled in several row groups before that fix: the last group's forward "
+                "ran in the decode, so their prefill rate and decode time are not valid (no ratio is taken from them)."
+                if any(split_invalid(r) for r in rows) else ""),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),
@@ -210,8 +245,7 @@ def markdown(rows: list[dict]) -> str:
             heads += ["hybrid vs teacher (engine, best of each)", "hybrid (best) vs HF static"]
         lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
-            vals = ["OOM" if paths.get((m, p), {}).get("table_path") == "OOM" else fmt(paths.get((m, p), {}).get(metric), spec)
-                    for m, p in COLUMNS]
+            vals = [cell(paths.get((m, p)), metric, spec) for m, p in COLUMNS]
             line = f"| {shape} | {T} | {B} | " + " | ".join(vals) + " |"
             if metric == "decode_ms":
                 h, t_eng = best_engine(paths, "hybrid"), best_engine(paths, "teacher")
@@ -239,7 +273,8 @@ def plot(rows: list[dict], png: Path) -> None:
             for c, (m, p) in enumerate(COLUMNS):
                 for k, B in enumerate(batches):
                     pts = sorted((T, paths[(m, p)][metric]) for (s, T, b), paths in cells.items()
-                                 if s == shape and b == B and (m, p) in paths and paths[(m, p)].get(metric))
+                                 if s == shape and b == B and (m, p) in paths and paths[(m, p)].get(metric)
+                                 and not (metric in SPLIT_METRICS and split_invalid(paths[(m, p)])))
                     if pts:
                         ax.plot(*zip(*pts), styles[k % 4], marker=".", color=f"C{c}",
                                 label=f"{m}: {p}" if k == 0 else None)

@@ -266,6 +266,15 @@ def _holds_visible_keys(kept: int, T: int, window: int | None) -> bool:
     return kept == T or (window is not None and min(T, window - 1) <= kept <= T)
 
 
+def _device_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device's queued kernels have run: the stats split a call into prefill and
+    decode, and without the sync the prefill's last kernels (a row group's forward, the copies into the static
+    buffers) would run, and be counted, in the decode."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _left_padded(am: torch.Tensor) -> bool:
     """True when every row of the prompt mask `[B, T]` is zeros then ones (one host sync)."""
     return bool((am[:, 1:] >= am[:, :-1]).all())
@@ -690,7 +699,7 @@ class FastGenerator:
         m = self.model
         device = input_ids.device
         B, T = input_ids.shape
-        t0 = time.perf_counter()
+        t0 = _device_clock(device)
         pos, am = self._positions(input_ids, attention_mask)
         groups = self._row_groups(B, T)
 
@@ -742,7 +751,7 @@ class FastGenerator:
         sess.out[:, 0].copy_(first)
         sess.tok.copy_(first[:, None])
         sess.step_idx.fill_(1)
-        t_prefill = time.perf_counter() - t0
+        t_prefill = _device_clock(device) - t0   # the prefill's kernels and the buffer loads finished
         n_done, check = 1, max(1, int(self.config.check_every))
         if sampling.eos is not None and not bool(sess.unfinished.any()):
             check = 0
@@ -757,9 +766,7 @@ class FastGenerator:
             first_eos = torch.where(fin, col, n_done).min(dim=1).values   # [B]
             stop = int(first_eos.max().item()) + 1
             out = out[:, :min(stop, n_done)]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        total = time.perf_counter() - t0
+        total = _device_clock(device) - t0
         self.last_logits = sess.recorded
         sess.recorded = None
         self.stats = {"prefill_s": t_prefill, "decode_s": total - t_prefill, "new_tokens": out.shape[1],

@@ -221,6 +221,37 @@ def test_prefill_row_groups_without_padding_and_bad_setting():
         FastGenerator(teacher, FastGenConfig(prefill_tokens=-1))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stats_count_the_prefill_kernels_in_the_prefill():
+    """The stats' prefill time waits for the prefill's queued kernels: each row group's forward is followed by a
+    ~50 ms GPU sleep; all of them land in `prefill_s`, none in `decode_s` (before the fix the last group's ran in
+    the decode and inflated its per-step time)."""
+    import time
+    model, _ = tiny_hybrid(mixer="sse")
+    model = model.cuda()
+    ids, am = (t.cuda() for t in _batch(B=5))
+    gen = FastGenerator(model, FastGenConfig(prefill_tokens=18, bucket=16))   # groups of 2, 2, 1 rows
+    cycles = 10 ** 8
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    sleep_s = time.perf_counter() - t
+    plain = gen._prefill
+
+    def slow_prefill(*args):
+        out = plain(*args)
+        torch.cuda._sleep(cycles)
+        return out
+
+    gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=4)   # warm-up
+    gen._prefill = slow_prefill
+    gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=4)
+    assert gen.stats["prefill_s"] >= 0.9 * 3 * sleep_s, (gen.stats, sleep_s)
+    assert gen.stats["decode_s"] < 0.5 * sleep_s, (gen.stats, sleep_s)
+
+
 def test_plain_transformer_and_no_padding():
     teacher = tiny_teacher()
     gen = FastGenerator(teacher)

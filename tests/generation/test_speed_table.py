@@ -3,7 +3,7 @@ out-of-memory group is shown, and that the hybrid's speed-up is taken best engin
 path (the teacher's compiled engine included). The measurement itself needs a GPU and is not run here."""
 import json
 
-from benchmarks.generation.speed_table import COLUMNS, done_paths, markdown, path_groups
+from benchmarks.generation.speed_table import COLUMNS, done_paths, markdown, path_groups, split_invalid
 
 
 def row(model, path, decode_ms, T=1024, B=8, **kw):
@@ -63,3 +63,30 @@ def test_no_speedup_while_an_engine_path_is_unmeasured():
     decode = markdown(rows).split("**decode ms per step**")[1].split("**")[0]
     line = next(l for l in decode.splitlines() if l.startswith("| s |"))
     assert line.endswith("| - | - |")
+
+
+def test_rows_timed_before_the_prefill_sync_are_marked_and_remeasured(tmp_path):
+    """An engine row prefilled in several row groups before the engine synced at the end of its prefill timed the
+    last group's forward in the decode: its cells are marked *, no ratio uses it, and a rerun measures it again.
+    One group (B * T within prefill_tokens), HF paths, and rows with `prefill_synced` stand."""
+    several = dict(T=8192, B=32, prefill_tokens=131072)   # 16 rows a group: 2 groups
+    bad = row("teacher", "engine", 38.8, **several)
+    assert split_invalid(bad)
+    assert not split_invalid(row("teacher", "engine", 5.0, T=8192, B=16, prefill_tokens=131072))   # one group
+    assert not split_invalid(row("teacher", "HF warmed", 70.0, **several))
+    assert not split_invalid(row("teacher", "engine", 11.0, prefill_synced=True, **several))
+    rows = [bad, row("teacher", "engine compiled", 36.0, **several), row("teacher", "HF static compiled", 55.0, **several),
+            row("hybrid", "engine", 8.8, **several, prefill_synced=True),
+            row("hybrid", "engine compiled", 6.6, **several, prefill_synced=True)]
+    md = markdown(rows)
+    assert "marked *" in md.splitlines()[0] and "prefill_synced" in md.splitlines()[0]
+    decode = md.split("**decode ms per step**")[1].split("**")[0]
+    cells = [c.strip() for c in next(l for l in decode.splitlines() if l.startswith("| s |")).strip("|").split("|")]
+    assert cells[3:9] == ["-", "55.00", "38.80 *", "36.00 *", "8.80", "6.60"]
+    assert cells[9:] == ["-", "8.33x"]   # no engine ratio from the invalid rows; HF's static cache stands
+    peak = md.split("**peak memory GiB**")[1].split("**")[0]
+    assert "*" not in peak   # the split decides time, not memory
+    f = tmp_path / "speed.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = done_paths(f, prefill_tokens=131072)
+    assert {path for *_, model, path in done if model == "teacher"} == {"HF static compiled"}
