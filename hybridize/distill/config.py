@@ -192,6 +192,8 @@ class TracesConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     batch_size: int = _f(4, "prompts per generate call")
     seed: int = _f(0, "sampling seed")
+    generation: str = _f("auto", "fast (our static-buffer engine, CUDA graphs on a GPU; the same greedy tokens as HF) "
+                                 "| hf (model.generate) | auto (fast on CUDA, hf on CPU)")
     dtype: str = _f("float32", "teacher dtype")
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     threads: int = _f(0, "torch CPU threads (0 = leave as is)")

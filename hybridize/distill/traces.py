@@ -12,7 +12,8 @@ traces): a completion the checker of `answer_format` grades wrong against the ro
 `<out>.rejected.jsonl` instead; sample k > 1 completions per prompt at a temperature to keep more prompts. Lines are appended and flushed per batch; rerunning the same command skips
 (prompt_index, sample) pairs already in the file, so an interrupted run loses at most one batch.
 Generation: chat template when the tokenizer has one, left padding, greedy at temperature 0, else
-sampling with `temperature`/`top_p` from a seeded generator.
+sampling with `temperature`/`top_p` from a seeded generator; `generation=auto` runs it on our static-buffer
+engine on a GPU (HF's own decode loop is host-bound there) and through `model.generate` on CPU.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.eval.arith import as_dataset as arith_dataset, is_arith_spec
 from hybridize.eval.formats import ANSWER_FORMATS
 from hybridize.eval.math import grade
-from hybridize.generation.loading import resolve_device
+from hybridize.generation.batched import GENERATION_MODES, generate as batched_generate, resolve_generation
+from hybridize.generation.loading import model_device, resolve_device
 
 from .config import TracesConfig, save_config
 from .data import load_rows, shared_data
@@ -61,8 +63,15 @@ def render_conversation(tokenizer, prompt: str, completion: str, system: str = "
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0) -> list[str]:
-    """Completions of already-rendered prompts (left-padded batch)."""
+             top_p: float = 1.0, generation: str = "hf", seed: int = 0) -> list[str]:
+    """Completions of already-rendered prompts (left-padded batch). `generation`: 'hf' (`model.generate`),
+    'fast' (`hybridize.generation.batched`: our static-buffer engine, CUDA graphs on a GPU, the same greedy
+    tokens; `seed` seeds its sampling) or 'auto' (fast on CUDA)."""
+    if resolve_generation(generation, model_device(model)) == "fast":
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        outs = batched_generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, batch_size=len(ids), seed=seed, progress=False, generation="fast")
+        return [o[0]["text"] for o in outs]
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -78,6 +87,8 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
         raise UserError(f"keep={cfg.keep!r}: use keep=all or keep=correct")
     if cfg.answer_format not in ANSWER_FORMATS:
         raise UserError(f"answer_format={cfg.answer_format!r}: use one of {', '.join(ANSWER_FORMATS)}")
+    if cfg.generation not in GENERATION_MODES:
+        raise UserError(f"generation={cfg.generation!r}: use one of {', '.join(GENERATION_MODES)}")
     fmt = cfg.answer_format
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +122,8 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
         if not keep:
             continue
         prompts = [render_prompt(tokenizer, r[cfg.prompt_field], cfg.system_prompt) for _, r in keep]
-        texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        texts = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                         generation=cfg.generation, seed=cfg.seed * 1_000_003 + b)
         lines = {True: [], False: []}   # kept, rejected
         for ((i, k), r), t in zip(keep, texts):
             cols = {("source_text" if c == "text" else c): v for c, v in r.items()

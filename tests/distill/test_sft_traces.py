@@ -155,3 +155,31 @@ def test_traces_keep_a_prompt_rows_text_column_as_source_text(tmp_path, tok, mon
     traces.write_traces(None, tok, cfg, "fake")
     row = json.loads((tmp_path / "tr.jsonl").read_text())
     assert row["source_text"] == "the row's own text" and "2 + 2?" in row["text"] and row["text"] != row["source_text"]
+
+
+def test_traces_on_the_fast_engine_write_the_same_greedy_completions(tmp_path, tok, capsys):
+    """`generation=fast` (what `auto` picks on a GPU) goes through our static-buffer engine: on CPU, forced, the
+    greedy completions equal `model.generate`'s, row for row, for prompts of different lengths in one batch."""
+    torch.manual_seed(0)
+    model = tiny_llama_vocab(len(tok)).eval()
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?"}, {"problem": "Name a colour, please."},
+                                               {"problem": "Hi"}])
+    texts = {}
+    for mode in ("hf", "fast"):
+        cfg = load_config(TracesConfig, None, {"prompts": str(prompts), "out": str(tmp_path / f"{mode}.jsonl"),
+                                               "num_prompts": 0, "max_new_tokens": 6, "batch_size": 3,
+                                               "generation": mode})
+        write_traces(model, tok, cfg, "tiny")
+        texts[mode] = [json.loads(x)["completion"] for x in (tmp_path / f"{mode}.jsonl").read_text().splitlines()]
+    assert len(texts["hf"]) == 3 and any(texts["hf"])
+    assert texts["fast"] == texts["hf"]
+    assert "fell back" not in capsys.readouterr().err   # the engine ran, not model.generate behind it
+
+
+def test_traces_generation_mode_is_checked(tmp_path, tok):
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?"}])
+    cfg = load_config(TracesConfig, None, {"prompts": str(prompts), "out": str(tmp_path / "t.jsonl"),
+                                           "generation": "vllm"})
+    from hybridize.errors import UserError
+    with pytest.raises(UserError, match="generation='vllm': use one of auto, fast, hf"):
+        write_traces(tiny_llama_vocab(len(tok)), tok, cfg, "tiny")
