@@ -15,7 +15,8 @@ select` measured; `select_long` = `select` plus the long-context recipe (smollm2
 `pattern` (`--pattern`) = the same 5 softmax layers with the other 25 alternating sliding-window attention (512
 tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; `pattern_long` = `pattern` plus the
 long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A and B: the teacher's answers to N
-GSM8K train questions in the chat template (`hybridize distill traces`). Stages A and B
+GSM8K train questions in the chat template (`hybridize distill traces`); `--python-docs` adds the built-in
+standard-library docstrings (prose about Python; the held-out Python reference stays out). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -73,6 +74,10 @@ def args_parser():
                    help="a chat mix: the teacher's answers to this many GSM8K train questions (`hybridize distill "
                         "traces`, greedy, chat template; <work>/traces/chat.jsonl) join stage A's and B's training "
                         "text; 0 = none. Run it in its own --work to compare with a run without it")
+    p.add_argument("--python-docs", action="store_true",
+                   help="add the built-in `python-docs` text (the standard library's docstrings, none sharing a long "
+                        "line with the held-out Python reference) to stage A's and B's training text: the suite's "
+                        "out-of-domain perplexity row then has prose about Python in training, never its own text")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes final/ at the step it reached)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
@@ -131,7 +136,8 @@ def plan_of(a, work: Path, variant: str) -> str:
 
 
 def run_train(a, work: Path, env: dict, variant: str) -> None:
-    text = "[" + ",".join(training_text(Path(a.data)) + chat_traces(a, work, env)) + "]"
+    extra = ["python-docs"] if a.python_docs else []
+    text = "[" + ",".join(training_text(Path(a.data)) + extra + chat_traces(a, work, env)) + "]"
     common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
               "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
               "train.mixed_precision=bf16"]

@@ -41,3 +41,12 @@ def test_no_chat_traces_by_default_and_missing_questions_named(monkeypatch, tmp_
     (data / "gsm8k" / "train.jsonl").unlink()
     with pytest.raises(SystemExit, match="gsm8k"):
         run(monkeypatch, tmp_path, data, "--chat-traces", "10")
+
+
+def test_python_docs_join_stage_a_and_b_only_when_asked(monkeypatch, tmp_path, data):
+    calls = run(monkeypatch, tmp_path, data, "--python-docs")
+    trains = {n: next(x for x in args if x.startswith("data.train=")) for n, args in calls if "align" in n or "e2e" in n}
+    assert set(trains) == {"pattern-align", "pattern-e2e"}
+    assert all(",python-docs]" in t for t in trains.values())
+    assert all("data.eval=python-reference" in args for n, args in calls if n in trains)   # the held-out text
+    assert not any("python-docs" in x for _, args in run(monkeypatch, tmp_path, data) for x in args)
