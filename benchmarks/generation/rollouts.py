@@ -109,14 +109,15 @@ def hf_variants(model) -> list[tuple[str, dict]]:
 
 
 def hf_row(model, name, label, ids, mask, n, kw, warmup_calls, device) -> tuple[dict, torch.Tensor]:
-    """One timed `model.generate` after `warmup_calls` untimed calls at the same shape (HF generate is 2-3x
-    slower in a process's first calls than in its steady state; the static cache compiles on its first),
-    per-step timestamps from a pass-through logits processor."""
+    """One timed `model.generate` after `warmup_calls` untimed calls at the same shape, the same number of new
+    tokens included (HF generate is 2-3x slower in a process's first calls than in its steady state; the static
+    cache is sized prompt + new tokens and compiles for that size, so a shorter warm-up left the timed call to
+    compile again), per-step timestamps from a pass-through logits processor."""
     from transformers import LogitsProcessorList
 
     t_warm = time.perf_counter()
     for _ in range(warmup_calls):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=min(n, 16), **kw)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kw)
     t_warm = time.perf_counter() - t_warm
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

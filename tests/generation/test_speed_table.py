@@ -90,3 +90,26 @@ def test_rows_timed_before_the_prefill_sync_are_marked_and_remeasured(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     done = done_paths(f, prefill_tokens=131072)
     assert {path for *_, model, path in done if model == "teacher"} == {"HF static compiled"}
+
+
+def test_hf_warmup_calls_generate_as_many_tokens_as_the_timed_call():
+    """HF's static cache is sized prompt + new tokens and compiled for it: a warm-up with fewer new tokens left
+    the timed call to compile again (SmolLM2-135M, batch 32, 1k: 62 ms a step against 7 at 2k)."""
+    import torch
+    from benchmarks.generation.rollouts import hf_row
+
+    class Fake:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, input_ids, attention_mask, max_new_tokens, logits_processor=None, **kw):
+            self.calls.append(max_new_tokens)
+            for _ in range(max_new_tokens):
+                for p in logits_processor or []:
+                    p(input_ids, None)
+            return torch.zeros(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+    m = Fake()
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    hf_row(m, "teacher", "HF generate", ids, torch.ones_like(ids), 32, {}, 3, torch.device("cpu"))
+    assert m.calls == [32, 32, 32, 32]
