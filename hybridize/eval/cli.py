@@ -314,6 +314,7 @@ def recovery_cmd(
     arith_samples: int = typer.Option(10, help="arith:test problems per level"),
     ppl_length: int = typer.Option(1024, help="perplexity context length"),
     ppl_tokens: int = typer.Option(8192, help="tokens scored per perplexity row"),
+    chat_answer_tokens: int = typer.Option(48, help="the teacher's greedy answer length for the kl/agree:answers rows"),
     overwrite: bool = typer.Option(False, help="redo rows already in recovery.json"),
     generation: str = typer.Option("auto", help=GEN_HELP),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -331,7 +332,8 @@ def recovery_cmd(
         raise UserError(f"--niah-tasks {','.join(bad)}: use some of {','.join(NIAH_TASKS)}")
     cfg = RecoveryConfig(lengths=tuple(parse_int_list(lengths)), needle_samples=needle_samples, niah_tasks=tasks,
                          arith_samples=arith_samples, ppl_length=ppl_length, ppl_tokens=ppl_tokens,
-                         time_budget=time_budget, overwrite=overwrite, generation=generation)
+                         chat_answer_tokens=chat_answer_tokens, time_budget=time_budget, overwrite=overwrite,
+                         generation=generation)
     t, tok = load_model(teacher, dtype=dtype, device=device)
     check_lengths(t, cfg)
     models = {"teacher": t}

@@ -13,7 +13,11 @@ Rows (each tagged with its capability):
   "skipped: no ../shared/data". Both ppl rows reuse `perplexity.evaluate_ppl` (one context length).
 - `kl:chat` and `agree:chat`: KL(teacher || model), mean per token, and top-1 agreement of the next-token
   predictions on the PROMPT tokens of `HELDOUT_CHAT_PROMPTS` (chat template applied when the tokenizer has
-  one; no generation, so the row is cheap and deterministic).
+  one; no generation, so the row is cheap and deterministic). Most of those tokens are the template's own.
+- `kl:answers` and `agree:answers`: the same two measures on the ANSWER tokens: the teacher answers each
+  held-out prompt greedily (`chat_answer_tokens` new tokens at most), and both models read prompt + that answer,
+  teacher-forced; only the predictions of the answer's tokens count. This is what a user of the chat model
+  sees, where the prompt rows mostly measure the template.
 - `niah:s-niah-K:L`: S-NIAH-1/2/3 at each length, generation-scored by `niah.evaluate_niah` on prompts built
   once by `niah.build_samples` (python-reference haystack when the shared essays are missing).
 - `arith:test`: accuracy (greedy, answer_format=number) by `math.evaluate_math` on `arith:test:n=N`.
@@ -21,8 +25,7 @@ Rows (each tagged with its capability):
 Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: model / teacher.
 Perplexity: teacher_ppl / model_ppl. KL (the teacher's own KL is 0): exp(-KL).
 
-Departures from the issue: all models are loaded at once (fine for the small models this targets);
-KL/agreement score prompt tokens, not the teacher's greedy answer; a row whose teacher value is 0 or NaN
+Departures from the issue: all models are loaded at once (fine for the small models this targets); a row whose teacher value is 0 or NaN
 gets ratio NaN; S-NIAH puts the needle at depth 0.5 only (`--needle-samples` prompts per length, no depth
 sweep), and a prompt whose answer would pass the teacher's context is shortened so that both fit (the row's
 `prompt_tokens` says how long it was); the arith row asks 'Answer with the number only.' with a short budget
@@ -42,7 +45,7 @@ import torch
 
 from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
 from hybridize.errors import UserError
-from .common import build_prompt, data_file, encode, has_chat_template, model_device, plt
+from .common import build_prompt, data_file, encode, generate, has_chat_template, model_device, plt
 from .math import MathEvalConfig, evaluate_math
 from .niah import NiahConfig, answer_tokens, build_samples, evaluate_niah
 from .perplexity import PplConfig, evaluate_ppl
@@ -59,6 +62,7 @@ class RecoveryConfig:
     ppl_length: int = field(default=1024, metadata={"help": "perplexity context length"})
     ppl_tokens: int = field(default=8192, metadata={"help": "tokens scored per perplexity row"})
     arith_max_new_tokens: int = field(default=32, metadata={"help": "answer budget of the arith row"})
+    chat_answer_tokens: int = field(default=48, metadata={"help": "the teacher's greedy answer length for kl:answers"})
     time_budget: float | None = field(default=None, metadata={"help": "seconds; no row starts after it"})
     overwrite: bool = field(default=False, metadata={"help": "redo rows already in recovery.json"})
     generation: str = field(default="auto", metadata={"help": "fast | hf | auto"})
@@ -99,7 +103,7 @@ def niah_config(task: str, length: int, teacher, cfg: RecoveryConfig) -> NiahCon
 
 
 def row_ids(cfg: RecoveryConfig) -> list[str]:
-    return (["ppl:python-reference", "ppl:wikitext2", "kl:chat", "agree:chat"]
+    return (["ppl:python-reference", "ppl:wikitext2", "kl:chat", "agree:chat", "kl:answers", "agree:answers"]
             + [f"niah:{t}:{L}" for t in cfg.niah_tasks for L in cfg.lengths] + ["arith:test"])
 
 
@@ -115,6 +119,29 @@ def chat_logprobs(model, tokenizer) -> list[torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def teacher_answers(teacher, tokenizer, max_new_tokens: int, generation: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) per held-out chat prompt: the teacher's greedy answer tokens, cut before its end of
+    turn (an empty answer is dropped)."""
+    chat = has_chat_template(tokenizer)
+    prompts = [encode(tokenizer, build_prompt(tokenizer, p, chat=chat), chat) for p in HELDOUT_CHAT_PROMPTS]
+    outs = generate(teacher, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=len(prompts),
+                    progress=False, generation=generation)
+    return [(p, o[0]["token_ids"]) for p, o in zip(prompts, outs) if o[0]["token_ids"]]
+
+
+@torch.no_grad()
+def answer_logprobs(model, pairs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Log-softmax `[len(answer), V]` (fp32, cpu) of the model's predictions of each answer token, reading the
+    prompt and the answer teacher-forced."""
+    out = []
+    for p, a in pairs:
+        x = torch.tensor([p + a], device=model_device(model))
+        logits = model(input_ids=x).logits[0, len(p) - 1:len(p) + len(a) - 1]
+        out.append(torch.log_softmax(logits.float(), -1).cpu())
+    return out
+
+
 def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -> tuple[float, float]:
     """(mean per-token KL(teacher || model) in nats, top-1 agreement)."""
     kl, agree, n = 0.0, 0.0, 0
@@ -122,7 +149,7 @@ def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -
         kl += (t.exp() * (t - m)).sum(-1).clamp_min(0).sum().item()
         agree += (t.argmax(-1) == m.argmax(-1)).sum().item()
         n += t.shape[0]
-    return kl / n, agree / n
+    return (kl / n, agree / n) if n else (float("nan"), float("nan"))
 
 
 def ratio(row_id: str, teacher: float, value: float) -> float:
@@ -195,6 +222,15 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                     cache["teacher_lp"] = chat_logprobs(models["teacher"], tokenizer)
                 cache[name] = kl_agreement(cache["teacher_lp"], chat_logprobs(m, tokenizer))
             return cache[name][0 if row_id == "kl:chat" else 1]
+        if row_id in ("kl:answers", "agree:answers"):
+            key = ("answers", name)
+            if key not in cache:
+                if "answers" not in cache:
+                    cache["answers"] = teacher_answers(models["teacher"], tokenizer, cfg.chat_answer_tokens,
+                                                       cfg.generation)
+                    cache["teacher_alp"] = answer_logprobs(models["teacher"], cache["answers"])
+                cache[key] = kl_agreement(cache["teacher_alp"], answer_logprobs(m, cache["answers"]))
+            return cache[key][0 if row_id == "kl:answers" else 1]
         if row_id.startswith("niah:"):
             _, task, L = row_id.split(":")
             nc = niah_config(task, int(L), models["teacher"], cfg)

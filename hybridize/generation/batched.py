@@ -92,7 +92,8 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_toke
              deadline: float | None = None, log=None) -> list[list[dict | None]]:
     """Sample `num_samples` completions for each prompt (token ids). temperature 0 = greedy.
 
-    Returns, per prompt, a list of `{"text", "num_tokens", "finished"}` (finished: ended on EOS).
+    Returns, per prompt, a list of `{"text", "token_ids", "num_tokens", "finished"}` (token_ids: the completion's
+    tokens before its EOS; finished: ended on EOS).
     Jobs (prompt x sample) are sorted by prompt length and left-padded into batches of `batch_size`,
     so a batch holds prompts of similar length (little padding); the output order is the input order.
     A batch stops when all its rows have ended; each row's completion is cut at its own first EOS.
@@ -134,7 +135,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_toke
         new = gen[:, ids.shape[1]:].cpu()
         for r, (i, s) in enumerate(batch):
             toks, finished = cut_at_eos(new[r].tolist(), eos)
-            out[i][s] = {"text": tokenizer.decode(toks, skip_special_tokens=True),
+            out[i][s] = {"text": tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
                          "num_tokens": len(toks), "finished": finished}
         bar.update(len(batch))
         last_s = time.perf_counter() - t0

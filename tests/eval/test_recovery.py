@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hybridize.errors import UserError
-from hybridize.eval.recovery import (RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, row_ids,
-                                     run_recovery)
+from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
+                                     kl_agreement, parse_model_spec, row_ids, run_recovery, teacher_answers)
 
 
 def _cfg(**kw):
@@ -48,6 +48,9 @@ def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, 
     assert rows["kl:chat"]["values"]["self"] == pytest.approx(0.0, abs=1e-6)
     assert rows["agree:chat"]["values"]["self"] == 1.0
     assert rows["kl:chat"]["values"]["noisy"] > 1e-3
+    assert rows["kl:answers"]["values"]["self"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["agree:answers"]["values"]["self"] == 1.0
+    assert rows["kl:answers"]["values"]["noisy"] > 1e-3
     assert rows["ppl:python-reference"]["ratios"]["noisy"] != pytest.approx(1.0, abs=1e-4)
     md = (tmp_path / "recovery.md").read_text()
     assert "teacher_ppl/model_ppl" in md and "| ppl | ppl:python-reference |" in md
@@ -190,3 +193,28 @@ def test_reports_run_apart_merge_into_one(tmp_path, tiny_model, tiny_tokenizer, 
         assert set(r["ratios"]) == {"a", "b"}
     header = next(x for x in (tmp_path / "all" / "recovery.md").read_text().splitlines() if x.startswith("| capability"))
     assert [c.strip() for c in header.strip("|").split("|")][2:] == ["teacher", "a", "a ratio", "b", "b ratio"]
+
+
+def test_answer_rows_score_the_teachers_answer_tokens_only(tiny_model, tiny_tokenizer, noisy):
+    """kl/agree:answers: the teacher's greedy answer tokens (what HF generate gives), both models
+    teacher-forced on prompt + answer, one prediction per answer token and none of the prompt's."""
+    from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
+    from hybridize.eval.common import build_prompt, encode, has_chat_template
+
+    pairs = teacher_answers(tiny_model, tiny_tokenizer, 6, "hf")
+    assert 0 < len(pairs) <= len(HELDOUT_CHAT_PROMPTS) and all(0 < len(a) for _, a in pairs)
+    chat = has_chat_template(tiny_tokenizer)
+    p0 = encode(tiny_tokenizer, build_prompt(tiny_tokenizer, HELDOUT_CHAT_PROMPTS[0], chat=chat), chat)
+    assert pairs[0][0] == p0
+    lp = answer_logprobs(tiny_model, pairs)
+    assert [t.shape[0] for t in lp] == [len(a) for _, a in pairs]
+    p, a = pairs[0]
+    with torch.no_grad():
+        full = torch.log_softmax(tiny_model(input_ids=torch.tensor([p + a])).logits[0].float(), -1)
+    assert torch.allclose(lp[0], full[len(p) - 1:len(p) + len(a) - 1], atol=1e-5)
+    # the teacher's own greedy answer: its top-1 at each answer position is that answer's next token
+    for t, (_, a) in zip(lp, pairs):
+        assert t.argmax(-1).tolist() == a
+    kl, agree = kl_agreement(lp, answer_logprobs(noisy, pairs))
+    assert kl > 1e-3 and 0.0 <= agree < 1.0
+    assert kl_agreement([], []) != kl_agreement([], [])   # (nan, nan) for no answers, not a division by zero
