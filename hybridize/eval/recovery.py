@@ -26,10 +26,10 @@ Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: 
 Perplexity: teacher_ppl / model_ppl. KL (the teacher's own KL is 0): exp(-KL).
 
 Departures from the issue: all models are loaded at once (fine for the small models this targets); a row
-whose teacher value is 0 or NaN gets ratio NaN; S-NIAH puts the needle at depth 0.5 only (`--needle-samples` prompts per length, no depth
-sweep), and a prompt whose answer would pass the teacher's context is shortened so that both fit (the row's
-`prompt_tokens` says how long it was); the arith row asks 'Answer with the number only.' with a short budget
-(greedy) rather than \\boxed{}.
+whose teacher value is 0 or NaN gets ratio NaN; S-NIAH puts the needle at depth 0.5 only (`--needle-samples`
+prompts per length, no depth sweep), and a prompt whose answer would pass the teacher's context is shortened so
+that both fit (the row's `prompt_tokens` says how long it was); the arith row asks 'Answer with the number
+only.' with a short budget (greedy) rather than \\boxed{}.
 """
 from __future__ import annotations
 
