@@ -37,6 +37,7 @@ from benchmarks.generation.rollouts import SHAPES, Budget, bench_model, build_pa
 from benchmarks.timing import free_memory, md_header
 from hybridize.errors import read_jsonl
 from hybridize.eval.speed import cache_bytes
+from hybridize.generation.fast import rows_per_prefill
 
 TEACHER_PATHS = {"HF generate": "HF warmed", "HF generate (static cache, compiled)": "HF static compiled"}
 
@@ -80,8 +81,8 @@ def unsynced(r: dict) -> bool:
 def split_invalid(r: dict) -> bool:
     """An unsynced row prefilled in several row groups: the last group's whole forward was timed in the decode,
     so its decode ms and prefill rate are not measurements of either (its rollout total still is)."""
-    n, B, T = r.get("prefill_tokens", 0), r["batch"], r["prompt_len"]
-    return unsynced(r) and n > 0 and B > max(1, n // max(T, 1))
+    B = r["batch"]
+    return unsynced(r) and rows_per_prefill(B, r["prompt_len"], r.get("prefill_tokens", 0)) < B
 
 
 def done_paths(path: Path, prefill_tokens: int = 0) -> set[tuple]:

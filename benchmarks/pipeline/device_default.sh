@@ -38,10 +38,12 @@
 # manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d DIR NAME` for
 #   .c1: pyarrow datasets dill multiprocess xxhash fsspec trl typer shellingham annotated-doc pydantic
 #        pydantic_core annotated_types typing_inspection gguf math-verify latex2sympy2_extended antlr4-python3-runtime
+#        fla-core==0.6.0 einops (the Triton kernels; without them training falls back to the torch path)
 #   .c2: transformers==5.23.* pandas, plus gp.aa    (split -b 38000000 -a 2 <the GGUF> gp.)
-#   .c3: gp.ab gp.ac, data.tar.xz (tar -C ../shared -cJf .c3/data.tar.xz data/general_text data/wikitext2
-#        data/haystack data/gsm8k; gsm8k for recovery_variants' --chat-traces), src.tgz (git archive HEAD | gzip: run from it, untouched by uncommitted work)
-#   .c4: fla-core==0.6.0 einops (the Triton kernels; without them training falls back to the torch path)
+#   .c3: gp.ab gp.ac
+#   .c4: data.tar.xz (tar -C ../shared -cJf .c4/data.tar.xz data/general_text data/wikitext2 data/haystack
+#        data/math500 data/aime24 data/gsm8k; gsm8k for recovery_variants' --chat-traces: with it in .c3 the call
+#        passed 64 MiB), src.tgz (git archive HEAD | gzip: run from it, untouched by uncommitted work)
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
 GGUF=/root/p/smollm2.gguf

@@ -266,6 +266,12 @@ def _holds_visible_keys(kept: int, T: int, window: int | None) -> bool:
     return kept == T or (window is not None and min(T, window - 1) <= kept <= T)
 
 
+def rows_per_prefill(B: int, T: int, prefill_tokens: int) -> int:
+    """Rows of a `[B, T]` prompt batch per prefill forward under `FastGenConfig.prefill_tokens` (0: all B; else as
+    many as fit, at least one)."""
+    return B if prefill_tokens == 0 else max(1, min(B, prefill_tokens // max(T, 1)))
+
+
 def _device_clock(device: torch.device) -> float:
     """`time.perf_counter()` once the device's queued kernels have run: the stats split a call into prefill and
     decode, and without the sync the prefill's last kernels (a row group's forward, the copies into the static
@@ -618,8 +624,7 @@ class FastGenerator:
 
     def _row_groups(self, B: int, T: int) -> list[slice]:
         """The batch's rows in prefill groups of at most `prefill_tokens` tokens (one group when it is 0)."""
-        n = self.config.prefill_tokens
-        per = B if n == 0 else max(1, min(B, n // max(T, 1)))
+        per = rows_per_prefill(B, T, self.config.prefill_tokens)
         return [slice(i, min(i + per, B)) for i in range(0, B, per)]
 
     def _prefill(self, input_ids, am, pos):
