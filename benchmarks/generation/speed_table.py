@@ -55,6 +55,9 @@ def args_parser():
                     help="our engine's FastGenConfig.prefill_tokens, teacher and hybrid alike (prefill a few rows at a "
                          "time: fits large batches of long prompts); 0 = one forward, as HF")
     ap.add_argument("--hf-warmup", type=int, default=4, help="untimed HF generate calls before the timed one")
+    ap.add_argument("--remeasure-unsynced", action="store_true",
+                    help="measure again the engine rows taken before the engine synced the device at the end of its "
+                         "prefill (no `prefill_synced`); the report keeps a cell's last row")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
     ap.add_argument("--hbm-gbs", type=float, default=3350.0,
                     help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
@@ -85,12 +88,14 @@ def split_invalid(r: dict) -> bool:
     return unsynced(r) and rows_per_prefill(B, r["prompt_len"], r.get("prefill_tokens", 0)) < B
 
 
-def done_paths(path: Path, prefill_tokens: int = 0) -> set[tuple]:
+def done_paths(path: Path, prefill_tokens: int = 0, remeasure_unsynced: bool = False) -> set[tuple]:
     """(shape, T, B, model, table path) of every row already measured, an OOM row counting only when it was
     recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others) and a row whose
-    prefill/decode split is invalid (`split_invalid`) not counting."""
+    prefill/decode split is invalid (`split_invalid`) not counting, nor, with `remeasure_unsynced`, any
+    `unsynced` engine row."""
+    stale = unsynced if remeasure_unsynced else split_invalid
     return {(r["shape"], r["prompt_len"], r["batch"], r["model"], p) for r in read_jsonl(path, partial=True)
-            if (r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens) and not split_invalid(r)
+            if (r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens) and not stale(r)
             for p in row_paths(r)}
 
 
@@ -135,7 +140,7 @@ def measure(a) -> None:
     dtype = getattr(torch, a.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype}
-    done, budget = done_paths(out, a.prefill_tokens), Budget(a.budget)
+    done, budget = done_paths(out, a.prefill_tokens, a.remeasure_unsynced), Budget(a.budget)
     shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
     # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
     # so a call cut by --budget leaves whole rows of the table rather than one shape only

@@ -92,6 +92,18 @@ def test_rows_timed_before_the_prefill_sync_are_marked_and_remeasured(tmp_path):
     assert {path for *_, model, path in done if model == "teacher"} == {"HF static compiled"}
 
 
+def test_remeasure_unsynced_reruns_every_engine_row_without_the_sync_mark(tmp_path):
+    """`--remeasure-unsynced`: a one-group engine row taken before the prefill sync (valid but for a small
+    spill-over) is measured again; synced engine rows and HF rows are kept. Without the flag it stands."""
+    rows = [row("teacher", "engine", 11.1, T=16384), row("teacher", "engine compiled", 8.7, T=16384),
+            row("hybrid", "engine", 6.6, T=16384, prefill_synced=True), row("teacher", "HF warmed", 70.0, T=16384)]
+    f = tmp_path / "speed.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert {p for *_, p in done_paths(f)} == {"engine", "engine compiled", "HF warmed"}
+    kept = done_paths(f, remeasure_unsynced=True)
+    assert kept == {("s", 16384, 8, "hybrid", "engine"), ("s", 16384, 8, "teacher", "HF warmed")}
+
+
 def test_hf_warmup_calls_generate_as_many_tokens_as_the_timed_call():
     """HF's static cache is sized prompt + new tokens and compiled for it: a warm-up with fewer new tokens left
     the timed call to compile again (SmolLM2-135M, batch 32, 1k: 62 ms a step against 7 at 2k)."""
