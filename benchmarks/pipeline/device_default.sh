@@ -18,7 +18,8 @@
 #   bash benchmarks/pipeline/device_default.sh $OUT pattern           # issue 22: recovery_variants' `pattern` variant
 #                                                            # (sse / swa with sinks) trained, then pattern_long (+ the
 #                                                            # long-context stage), both scored, the teacher's rows
-#                                                            # beside, in a background session; poll 540
+#                                                            # beside, then `eval needle-attention` on S-NIAH-1/2/3
+#                                                            # for both, in a background session; poll 540
 #   bash benchmarks/pipeline/device_default.sh $OUT speed "--batches 32 --prefill-tokens 131072"
 #                                                            # issue 24's speed table (no GGUF needed): the committed
 #                                                            # rows seed /root/speed.jsonl once (a rerun skips them and
@@ -124,7 +125,14 @@ case $STEP in
     cp /root/rv/recovery_teacher/recovery.json /root/rv/recovery_base.json 2>/dev/null
     # then the long-context stage (pattern_long), scored beside pattern's own report; the merged report last
     { rv eval pattern & rv long pattern && rv eval pattern_long; wait; }
-    rv eval; echo "PIPELINE DONE $(date +%T)" ;;
+    rv eval
+    # where retrieval is lost: the kept layers' needle attention, teacher beside each variant, per S-NIAH task
+    for v in pattern/e2e pattern_long/long; do for t in s-niah-1 s-niah-2 s-niah-3; do
+      python3 -m hybridize.cli eval needle-attention --teacher "$GGUF" -m /root/rv/$v/final --task $t --length 2048 \
+        --samples 8 --out /root/rv/needle_attention/${v%%/*}_$t > /root/rv/logs/na_${v%%/*}_$t.log 2>&1
+      echo "$(date +%T) needle-attention ${v%%/*} $t exit $?"
+    done; done
+    echo "PIPELINE DONE $(date +%T)" ;;
   speed)
     # --budget is checked between paths only, and a batch-32 path at 32k can run minutes: the timeout keeps the
     # copy of the rows inside the 10-minute call

@@ -351,8 +351,10 @@ def recovery_cmd(
 def needle_attention_cmd(
     teacher: str = typer.Option(..., "--teacher", help="'default' or the teacher's checkpoint dir"),
     model: str = typer.Option(..., "--model", "-m", help="the converted model's folder"),
-    length: int = typer.Option(2048, help="S-NIAH-1 prompt length in tokens"),
+    length: int = typer.Option(2048, help="prompt length in tokens"),
     samples: int = typer.Option(8, help="prompts (needle depths spread evenly)"),
+    task: str = typer.Option("s-niah-1", help="s-niah-1 (a number in repeated noise), s-niah-2 (a number in "
+                             "essays) or s-niah-3 (a UUID in essays)"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/eval/needle_attention/<model>)"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
@@ -363,11 +365,14 @@ def needle_attention_cmd(
     from .needle_attention import NeedleAttentionConfig, compare, markdown, write
     from .recovery import check_tokenizer
 
+    from .niah import get_task
+
     _at_least_one(length=length, samples=samples)
+    get_task(task)   # an unknown task is one line before any model loads
     t, tok = load_model(teacher, dtype=dtype, device=device)
     m, mtok = load_model(model, dtype=dtype, device=device)
     check_tokenizer("model", tok, mtok)
-    rep = compare(t, m, tok, NeedleAttentionConfig(length=length, samples=samples), model_device(m))
+    rep = compare(t, m, tok, NeedleAttentionConfig(length=length, samples=samples, task=task), model_device(m))
     d = _out(out, "needle_attention", Path(model).name)
     write(rep, d)
     typer.echo(markdown(rep))

@@ -2,9 +2,9 @@
 
 A hybrid that keeps the teacher's softmax layers can still lose S-NIAH retrieval, because the queries and
 keys those layers see come from hidden states that the converted layers below them changed. This diagnostic
-runs the teacher and the hybrid side by side on S-NIAH-1 prompts (RULER's single needle in repeated noise,
-`hybridize.convert.select.needle`, answer teacher-forced) and reports, for every layer the hybrid kept as
-softmax attention:
+runs the teacher and the hybrid side by side on S-NIAH prompts (`hybridize.convert.select.needle`, answer
+teacher-forced; S-NIAH-1, RULER's single needle in repeated noise, by default; `task` s-niah-2 / -3 put a number
+or a UUID in essays) and reports, for every layer the hybrid kept as softmax attention:
 
 - the teacher's most retrieving head there and its needle mass: the share of attention that the positions
   copying the answer put on the needle's value tokens (the measure of `hybridize select`'s retrieval
@@ -35,6 +35,7 @@ from hybridize.errors import UserError
 class NeedleAttentionConfig:
     length: int = 2048        # prompt tokens (the needle and its haystack)
     samples: int = 8          # prompts, needle depths spread evenly
+    task: str = "s-niah-1"    # s-niah-1 / -2 / -3 (hybridize.eval.niah's tasks)
 
 
 def softmax_layers(model: nn.Module) -> list[int]:
@@ -73,7 +74,7 @@ def compare(teacher: nn.Module, hybrid: nn.Module, tokenizer, cfg: NeedleAttenti
                         "the kept layers' attention)")
     if len(decoder_layers(teacher)) != len(decoder_layers(hybrid)):
         raise UserError("teacher and model have different layer counts: pass the model's own teacher")
-    prompts = needle_prompts(tokenizer, cfg.length, cfg.samples)
+    prompts = needle_prompts(tokenizer, cfg.length, cfg.samples, cfg.task)
     t, h = needle_stats(teacher, prompts, layers, device), needle_stats(hybrid, prompts, layers, device)
     rows = []
     for i in layers:
@@ -82,13 +83,13 @@ def compare(teacher: nn.Module, hybrid: nn.Module, tokenizer, cfg: NeedleAttenti
         rows.append({"layer": i, "teacher_head": head, "teacher_mass": float(tm[head]),
                      "model_mass_same_head": float(hm[head]), "model_head": int(hm.argmax()),
                      "model_mass": float(hm.max())})
-    return {"length": cfg.length, "samples": cfg.samples, "layers": rows,
+    return {"task": cfg.task, "length": cfg.length, "samples": cfg.samples, "layers": rows,
             "teacher": {"answer_logprob": t["answer_logprob"], "answer_top1": t["answer_top1"]},
             "model": {"answer_logprob": h["answer_logprob"], "answer_top1": h["answer_top1"]}}
 
 
 def markdown(rep: dict) -> str:
-    lines = [f"S-NIAH-1 needle mass (share of attention from the answer positions on the needle's value), "
+    lines = [f"{rep.get('task', 's-niah-1').upper()} needle mass (share of attention from the answer positions on the needle's value), "
              f"{rep['samples']} prompts of {rep['length']} tokens, answer teacher-forced.", "",
              "| kept layer | teacher head | teacher mass | model, same head | model head | model mass |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]

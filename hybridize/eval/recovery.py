@@ -19,7 +19,8 @@ Rows (each tagged with its capability):
   teacher-forced; only the predictions of the answer's tokens count. This is what a user of the chat model
   sees, where the prompt rows mostly measure the template.
 - `niah:s-niah-K:L`: S-NIAH-1/2/3 at each length, generation-scored by `niah.evaluate_niah` on prompts built
-  once by `niah.build_samples` (python-reference haystack when the shared essays are missing).
+  once by `niah.build_samples` (python-reference haystack when the shared essays are missing). Each model's
+  answers beside the expected ones go to `needles/<task>_<L>/<model>/samples.jsonl`.
 - `arith:test`: accuracy (greedy, answer_format=number) by `math.evaluate_math` on `arith:test:n=N`.
 
 Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: model / teacher.
@@ -240,7 +241,10 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                     cache[key] = build_samples(tokenizer, nc)
                 except ValueError as e:   # a length shorter than the prompt without haystack
                     raise UserError(f"{row_id}: {e}; use longer --lengths") from None
-            return evaluate_niah(m, tokenizer, nc, progress=False, samples=cache[key])["accuracy"]
+            # each model's greedy answers beside the expected ones (needles/<task>_<L>/<model>/samples.jsonl):
+            # a score of 0 says nothing of whether the model copied badly, answered in another form or not at all
+            return evaluate_niah(m, tokenizer, nc, progress=False, samples=cache[key],
+                                 out_dir=out / "needles" / f"{task}_{L}" / name)["accuracy"]
         mc = MathEvalConfig(dataset=f"arith:test:n={cfg.arith_samples}", greedy=True, answer_format="number",
                             max_new_tokens=cfg.arith_max_new_tokens, generation=cfg.generation)
         return evaluate_math(m, tokenizer, mc, progress=False)["avg@1"]

@@ -66,3 +66,36 @@ def test_cli_writes_json_and_markdown(tmp_path, tok, teacher, monkeypatch):
     rep = json.loads((tmp_path / "na" / "needle_attention.json").read_text())
     assert [r["layer"] for r in rep["layers"]] == [1, 2]
     assert (tmp_path / "na" / "needle_attention.md").read_text().startswith("S-NIAH-1 needle mass")
+
+
+@pytest.mark.parametrize("task", ["s-niah-2", "s-niah-3"])
+def test_the_essay_tasks_locate_their_value_and_report_it(tok, teacher, task):
+    """S-NIAH-2 / -3 (a number / a UUID in essays): the needle's value is found among the prompt's tokens, the
+    teacher's answer is the value, and the report names its task."""
+    from hybridize.convert.select.needle import needle_prompts
+
+    prompts = needle_prompts(tok, 320, 2, task)
+    for p in prompts:
+        value = tok.decode([p.input_ids[i] for i in p.value_tokens])
+        assert p.answer in value or value.strip() in p.answer
+        assert tok.decode(p.input_ids[p.prompt_len:]).strip() == p.answer
+    if task == "s-niah-3":
+        assert all(p.answer.count("-") == 4 for p in prompts)   # a UUID
+    hybrid = convert_model(teacher, "gla,attn,attn").eval()
+    rep = compare(teacher, hybrid, tok, NeedleAttentionConfig(length=320, samples=2, task=task), torch.device("cpu"))
+    assert rep["task"] == task and markdown(rep).startswith(f"{task.upper()} needle mass")
+
+
+def test_cli_unknown_task_is_one_line_before_loading(monkeypatch, capsys):
+    import sys
+
+    import hybridize.eval.common as common
+    from hybridize.cli import main
+
+    monkeypatch.setattr(common, "load_model", lambda src, **kw: pytest.fail("loaded a model"))
+    monkeypatch.setattr(sys, "argv", ["hybridize", "eval", "needle-attention", "--teacher", "T", "-m", "H",
+                                      "--task", "s-niah-9"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "unknown NIAH task 's-niah-9'" in err

@@ -52,6 +52,13 @@ def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, 
     assert rows["agree:answers"]["values"]["self"] == 1.0
     assert rows["kl:answers"]["values"]["noisy"] > 1e-3
     assert rows["ppl:python-reference"]["ratios"]["noisy"] != pytest.approx(1.0, abs=1e-4)
+    # every model's needle answers are kept beside the expected ones, one file per row and model
+    for rid in (r for r in rows if r.startswith("niah:")):
+        _, task, L = rid.split(":")
+        for name in ("teacher", "self", "noisy"):
+            got = [json.loads(l) for l in (tmp_path / "needles" / f"{task}_{L}" / name / "samples.jsonl").open()]
+            assert len(got) == cfg.needle_samples and {"completion", "answers", "score"} <= set(got[0])
+            assert sum(g["score"] for g in got) / len(got) == rows[rid]["values"][name]
     md = (tmp_path / "recovery.md").read_text()
     assert "teacher_ppl/model_ppl" in md and "| ppl | ppl:python-reference |" in md
 

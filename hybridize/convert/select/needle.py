@@ -36,13 +36,14 @@ class NeedlePrompt:
         return list(range(self.prompt_len - 1, len(self.input_ids) - 1))
 
 
-def needle_prompts(tokenizer, length: int, samples: int) -> list[NeedlePrompt]:
-    """`samples` prompts of at most `length` tokens plus the answer " <value>"."""
+def needle_prompts(tokenizer, length: int, samples: int, task: str = TASK) -> list[NeedlePrompt]:
+    """`samples` prompts of at most `length` tokens plus the answer " <value>". `task`: selection uses s-niah-1
+    (noise haystack); `eval needle-attention` may name s-niah-2 / -3 (essay haystack, evaluation text)."""
     chat = has_chat_template(tokenizer)
     out = []
     for k in range(samples):
         try:
-            s = build_sample(tokenizer, get_task(TASK), length, (k + 0.5) / samples, seed=SEED_OFFSET + k, chat=chat)
+            s = build_sample(tokenizer, get_task(task), length, (k + 0.5) / samples, seed=SEED_OFFSET + k, chat=chat)
         except ValueError as e:  # the prompt without haystack is longer than `length`
             raise UserError(f"--needle-length {length}: {e}") from None
         answer_ids = tokenizer(" " + s.answers[0], add_special_tokens=False)["input_ids"]
