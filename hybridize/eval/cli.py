@@ -363,9 +363,8 @@ def needle_attention_cmd(
     # deferred: the command's modules load when it runs, so `hybridize --help` stays light
     from .common import load_model, model_device
     from .needle_attention import NeedleAttentionConfig, compare, markdown, write
-    from .recovery import check_tokenizer
-
     from .niah import get_task
+    from .recovery import check_tokenizer
 
     _at_least_one(length=length, samples=samples)
     get_task(task)   # an unknown task is one line before any model loads

@@ -74,7 +74,7 @@ def compare(teacher: nn.Module, hybrid: nn.Module, tokenizer, cfg: NeedleAttenti
                         "the kept layers' attention)")
     if len(decoder_layers(teacher)) != len(decoder_layers(hybrid)):
         raise UserError("teacher and model have different layer counts: pass the model's own teacher")
-    prompts = needle_prompts(tokenizer, cfg.length, cfg.samples, cfg.task)
+    prompts = needle_prompts(tokenizer, cfg.length, cfg.samples, cfg.task, flag="--length")
     t, h = needle_stats(teacher, prompts, layers, device), needle_stats(hybrid, prompts, layers, device)
     rows = []
     for i in layers:
@@ -89,7 +89,8 @@ def compare(teacher: nn.Module, hybrid: nn.Module, tokenizer, cfg: NeedleAttenti
 
 
 def markdown(rep: dict) -> str:
-    lines = [f"{rep.get('task', 's-niah-1').upper()} needle mass (share of attention from the answer positions on the needle's value), "
+    task = rep.get("task", "s-niah-1").upper()   # reports written before `task` was a field: S-NIAH-1
+    lines = [f"{task} needle mass (share of attention from the answer positions on the needle's value), "
              f"{rep['samples']} prompts of {rep['length']} tokens, answer teacher-forced.", "",
              "| kept layer | teacher head | teacher mass | model, same head | model head | model mass |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -81,6 +81,8 @@ def test_the_essay_tasks_locate_their_value_and_report_it(tok, teacher, task):
         assert tok.decode(p.input_ids[p.prompt_len:]).strip() == p.answer
     if task == "s-niah-3":
         assert all(p.answer.count("-") == 4 for p in prompts)   # a UUID
+    with pytest.raises(UserError, match="^--length 16: "):
+        compare(teacher, teacher, tok, NeedleAttentionConfig(length=16, samples=1, task=task), torch.device("cpu"))
     hybrid = convert_model(teacher, "gla,attn,attn").eval()
     rep = compare(teacher, hybrid, tok, NeedleAttentionConfig(length=320, samples=2, task=task), torch.device("cpu"))
     assert rep["task"] == task and markdown(rep).startswith(f"{task.upper()} needle mass")

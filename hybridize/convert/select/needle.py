@@ -36,16 +36,18 @@ class NeedlePrompt:
         return list(range(self.prompt_len - 1, len(self.input_ids) - 1))
 
 
-def needle_prompts(tokenizer, length: int, samples: int, task: str = TASK) -> list[NeedlePrompt]:
+def needle_prompts(tokenizer, length: int, samples: int, task: str = TASK,
+                   flag: str = "--needle-length") -> list[NeedlePrompt]:
     """`samples` prompts of at most `length` tokens plus the answer " <value>". `task`: selection uses s-niah-1
-    (noise haystack); `eval needle-attention` may name s-niah-2 / -3 (essay haystack, evaluation text)."""
+    (noise haystack); `eval needle-attention` may name s-niah-2 / -3 (essay haystack, evaluation text). `flag`:
+    the caller's option for `length`, named in the error when the prompt does not fit."""
     chat = has_chat_template(tokenizer)
     out = []
     for k in range(samples):
         try:
             s = build_sample(tokenizer, get_task(task), length, (k + 0.5) / samples, seed=SEED_OFFSET + k, chat=chat)
         except ValueError as e:  # the prompt without haystack is longer than `length`
-            raise UserError(f"--needle-length {length}: {e}") from None
+            raise UserError(f"{flag} {length}: {e}") from None
         answer_ids = tokenizer(" " + s.answers[0], add_special_tokens=False)["input_ids"]
         out.append(NeedlePrompt(list(s.input_ids) + list(answer_ids), len(s.input_ids),
                                 value_tokens(tokenizer, s, chat), s.answers[0]))
