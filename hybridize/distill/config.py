@@ -143,6 +143,9 @@ class E2EConfig:
     hidden_weight: float = _f(0.0, "weight of the relative error of the hidden states entering the student's softmax "
                                    "layers (what their queries and keys read) against the teacher's; `hybridize eval "
                                    "needle-attention` shows retrieval lost there", min=0)
+    attn_weight: float = _f(0.0, "weight of KL(teacher || student) between the attention maps of the student's "
+                                 "softmax layers and the teacher's same layers, on sampled query rows", min=0)
+    attn_queries: int = _f(128, "query rows per micro-batch row that the attention term compares", min=1)
     params: str = _f("all", "what trains: all | mixer | mixer_new | lora (LoRA + mixer params) | globs")
     pretrained_lr_scale: float = _f(1.0, "learning-rate multiplier for trainable parameters outside the converted "
                                          "mixers (MLPs, embeddings, norms, softmax layers): below 1 lets the new "

@@ -2,6 +2,7 @@
 
     L = kl_weight * T^2 * KL(p_teacher^T || p_student^T) + ce_weight * CE(next token) + balance_weight * aux
         + hidden_weight * mean over the student's softmax layers l of ||h_s[l] - h_t[l]||^2 / ||h_t[l]||^2
+        + attn_weight * mean over those layers of KL(A_t || A_s) on sampled query rows (`attention_transfer.py`)
 
 on packed variable-length rows: each micro-batch is one row `[1, R*L]` of whole or cut documents whose
 `position_ids` restart at 0, with `attention_mask=None` and no cache. HF (transformers 5.x) then builds
@@ -13,7 +14,8 @@ crosses a document boundary; tests check packed == unpacked losses. The row leng
 `h[l]` `[B, T, hidden]` is the hidden state entering layer l (`output_hidden_states`). The hidden term is not in
 the SSE recipe: it targets what a kept softmax layer computes its queries and keys from, which the converted
 layers below it change (`hybridize eval needle-attention`: on the demo student the kept layers' retrieving
-heads put 5-8% of their attention on the needle where the teacher's put 70%). Off by default.
+heads put 5-8% of their attention on the needle where the teacher's put 70%). Off by default, as is the attention
+term, which asks for those layers' attention maps themselves (`attn_queries` rows per micro-batch).
 
 `aux` is the model's auxiliary loss (`outputs.aux_loss`, SSE's partition-balance loss, already scaled
 by its alpha inside the model). Which parameters train is explicit (`params`) and written to
@@ -32,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hybridize.errors import UserError
 from hybridize.ops.common.options import with_run_kernel_options
 
+from .attention_transfer import attention_kl, probe_attention, record, sample_queries
 from .config import E2EConfig, save_config
 from .data import build_data, build_heldout
 from .losses import causal_lm_ce, kl_to_teacher, next_token_mask, token_mask
@@ -73,20 +76,24 @@ def hidden_error(h_s: tuple, h_t: tuple, layers: list[int], mask: torch.Tensor |
 
 def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
              ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0,
-             hidden_weight: float = 0.0, hidden_layers: list[int] | None = None):
-    """(loss, {kl, ce, aux, hidden}) of one batch: packed (`position_ids` restarting, no mask) or padded
-    (`attention_mask`); both give the same value for the same documents. `hidden_layers`: the indices whose
-    input hidden states the hidden term compares (the student's softmax layers)."""
+             hidden_weight: float = 0.0, hidden_layers: list[int] | None = None, attn_weight: float = 0.0,
+             attn_queries: int = 128):
+    """(loss, {kl, ce, aux, hidden, attn}) of one batch: packed (`position_ids` restarting, no mask) or padded
+    (`attention_mask`); both give the same value for the same documents. `hidden_layers`: the student's softmax
+    layers, whose input hidden states the hidden term compares and whose attention the attention term compares
+    (both models then run under `attention_transfer.probe_attention`)."""
     ids = batch["input_ids"]
     hidden = bool(hidden_weight and teacher is not None and hidden_layers)
-    with fp32_packed_sdpa(student, batch):
+    attn = bool(attn_weight and teacher is not None and hidden_layers)
+    layers = hidden_layers if attn else []
+    with fp32_packed_sdpa(student, batch), record(layers) as s_rec:
         out = student(**batch, use_cache=False, **({"output_hidden_states": True} if hidden else {}))
     logits = out.logits
     mask = token_mask(batch.get("attention_mask"), ids.shape, ids.device)
     parts, loss = {}, logits.new_zeros((), dtype=torch.float32)
     t_out = None
-    if (kl_weight or hidden) and teacher is not None:
-        with torch.no_grad(), fp32_packed_sdpa(teacher, batch):
+    if (kl_weight or hidden or attn) and teacher is not None:
+        with torch.no_grad(), fp32_packed_sdpa(teacher, batch), record(layers) as t_rec:
             t_out = teacher(**batch, use_cache=False, **({"output_hidden_states": True} if hidden else {}))
     if kl_weight and t_out is not None:
         kl = kl_to_teacher(logits, t_out.logits, mask, temperature)
@@ -96,6 +103,11 @@ def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weig
         err = hidden_error(out.hidden_states, t_out.hidden_states, hidden_layers, batch.get("attention_mask"))
         loss = loss + hidden_weight * err
         parts["hidden"] = err.detach()
+    if attn:
+        rows, keys = sample_queries(batch.get("position_ids"), batch.get("attention_mask"), ids.shape, attn_queries)
+        akl = attention_kl(s_rec, t_rec, layers, rows, keys)
+        loss = loss + attn_weight * akl
+        parts["attn"] = akl.detach()
     if ce_weight:
         valid = next_token_mask(batch.get("position_ids"), batch.get("attention_mask"), ids.shape)
         ce = causal_lm_ce(logits, ids, valid.to(ids.device))
@@ -123,6 +135,9 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     if cfg.hidden_weight and (teacher is None or not hidden_layers):
         raise UserError("hidden_weight > 0 needs a teacher and a student that keeps softmax layers (its inputs are "
                         "what the term compares); set hidden_weight=0")
+    if cfg.attn_weight and (teacher is None or not hidden_layers):
+        raise UserError("attn_weight > 0 needs a teacher and a student that keeps softmax layers (their attention "
+                        "is what the term compares); set attn_weight=0")
     if not (cfg.kl_weight or cfg.ce_weight):
         raise UserError("kl_weight and ce_weight are both 0: nothing to learn from")
 
@@ -135,6 +150,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
           f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}"
           + (f" hidden {cfg.hidden_weight} at layers {hidden_layers}" if cfg.hidden_weight else "")
+          + (f" attn {cfg.attn_weight} ({cfg.attn_queries} queries) at layers {hidden_layers}" if cfg.attn_weight else "")
           + (f"; lr x{cfg.pretrained_lr_scale} outside the mixers" if lr_scales else ""))
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -150,16 +166,20 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
 
     def step_fn(module, batch):
         loss, parts = e2e_loss(module, teacher, batch, cfg.kl_weight, cfg.ce_weight, cfg.temperature,
-                               cfg.balance_weight, cfg.hidden_weight, hidden_layers)
+                               cfg.balance_weight, cfg.hidden_weight, hidden_layers, cfg.attn_weight, cfg.attn_queries)
         return loss, {k: float(v) for k, v in parts.items()}
 
     heldout = build_heldout(cfg.data, tokenizer)
     eval_fn = None
     if heldout is not None:
         eval_fn = lambda step: {"ppl": perplexity(student, heldout, cfg.data.seq_len)}  # noqa: E731
-    result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn, accelerator=acc,
-                      eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after,
-                      lr_scales=lr_scales)
+    # the attention term reads the kept layers' queries and keys through a registered attention implementation,
+    # in force for the loop only: the final model is saved with the one it was loaded with
+    probe = probe_attention(student, teacher) if cfg.attn_weight else contextlib.nullcontext()
+    with probe:
+        result = run_loop(cfg.train, student, step_fn, data, resume=resume, eval_fn=eval_fn, accelerator=acc,
+                          eval_every=cfg.data.eval_every, desc="e2e", stop_after=stop_after,
+                          lr_scales=lr_scales)
     if cfg.params == "lora" and hasattr(student, "merge_and_unload"):
         student = student.merge_and_unload()
     if result.finished:   # the last step, or the time budget (train.max_minutes): a checkpoint is there too

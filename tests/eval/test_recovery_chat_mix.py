@@ -50,3 +50,10 @@ def test_python_docs_join_stage_a_and_b_only_when_asked(monkeypatch, tmp_path, d
     assert all(",python-docs]" in t for t in trains.values())
     assert all("data.eval=python-reference" in args for n, args in calls if n in trains)   # the held-out text
     assert not any("python-docs" in x for _, args in run(monkeypatch, tmp_path, data) for x in args)
+
+
+def test_attn_weight_reaches_stage_b_only(monkeypatch, tmp_path, data):
+    calls = dict(run(monkeypatch, tmp_path, data, "--attn-weight", "0.5"))
+    assert "attn_weight=0.5" in calls["pattern-e2e"]
+    assert not any(x.startswith("attn_weight") for x in calls["pattern-align"])
+    assert "attn_weight=0.0" in dict(run(monkeypatch, tmp_path, data))["pattern-e2e"]
