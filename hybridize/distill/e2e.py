@@ -150,7 +150,8 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
           f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}"
           + (f" hidden {cfg.hidden_weight} at layers {hidden_layers}" if cfg.hidden_weight else "")
-          + (f" attn {cfg.attn_weight} ({cfg.attn_queries} queries) at layers {hidden_layers}" if cfg.attn_weight else "")
+          + (f" attn {cfg.attn_weight} ({cfg.attn_queries} queries) at layers {hidden_layers}"
+             if cfg.attn_weight else "")
           + (f"; lr x{cfg.pretrained_lr_scale} outside the mixers" if lr_scales else ""))
     if cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
