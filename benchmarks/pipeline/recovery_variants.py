@@ -73,6 +73,8 @@ def args_parser():
     p.add_argument("--attn-weight", type=float, default=0.0,
                    help="stage B's attn_weight (the kept softmax layers' attention maps against the teacher's, on "
                         "sampled query rows; hybridize/distill/attention_transfer.py); run it in its own --work")
+    p.add_argument("--attn-rows", default="all", choices=("all", "repeats"),
+                   help="stage B's attn_rows: which query rows the attention term draws")
     p.add_argument("--chat-traces", type=int, default=0,
                    help="a chat mix: the teacher's answers to this many GSM8K train questions (`hybridize distill "
                         "traces`, greedy, chat template; <work>/traces/chat.jsonl) join stage A's and B's training "
@@ -158,7 +160,8 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
          ["distill", "e2e", "-r", "smollm2-135m/e2e", f"student={v / 'align' / 'final'}",
           f"train.run_dir={v / 'e2e'}", f"train.max_steps={a.e2e_steps}", f"train.grad_accum={a.accum}",
           "gradient_checkpointing=true", "data.seq_len_schedule=[]", "data.seq_len=2048",
-          f"data.batch_tokens={16384 // a.accum}", f"hidden_weight={a.hidden_weight}", f"attn_weight={a.attn_weight}",
+          f"data.batch_tokens={16384 // a.accum}", f"hidden_weight={a.hidden_weight}",
+          f"attn_weight={a.attn_weight}", f"attn_rows={a.attn_rows}",
           "--overwrite", *common])
 
 

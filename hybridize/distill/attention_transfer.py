@@ -87,11 +87,25 @@ def record(layers: list[int]):
         _ACTIVE.reset(token)
 
 
+def repeats(input_ids: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` bool: the token at this position already occurred earlier in its document. There a model can copy
+    what followed it then (an induction step), which is where retrieving heads act."""
+    B, T = input_ids.shape
+    key = doc * (int(input_ids.max()) + 1) + input_ids                     # one id per (document, token)
+    order = torch.argsort(key * T + torch.arange(T, device=key.device), dim=-1)   # by key, then position
+    sk = key.gather(1, order)
+    seen = torch.zeros_like(sk, dtype=torch.bool)
+    seen[:, 1:] = sk[:, 1:] == sk[:, :-1]
+    return torch.zeros_like(seen).scatter_(1, order, seen)
+
+
 def sample_queries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, shape: tuple,
-                   n: int, min_keys: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                   n: int, min_keys: int = 16, input_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows `[B, Q]`, keys `[B, Q, T]` bool): Q query positions per row drawn uniformly among the positions that
     see at least `min_keys` keys, and the keys each may attend to (causal, its own document of a packed row whose
-    `position_ids` restart at 0, not padding). A row with fewer candidates repeats them."""
+    `position_ids` restart at 0, not padding). With `input_ids` only positions whose token occurred earlier in
+    the document (`repeats`) are drawn, where a row has any. A row with fewer candidates repeats them."""
     B, T = shape
     device = position_ids.device if position_ids is not None else (
         attention_mask.device if attention_mask is not None else torch.device("cpu"))
@@ -102,9 +116,10 @@ def sample_queries(position_ids: torch.Tensor | None, attention_mask: torch.Tens
     doc = (pos == 0).long().cumsum(-1)                         # [B, T] document index (restarts at position 0)
     seen = pos + 1                                             # keys a query sees inside its document
     cand = valid & (seen >= min(min_keys, int(seen.max())))
+    rep = repeats(input_ids, doc) & cand if input_ids is not None else None
     rows = []
     for b in range(B):
-        idx = cand[b].nonzero().squeeze(-1)
+        idx = (rep[b] if rep is not None and rep[b].any() else cand[b]).nonzero().squeeze(-1)
         if idx.numel() == 0:
             idx = valid[b].nonzero().squeeze(-1)
         rows.append(idx[torch.randint(idx.numel(), (n,), device=device)] if idx.numel() > n

@@ -146,6 +146,8 @@ class E2EConfig:
     attn_weight: float = _f(0.0, "weight of KL(teacher || student) between the attention maps of the student's "
                                  "softmax layers and the teacher's same layers, on sampled query rows", min=0)
     attn_queries: int = _f(128, "query rows per micro-batch row that the attention term compares", min=1)
+    attn_rows: str = _f("all", "which query rows the attention term draws: all (any position) | repeats (positions "
+                               "whose token occurred earlier in the document, where a model can copy what followed it)")
     params: str = _f("all", "what trains: all | mixer | mixer_new | lora (LoRA + mixer params) | globs")
     pretrained_lr_scale: float = _f(1.0, "learning-rate multiplier for trainable parameters outside the converted "
                                          "mixers (MLPs, embeddings, norms, softmax layers): below 1 lets the new "

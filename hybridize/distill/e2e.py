@@ -77,7 +77,7 @@ def hidden_error(h_s: tuple, h_t: tuple, layers: list[int], mask: torch.Tensor |
 def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weight: float = 1.0,
              ce_weight: float = 0.1, temperature: float = 1.0, balance_weight: float = 1.0,
              hidden_weight: float = 0.0, hidden_layers: list[int] | None = None, attn_weight: float = 0.0,
-             attn_queries: int = 128):
+             attn_queries: int = 128, attn_rows: str = "all"):
     """(loss, {kl, ce, aux, hidden, attn}) of one batch: packed (`position_ids` restarting, no mask) or padded
     (`attention_mask`); both give the same value for the same documents. `hidden_layers`: the student's softmax
     layers, whose input hidden states the hidden term compares and whose attention the attention term compares
@@ -104,7 +104,8 @@ def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weig
         loss = loss + hidden_weight * err
         parts["hidden"] = err.detach()
     if attn:
-        rows, keys = sample_queries(batch.get("position_ids"), batch.get("attention_mask"), ids.shape, attn_queries)
+        rows, keys = sample_queries(batch.get("position_ids"), batch.get("attention_mask"), ids.shape, attn_queries,
+                                    input_ids=ids if attn_rows == "repeats" else None)
         akl = attention_kl(s_rec, t_rec, layers, rows, keys)
         loss = loss + attn_weight * akl
         parts["attn"] = akl.detach()
@@ -138,6 +139,9 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     if cfg.attn_weight and (teacher is None or not hidden_layers):
         raise UserError("attn_weight > 0 needs a teacher and a student that keeps softmax layers (their attention "
                         "is what the term compares); set attn_weight=0")
+    if cfg.attn_rows not in ("all", "repeats"):
+        raise UserError(f"attn_rows={cfg.attn_rows!r}: use all (any position) or repeats (positions whose token "
+                        "occurred earlier in the document)")
     if not (cfg.kl_weight or cfg.ce_weight):
         raise UserError("kl_weight and ce_weight are both 0: nothing to learn from")
 
@@ -150,7 +154,7 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
     print(f"e2e: training {summary['trainable']:,} of {summary['total']:,} parameters ({cfg.params}); "
           f"kl {cfg.kl_weight} ce {cfg.ce_weight} T {cfg.temperature}"
           + (f" hidden {cfg.hidden_weight} at layers {hidden_layers}" if cfg.hidden_weight else "")
-          + (f" attn {cfg.attn_weight} ({cfg.attn_queries} queries) at layers {hidden_layers}"
+          + (f" attn {cfg.attn_weight} ({cfg.attn_queries} {cfg.attn_rows} queries) at layers {hidden_layers}"
              if cfg.attn_weight else "")
           + (f"; lr x{cfg.pretrained_lr_scale} outside the mixers" if lr_scales else ""))
     if cfg.gradient_checkpointing:
@@ -167,7 +171,8 @@ def e2e(student: nn.Module, teacher: nn.Module | None, tokenizer, cfg: E2EConfig
 
     def step_fn(module, batch):
         loss, parts = e2e_loss(module, teacher, batch, cfg.kl_weight, cfg.ce_weight, cfg.temperature,
-                               cfg.balance_weight, cfg.hidden_weight, hidden_layers, cfg.attn_weight, cfg.attn_queries)
+                               cfg.balance_weight, cfg.hidden_weight, hidden_layers, cfg.attn_weight, cfg.attn_queries,
+                               cfg.attn_rows)
         return loss, {k: float(v) for k, v in parts.items()}
 
     heldout = build_heldout(cfg.data, tokenizer)

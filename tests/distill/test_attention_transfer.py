@@ -162,3 +162,43 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert grads[0].keys() == grads[1].keys() and any(n.startswith("model.layers.0.") for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5)
+
+
+def test_repeats_marks_tokens_seen_before_in_their_own_document():
+    from hybridize.distill.attention_transfer import repeats
+
+    ids = torch.tensor([[5, 6, 5, 7, 6, 5, 5, 8, 5]])
+    doc = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2, 2]])
+    assert repeats(ids, doc).int().tolist() == [[0, 0, 1, 0, 1, 1, 0, 0, 1]]   # the 7th token starts document 2
+
+
+def test_repeat_rows_are_drawn_only_where_a_token_recurs():
+    ids = torch.tensor([[3, 4, 5, 3, 6, 7, 4, 8, 9, 10, 11, 12]])
+    rows, keys = sample_queries(None, None, ids.shape, 16, min_keys=1, input_ids=ids)
+    assert set(rows[0].tolist()) == {3, 6}
+    none_recur = torch.arange(12)[None] + 3
+    rows, _ = sample_queries(None, None, ids.shape, 16, min_keys=1, input_ids=none_recur)
+    assert len(set(rows[0].tolist())) > 2          # no repeat in the row: any position, as without input_ids
+
+
+def test_e2e_refuses_an_unknown_attn_rows(tmp_path):
+    from hybridize.distill.config import E2EConfig, load_config
+    from hybridize.distill.e2e import e2e
+    from hybridize.errors import UserError
+
+    teacher = tiny_teacher("llama")
+    student = convert_model(teacher, "gla,attn,attn")
+    cfg = load_config(E2EConfig, None, {"attn_weight": 1.0, "attn_rows": "copies",
+                                        "train": {"run_dir": str(tmp_path / "r")}})
+    with pytest.raises(UserError, match="attn_rows='copies'"):
+        e2e(student, teacher, None, cfg)
+
+
+def test_loss_with_repeat_rows():
+    teacher = tiny_teacher("llama").eval()
+    hybrid = convert_model(teacher, "gla,attn,attn").eval()
+    ids = torch.tensor([[3, 4, 5, 3, 6, 7, 4, 8, 9, 3, 11, 12, 5, 4]])
+    with probe_attention(hybrid, teacher):
+        _, parts = e2e_loss(hybrid, teacher, {"input_ids": ids}, hidden_layers=[1, 2], attn_weight=1.0,
+                            attn_queries=4, attn_rows="repeats")
+    assert parts["attn"] > 0

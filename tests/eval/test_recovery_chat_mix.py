@@ -53,7 +53,7 @@ def test_python_docs_join_stage_a_and_b_only_when_asked(monkeypatch, tmp_path, d
 
 
 def test_attn_weight_reaches_stage_b_only(monkeypatch, tmp_path, data):
-    calls = dict(run(monkeypatch, tmp_path, data, "--attn-weight", "0.5"))
-    assert "attn_weight=0.5" in calls["pattern-e2e"]
+    calls = dict(run(monkeypatch, tmp_path, data, "--attn-weight", "0.5", "--attn-rows", "repeats"))
+    assert {"attn_weight=0.5", "attn_rows=repeats"} <= set(calls["pattern-e2e"])
     assert not any(x.startswith("attn_weight") for x in calls["pattern-align"])
     assert "attn_weight=0.0" in dict(run(monkeypatch, tmp_path, data))["pattern-e2e"]
