@@ -11,7 +11,8 @@ their attention on the needle where the teacher's put 70%); matching the hidden 
 for the attention pattern itself. It follows the attention-transfer idea of "LoLCATs: On Low-Rank Linearizing of
 Large Language Models" and the matrix-orientation stage of "Transformers to SSMs: Distilling Quadratic Knowledge to
 Subquadratic Models" (MOHAWK), departing from both: it matches the layers that stay softmax attention, not the
-converted ones, and only on `queries` sampled rows per micro-batch (a `[B, H, Q, T]` map instead of `[B, H, T, T]`).
+converted ones, and only on `queries` sampled rows per micro-batch (a `[B, H, Q, T]` map instead of `[B, H, T, T]`):
+any position, or (`attn_rows=repeats`) positions whose token occurred earlier in the document, where a copy can be.
 
 How the queries and keys are read: both models run with the attention implementation `ATTENTION` registered in
 transformers' `AttentionInterface` (and its mask function in `AttentionMaskInterface`). It computes the output
