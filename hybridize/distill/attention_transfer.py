@@ -101,15 +101,17 @@ def repeats(input_ids: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
 
 
 def sample_queries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, shape: tuple,
-                   n: int, min_keys: int = 16, input_ids: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   n: int, min_keys: int = 16, input_ids: torch.Tensor | None = None,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows `[B, Q]`, keys `[B, Q, T]` bool): Q query positions per row drawn uniformly among the positions that
     see at least `min_keys` keys, and the keys each may attend to (causal, its own document of a packed row whose
     `position_ids` restart at 0, not padding). With `input_ids` only positions whose token occurred earlier in
-    the document (`repeats`) are drawn, where a row has any. A row with fewer candidates repeats them."""
+    the document (`repeats`) are drawn, where a row has any. A row with fewer candidates repeats them. `device`:
+    where the rows go (the batch's; default: that of the first tensor given, else the CPU)."""
     B, T = shape
-    device = position_ids.device if position_ids is not None else (
-        attention_mask.device if attention_mask is not None else torch.device("cpu"))
+    if device is None:
+        device = next((t.device for t in (position_ids, attention_mask, input_ids) if t is not None),
+                      torch.device("cpu"))
     pos = position_ids.expand(B, T) if position_ids is not None else torch.arange(T, device=device).expand(B, T)
     valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if attention_mask is not None and position_ids is None:   # padded rows: count only real tokens

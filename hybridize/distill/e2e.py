@@ -105,7 +105,7 @@ def e2e_loss(student: nn.Module, teacher: nn.Module | None, batch: dict, kl_weig
         parts["hidden"] = err.detach()
     if attn:
         rows, keys = sample_queries(batch.get("position_ids"), batch.get("attention_mask"), ids.shape, attn_queries,
-                                    input_ids=ids if attn_rows == "repeats" else None)
+                                    input_ids=ids if attn_rows == "repeats" else None, device=ids.device)
         akl = attention_kl(s_rec, t_rec, layers, rows, keys)
         loss = loss + attn_weight * akl
         parts["attn"] = akl.detach()
