@@ -83,6 +83,12 @@ def args_parser():
                    help="add the built-in `python-docs` text (the standard library's docstrings, none sharing a long "
                         "line with the held-out Python reference) to stage A's and B's training text: the suite's "
                         "out-of-domain perplexity row then has prose about Python in training, never its own text")
+    p.add_argument("--recall-drills", type=float, default=0.0,
+                   help="data.recall_drills of every training step (hybridize/distill/recall_drills.py: records "
+                        "planted in the training text and stated again later; 0 = none)")
+    p.add_argument("--recall-reach", type=int, default=6000,
+                   help="data.recall_reach of stages A and B in characters (about 1.5k tokens, inside stage B's "
+                        "2048-token rows); the long stage, whose rows grow to 8192 tokens, gets 4x")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes final/ at the step it reached)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
@@ -140,12 +146,17 @@ def plan_of(a, work: Path, variant: str) -> str:
     return plan.read_text().strip()
 
 
+def drills(a, reach: int) -> list[str]:
+    """The recall-drill overrides of a training step ([] without --recall-drills)."""
+    return [f"data.recall_drills={a.recall_drills}", f"data.recall_reach={reach}"] if a.recall_drills else []
+
+
 def run_train(a, work: Path, env: dict, variant: str) -> None:
     extra = ["python-docs"] if a.python_docs else []
     text = "[" + ",".join(training_text(Path(a.data)) + extra + chat_traces(a, work, env)) + "]"
     common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
               "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
-              "train.mixed_precision=bf16"]
+              "train.mixed_precision=bf16", *drills(a, a.recall_reach)]
     v = work / variant
     step(work, env, f"{variant}-convert", v / "converted" / "config.json",
          ["convert", "--src", a.teacher, "--layers", plan_of(a, work, variant), "--mixer", "sse",
@@ -176,7 +187,7 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
           f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
           f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
           f"train.grad_accum={min(a.accum, 2)}", "gradient_checkpointing=true", "train.progress=false",
-          "train.save_every=0", f"train.max_minutes={a.minutes}", "--overwrite"])
+          "train.save_every=0", f"train.max_minutes={a.minutes}", *drills(a, 4 * a.recall_reach), "--overwrite"])
 
 
 def final_dirs(work: Path) -> dict[str, Path]:

@@ -93,6 +93,11 @@ class DataArgs:
     seq_len_schedule: list = _f([], "context-length schedule [[step, seq_len], ...] (overrides seq_len)")
     batch_tokens: int = _f(1024, "tokens per micro-batch per process (rows = batch_tokens // seq_len)", min=1)
     add_eos: bool = _f(True, "append EOS to every document before packing")
+    recall_drills: float = _f(0.0, "recall drills (hybridize/distill/recall_drills.py): the chance that each "
+                                   "recall_reach characters of training text get a record planted and stated again "
+                                   "later, so the teacher's copying is distilled (0 = none, 1 = every span)", min=0.0)
+    recall_reach: int = _f(6000, "recall drills: the most characters between a record and its restatement "
+                                 "(about 4 characters per token of English)", min=100)
     eval: str = _f("", "held-out text for perplexity (same formats as train; empty = none)")
     eval_tokens: int = _f(4096, "held-out tokens used for perplexity", min=1)
     eval_every: int = _f(0, "held-out perplexity every N steps (0 = start and end only)", min=0)

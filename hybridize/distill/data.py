@@ -23,6 +23,7 @@ import torch
 from hybridize.errors import UserError, check_utf8, first_line
 
 from hybridize.builtin_text import builtin_texts
+from hybridize.distill.recall_drills import add_recall_drills
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                  ".parquet": "parquet", ".csv": "csv"}
@@ -376,6 +377,7 @@ def build_data(args, tokenizer, seed: int, grad_accum: int = 1) -> PackedData:
     """PackedData from a DataArgs section."""
     texts = load_texts(args.train or default_train_source(), args.text_field, args.text_template, args.split,
                        args.max_docs, args.txt_document)
+    texts = add_recall_drills(texts, args.recall_drills, args.recall_reach, seed)
     docs = tokenize_docs(tokenizer, texts, args.add_eos)
     return PackedData(docs, seq_len=args.seq_len, schedule=args.seq_len_schedule, batch_tokens=args.batch_tokens,
                       grad_accum=grad_accum, seed=seed, prefix=tuple(special_prefix(tokenizer)))

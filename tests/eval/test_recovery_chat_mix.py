@@ -57,3 +57,18 @@ def test_attn_weight_reaches_stage_b_only(monkeypatch, tmp_path, data):
     assert {"attn_weight=0.5", "attn_rows=repeats"} <= set(calls["pattern-e2e"])
     assert not any(x.startswith("attn_weight") for x in calls["pattern-align"])
     assert "attn_weight=0.0" in dict(run(monkeypatch, tmp_path, data))["pattern-e2e"]
+
+
+def test_recall_drills_reach_every_training_step(monkeypatch, tmp_path, data):
+    calls = dict(run(monkeypatch, tmp_path, data, "--recall-drills", "0.5", "--recall-reach", "5000"))
+    for name in ("pattern-align", "pattern-e2e"):
+        assert {"data.recall_drills=0.5", "data.recall_reach=5000"} <= set(calls[name])
+    assert not any(x.startswith("data.recall") for x in calls["pattern-convert"])
+    assert not any(x.startswith("data.recall") for _, args in run(monkeypatch, tmp_path, data) for x in args)
+    (tmp_path / "work" / "pattern" / "e2e" / "final").mkdir(parents=True)
+    long = []
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: long.append(args))
+    a = rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data), "--recall-drills", "0.5",
+                                     "--recall-reach", "5000"])
+    rv.run_long(a, tmp_path / "work", {}, "pattern")
+    assert {"data.recall_drills=0.5", "data.recall_reach=20000"} <= set(long[0])
