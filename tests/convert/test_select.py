@@ -212,7 +212,9 @@ def test_a_rerun_with_other_settings_is_refused(kl_dir, kl_run, tmp_path):
     (dict(keep=LAYERS), f"--keep {LAYERS}: choose 1 to 3 softmax layers (the teacher has {LAYERS} layers"),
     (dict(needle_length=2048), "--needle-length 2048 does not fit the teacher's context (1024 tokens)"),
     (dict(seq_len=4096, tokens=4096), "--seq-len 4096 is longer than the teacher's context (1024 tokens)"),
-    (dict(criterion="best"), "--criterion 'best': choose one of kl, needle, retrieval, combined"),
+    (dict(criterion="best"), "--criterion 'best': choose one of kl, needle, retrieval, combined, copying"),
+    (dict(windows=1), "--windows picks layers by their previous-token heads"),
+    (dict(criterion="copying", windows=LAYERS), f"--windows {LAYERS}: choose 0 to {LAYERS - 1}"),
     (dict(text="python-reference"), "evaluation text"),
     (dict(greedy=True, criterion="retrieval"), "--greedy refines the kl choice"),
     (dict(criterion="retrieval", needle_samples=0), "--needle-samples must be >= 1"),
@@ -276,3 +278,63 @@ def test_convert_refuses_a_selection_of_another_model(kl_run, tmp_path):
     lone.write_text("attn=3\n")
     r = _convert(three, lone, tmp_path / "h3")
     assert isinstance(r.exception, ValueError) and "out of range for a model with 3 layers" in str(r.exception)
+
+
+# ---- copying: induction heads kept, previous-token heads windowed --------------------------------------
+
+def _previous_token_map(T: int) -> torch.Tensor:
+    m = torch.zeros(T, T)
+    m[0, 0] = 1
+    m[torch.arange(1, T), torch.arange(T - 1)] = 1
+    return m
+
+
+def test_previous_token_mass_is_one_on_the_diagonal_below_and_small_when_uniform():
+    from hybridize.convert.select.copying import previous_token_mass
+
+    T = 40
+    uniform = torch.tril(torch.ones(T, T))
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    m = previous_token_mass(torch.stack([_previous_token_map(T), uniform]), skip=4)
+    assert m[0] == 1 and m[1] < 0.1
+
+
+def test_induction_mass_reads_the_token_after_the_earlier_occurrence():
+    from hybridize.convert.select.copying import induction_mass
+
+    start, period = 1, 10
+    T = start + 2 * period
+    ind = torch.zeros(T, T)
+    for t in range(T):
+        ind[t, t - period + 1 if t >= start + period else t] = 1
+    m = induction_mass(torch.stack([ind, _previous_token_map(T)]), start, period)
+    assert m[0] == 1 and m[1] == 0
+
+
+def test_copying_keeps_induction_layers_and_windows_previous_token_layers(kl_dir, tmp_path):
+    from hybridize.convert.plan import parse_plan
+    from hybridize.convert.select.choose import rank_choice
+
+    rec = run_select(str(kl_dir), SelectConfig(keep=1, criterion="copying", windows=2, **FAST), tmp_path,
+                     log=lambda s: None, progress=False)
+    ind, prev = _scores(tmp_path, "induction"), _scores(tmp_path, "previous_token")
+    assert sorted(ind) == sorted(prev) == list(range(LAYERS))
+    assert all(0 <= v <= 1 for v in [*ind.values(), *prev.values()])
+    kept = rank_choice(ind, 1)
+    windows = rank_choice({i: v for i, v in prev.items() if i not in kept}, 2)
+    assert rec["chosen"] == kept and rec["window_layers"] == windows
+    plan = f"attn={kept[0]};swa={','.join(map(str, windows))}"
+    assert rec["plan"] == plan and (tmp_path / "plan.txt").read_text().strip() == plan
+    parsed = parse_plan(plan, LAYERS, "sse", allow_none=False)
+    assert parsed.count("attn") == 1 and parsed.count("swa") == 2 and parsed.count("sse") == 1
+    assert "kl" not in rec["scores"] and not (tmp_path / "aligned.safetensors").exists()   # no conversion
+    assert "previous_token" in (tmp_path / "select.md").read_text()
+
+
+def test_copying_from_the_command_line(kl_dir, tmp_path):
+    r = CliRunner().invoke(_app(), ["select", "--src", str(kl_dir), "--keep", "2", "--criterion", "copying",
+                                    "--windows", "1", "--out", str(tmp_path), *FAST_ARGS])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    plan = (tmp_path / "plan.txt").read_text().strip()
+    assert ";swa=" in plan
+    assert f"--layers '{plan}' --mixer sse" in " ".join(r.output.split())   # quoted for the shell

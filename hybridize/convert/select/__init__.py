@@ -18,6 +18,10 @@ Criteria (`--criterion`; a higher score keeps softmax):
   its most retrieving head puts on the needle's value tokens from the positions that copy the answer
   (`retrieval.py`).
 - `combined`: the mean of a layer's rank percentiles under kl, needle and retrieval (`choose.py`).
+- `copying`: no conversion: the teacher's induction heads (attention on the token after an earlier occurrence
+  of the current one, on random tokens repeated once); `--windows N` gives the N other layers with the
+  strongest previous-token heads sliding-window attention, so the plan reads `attn=...;swa=...`
+  (`copying.py`).
 
 Which readings of the literature this implements:
 - the `kl` score is the one-layer replacement probe of "Apriel-H1: Towards Efficient Enterprise Reasoning

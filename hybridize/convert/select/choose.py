@@ -65,6 +65,13 @@ def greedy_choice(cost: Callable[[list[int]], float], single: dict[int, float], 
     return sorted(s["layer"] for s in steps)
 
 
-def plan_string(kept: list[int]) -> str:
-    """The explicit plan spelling: these layers keep softmax, every other layer gets the mixer."""
-    return "attn=" + ",".join(str(i) for i in sorted(kept))
+def plan_string(kept: list[int], windows: list[int] = ()) -> str:
+    """The explicit plan spelling: `kept` keep softmax, `windows` get sliding-window attention, every other layer
+    gets the mixer."""
+    plan = "attn=" + ",".join(str(i) for i in sorted(kept))
+    return plan + (";swa=" + ",".join(str(i) for i in sorted(windows)) if windows else "")
+
+
+def window_choice(previous_token: dict[int, float], kept: list[int], windows: int) -> list[int]:
+    """The `windows` layers outside `kept` with the strongest previous-token heads."""
+    return rank_choice({i: v for i, v in previous_token.items() if i not in kept}, windows) if windows else []

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import typer
@@ -24,6 +25,9 @@ HELP = "\n\n".join((
     "unless --needle-samples 0).",
     "retrieval: the teacher's attention mass on the needle's value while it answers (no conversion).",
     "combined: the mean rank of kl, needle and retrieval.",
+    "copying: the teacher's induction heads (attention on the token after an earlier occurrence, on random tokens "
+    "repeated once); with --windows N the N other layers with the strongest previous-token heads get sliding-window "
+    "attention (plan attn=...;swa=...). No conversion.",
     "--greedy (kl only): from all layers converted, keep softmax one layer at a time, each time the one that lowers "
     "the hybrid's KL most.",
     "Scores are saved after every layer: a rerun with the same OUT resumes (--overwrite starts again); --keep, "
@@ -41,7 +45,9 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Option("default", "--src", help="teacher: 'default', a local HF folder, a .gguf, a hub id"),
         keep: int = typer.Option(5, "--keep", help="layers that keep softmax attention"),
         mixer: str = typer.Option("sse", "--mixer", help="the mixer the other layers get"),
-        criterion: str = typer.Option("kl", "--criterion", help="kl | needle | retrieval | combined"),
+        criterion: str = typer.Option("kl", "--criterion", help="kl | needle | retrieval | combined | copying"),
+        windows: int = typer.Option(0, "--windows", help="copying: layers outside --keep that get sliding-window "
+                                    "attention, by previous-token score"),
         greedy: bool = typer.Option(False, "--greedy", help="refine the kl choice greedily (K x candidates runs)"),
         steps: int = typer.Option(150, "--steps", help="alignment steps (all mixers at once; 0 = conversion only)"),
         lr: float = typer.Option(3e-3, "--lr", help="alignment learning rate"),
@@ -61,7 +67,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="discard OUT's earlier selection"),
     ) -> None:
         cfg = SelectConfig(keep=keep, criterion=criterion.strip().lower(), mixer=mixer.strip().lower(),
-                           mixer_settings=parse_settings(mixer_settings), greedy=greedy, steps=steps, lr=lr,
+                           mixer_settings=parse_settings(mixer_settings), greedy=greedy, windows=windows, steps=steps, lr=lr,
                            tokens=tokens, seq_len=seq_len, align_seq_len=align_seq_len,
                            align_batch_tokens=align_batch_tokens, text=text, needle_length=needle_length,
                            needle_samples=needle_samples, greedy_tokens=greedy_tokens,
@@ -89,5 +95,6 @@ def print_summary(record: dict, src: str, out: Path) -> None:
     times = ", ".join(f"{k} {v:.1f}" for k, v in record.get("timings_s", {}).items())
     console.print(f"wrote {out}/plan.txt ({record['plan']}), select.json, select.md, select.png")
     console.print(f"seconds: {times}")
-    console.print(f"next: hybridize convert --src {src} --layers {record['plan']} --mixer {record['mixer']} "
+    # quoted: a plan with windows holds a ';' that a shell would take as the end of the command
+    console.print(f"next: hybridize convert --src {src} --layers {shlex.quote(record['plan'])} --mixer {record['mixer']} "
                   f"--out runs/{Path(out).name}-{record['mixer']}", soft_wrap=True, highlight=False)

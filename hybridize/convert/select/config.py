@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from hybridize.errors import UserError
 
-CRITERIA = ("kl", "needle", "retrieval", "combined")
+CRITERIA = ("kl", "needle", "retrieval", "combined", "copying")
 #: text that evaluates models (held-out perplexity of `eval recovery`, `distill data.eval`): never selects
 EVALUATION_TEXTS = ("python-reference",)
 #: tokens kept free after a needle prompt for its teacher-forced answer
@@ -22,6 +22,7 @@ class SelectConfig:
     mixer: str = "sse"
     mixer_settings: dict = field(default_factory=dict)
     greedy: bool = False
+    windows: int = 0              # copying: this many of the other layers get sliding windows (`swa`)
     steps: int = 150              # layer-local alignment steps (all mixers at once)
     lr: float = 3e-3
     align_seq_len: int = 512
@@ -38,8 +39,8 @@ class SelectConfig:
     overwrite: bool = False
 
     def needs_alignment(self) -> bool:
-        """kl / needle / combined convert layers (aligned mixers); retrieval reads the teacher only."""
-        return self.criterion != "retrieval"
+        """kl / needle / combined convert layers (aligned mixers); retrieval and copying read the teacher only."""
+        return self.criterion not in ("retrieval", "copying")
 
     def needs_needle(self) -> bool:
         return self.needle_samples > 0
@@ -62,6 +63,12 @@ def check_config(cfg: SelectConfig, num_layers: int, context: int | None) -> Non
     if not 1 <= cfg.keep < num_layers:
         raise UserError(f"--keep {cfg.keep}: choose 1 to {num_layers - 1} softmax layers (the teacher has "
                         f"{num_layers} layers and at least one must be converted)")
+    if cfg.windows and cfg.criterion != "copying":
+        raise UserError(f"--windows picks layers by their previous-token heads, which --criterion copying measures; "
+                        f"it does not apply to --criterion {cfg.criterion}")
+    if not 0 <= cfg.windows <= num_layers - cfg.keep:
+        raise UserError(f"--windows {cfg.windows}: choose 0 to {num_layers - cfg.keep} (the layers left after "
+                        f"--keep {cfg.keep} of {num_layers})")
     if cfg.greedy and cfg.criterion != "kl":
         raise UserError(f"--greedy refines the kl choice; it does not apply to --criterion {cfg.criterion}")
     if cfg.text.strip().lower() in EVALUATION_TEXTS:

@@ -83,6 +83,8 @@ COLUMNS = {
     "needle": "rise of the answer's NLL on S-NIAH prompts with this layer alone converted, nats/token",
     "retrieval": "attention mass of the layer's most retrieving head on the needle's value (0-1)",
     "combined": "mean rank percentile of kl, needle and retrieval (0-1)",
+    "induction": "attention of the layer's best induction head on the token after the earlier occurrence (0-1)",
+    "previous_token": "attention of the layer's best previous-token head on position t-1 (0-1)",
     "align_nmse": "the layer's mixer after alignment: nMSE to the teacher attention (1 = as bad as zero)",
 }
 
@@ -106,7 +108,8 @@ def write_md(path: Path, record: dict, rows: list[dict]) -> None:
     t = record["teacher"]
     lines = [f"# layer selection: {t['src']} ({t['num_layers']} layers)", "",
              f"criterion `{record['criterion']}`{' + greedy' if record.get('use_greedy') else ''}, keep "
-             f"{record['keep']}: plan `{record['plan']}`", "",
+             f"{record['keep']}{', windows ' + str(record['windows']) if record.get('windows') else ''}: plan "
+             f"`{record['plan']}`", "",
              *[f"- {c}: {COLUMNS[c]}" for c in cols], "",
              "| layer | " + " | ".join(cols) + " | softmax kept |", "| ---: |" + " ---: |" * len(cols) + " --- |"]
     for r in rows:

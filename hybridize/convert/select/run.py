@@ -12,7 +12,7 @@ from hybridize.convert.fingerprint import fingerprint, recorded_source
 from hybridize.convert.settings import check_user_settings
 from hybridize.convert.sources import load_config
 from hybridize.generation.loading import load_model, resolve_device
-from .choose import combined_scores, greedy_choice, plan_string, rank_choice
+from .choose import combined_scores, greedy_choice, plan_string, rank_choice, window_choice
 from .config import SelectConfig, check_config, measure_settings
 from .data import align_data, kl_batches, kl_stream, load_docs, split_docs
 from .needle import needle_batches, needle_prompts
@@ -21,7 +21,8 @@ from .record import MD, PLAN, PNG, SelectRecord, atomic_write, save_bars, table_
 
 
 #: scores a criterion ranks by; combined averages the ranks of these
-RANKED = {"kl": ["kl"], "needle": ["needle"], "retrieval": ["retrieval"], "combined": ["kl", "needle", "retrieval"]}
+RANKED = {"kl": ["kl"], "needle": ["needle"], "retrieval": ["retrieval"], "combined": ["kl", "needle", "retrieval"],
+          "copying": ["induction"]}
 
 
 class Session:
@@ -98,6 +99,16 @@ def measure(s: Session) -> None:
         r = retrieval_scores(s.teacher, s.prompts(), s.device, s.progress)
         s.record.data["scores"]["retrieval"] = {str(i): v for i, v in enumerate(r["score"])}
         s.record.put(retrieval_heads=r["head"], **_timed(s.record, "retrieval", t))
+    if "induction" in wanted and len(s.record.scores("induction")) < s.n:
+        from .copying import copying_scores
+
+        t = time.perf_counter()
+        text = kl_stream(s.tokenizer, s.cfg.text, s.cfg.seq_len)[:s.cfg.seq_len]
+        r = copying_scores(s.teacher, text, s.device, seed=s.cfg.seed)
+        for name in ("induction", "previous_token"):
+            s.record.data["scores"][name] = {str(i): v for i, v in enumerate(r[name])}
+        s.record.put(induction_heads=r["induction_head"], previous_heads=r["previous_head"],
+                     **_timed(s.record, "copying", t))
     if s.cfg.needs_alignment():
         per_layer_costs(s)
 
@@ -178,9 +189,10 @@ def greedy(s: Session) -> list[int]:
 
 def finish(s: Session, kept: list[int]) -> None:
     """The choice into select.json, then select.md, select.png and (last) plan.txt."""
-    plan = plan_string(kept)
+    windows = window_choice(s.record.scores("previous_token"), kept, s.cfg.windows)
+    plan = plan_string(kept, windows)
     s.record.put(criterion=s.cfg.criterion, keep=s.cfg.keep, use_greedy=s.cfg.greedy, chosen=kept, plan=plan,
-                 mixer=s.cfg.mixer, device=s.device)
+                 windows=len(windows), window_layers=windows, mixer=s.cfg.mixer, device=s.device)
     rows = table_rows(s.record.data, kept)
     write_md(s.out / MD, s.record.data, rows)
     save_bars(s.out / PNG, s.record.data, rows)
