@@ -20,7 +20,8 @@ Rows (each tagged with its capability):
   sees, where the prompt rows mostly measure the template.
 - `niah:s-niah-K:L`: S-NIAH-1/2/3 at each length, generation-scored by `niah.evaluate_niah` on prompts built
   once by `niah.build_samples` (python-reference haystack when the shared essays are missing). Each model's
-  answers beside the expected ones go to `needles/<task>_<L>/<model>/samples.jsonl`.
+  answers beside the expected ones go to `needles/<task>_<L>/<model>/samples.jsonl`, and recovery.md ends with
+  how they are formed (value first, right or wrong; numbered list; other: `needle_forms.py`).
 - `arith:test`: accuracy (greedy, answer_format=number) by `math.evaluate_math` on `arith:test:n=N`.
 
 Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: model / teacher.
@@ -46,6 +47,7 @@ import torch
 
 from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
 from hybridize.errors import UserError
+from . import needle_forms
 from .common import build_prompt, data_file, encode, generate, has_chat_template, model_device, plt
 from .math import MathEvalConfig, evaluate_math
 from .niah import NiahConfig, answer_tokens, build_samples, evaluate_niah
@@ -278,8 +280,18 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
         write()
     write()
     write_md(out / "recovery.md", report)
+    write_forms(out / "recovery.md", out)
     save_bars(out / "recovery.png", report)
     return report
+
+
+def write_forms(path: Path, out: Path) -> None:
+    """Append to recovery.md how the kept needle answers under `out`/needles are formed (`needle_forms`)."""
+    cells = needle_forms.collect(out)
+    if cells:
+        with path.open("a", encoding="utf-8") as f:
+            f.write("\n## needle answers by form\n\n" + needle_forms.EXPLAIN + "\n\n" + needle_forms.markdown(cells)
+                    + "\n")
 
 
 def write_md(path: Path, report: dict) -> None:

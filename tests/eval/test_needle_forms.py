@@ -1,9 +1,11 @@
-"""benchmarks/pipeline/needle_forms.py: each kept needle answer put in its form, counted with its score."""
+"""hybridize/eval/needle_forms.py (and its script, benchmarks/pipeline/needle_forms.py): each kept needle answer put
+in its form, counted with its score."""
 import json
 
 import pytest
 
-from benchmarks.pipeline.needle_forms import collect, form, main, markdown
+from benchmarks.pipeline.needle_forms import main
+from hybridize.eval.needle_forms import collect, form, markdown
 
 UUID = "4278a370-7f2d-43e2-81f9-242e1c7236db"
 

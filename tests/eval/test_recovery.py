@@ -61,6 +61,10 @@ def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, 
             assert sum(g["score"] for g in got) / len(got) == rows[rid]["values"][name]
     md = (tmp_path / "recovery.md").read_text()
     assert "teacher_ppl/model_ppl" in md and "| ppl | ppl:python-reference |" in md
+    # and how those answers are formed, per task, length and model
+    assert "## needle answers by form" in md
+    assert all(f"| {t}_{L} | {n} |" in md for t, L in (r.split(":")[1:] for r in rows if r.startswith("niah:"))
+               for n in ("teacher", "self", "noisy"))
 
 
 def test_time_budget_then_resume(tmp_path, tiny_model, tiny_tokenizer):
