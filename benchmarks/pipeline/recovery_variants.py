@@ -187,7 +187,8 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
           f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
           f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
           f"train.grad_accum={min(a.accum, 2)}", "gradient_checkpointing=true", "train.progress=false",
-          "train.save_every=0", f"train.max_minutes={a.minutes}", *drills(a, 4 * a.recall_reach), "--overwrite"])
+          "train.save_every=0", f"train.max_minutes={a.minutes}", *drills(a, 4 * a.recall_reach),
+          "--overwrite"])
 
 
 def final_dirs(work: Path) -> dict[str, Path]:

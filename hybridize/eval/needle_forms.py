@@ -53,13 +53,14 @@ def collect(report: Path) -> dict:
 
 
 def markdown(cells: dict) -> str:
-    lines = ["| task | model | score | value-first right / wrong | numbered | other | value opens with a digit: right / n |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| task | model | score | value-first right / wrong | numbered | other | value opens with a digit: "
+             "right / n |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for task in sorted(cells, key=lambda t: (t.rsplit("_", 1)[0], int(t.rsplit("_", 1)[1]))):
         for model, t in sorted(cells[task].items()):
             f, d = t["forms"], t["first_char"]
+            numbered = f.get("numbered:right", 0) + f.get("numbered:wrong", 0)
+            other = f.get("other:right", 0) + f.get("other:wrong", 0)
+            digit = d.get("digit:right", 0) + d.get("digit:wrong", 0)
             lines.append(f"| {task} | {model} | {t['score']:.3f} | {f.get('value-first:right', 0)} / "
-                         f"{f.get('value-first:wrong', 0)} | {f.get('numbered:right', 0) + f.get('numbered:wrong', 0)} | "
-                         f"{f.get('other:right', 0) + f.get('other:wrong', 0)} | {d.get('digit:right', 0)} / "
-                         f"{d.get('digit:right', 0) + d.get('digit:wrong', 0)} |")
+                         f"{f.get('value-first:wrong', 0)} | {numbered} | {other} | {d.get('digit:right', 0)} / {digit} |")
     return "\n".join(lines)

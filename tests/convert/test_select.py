@@ -337,4 +337,4 @@ def test_copying_from_the_command_line(kl_dir, tmp_path):
     assert r.exit_code == 0, r.output + repr(r.exception)
     plan = (tmp_path / "plan.txt").read_text().strip()
     assert ";swa=" in plan
-    assert f"--layers '{plan}' --mixer sse" in " ".join(r.output.split())   # quoted for the shell
+    assert f"--layers '{plan}' --mixer sse --mixer-settings swa.sinks=4" in " ".join(r.output.split())  # quoted

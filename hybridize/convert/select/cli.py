@@ -67,8 +67,8 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="discard OUT's earlier selection"),
     ) -> None:
         cfg = SelectConfig(keep=keep, criterion=criterion.strip().lower(), mixer=mixer.strip().lower(),
-                           mixer_settings=parse_settings(mixer_settings), greedy=greedy, windows=windows, steps=steps, lr=lr,
-                           tokens=tokens, seq_len=seq_len, align_seq_len=align_seq_len,
+                           mixer_settings=parse_settings(mixer_settings), greedy=greedy, windows=windows, steps=steps,
+                           lr=lr, tokens=tokens, seq_len=seq_len, align_seq_len=align_seq_len,
                            align_batch_tokens=align_batch_tokens, text=text, needle_length=needle_length,
                            needle_samples=needle_samples, greedy_tokens=greedy_tokens,
                            greedy_candidates=greedy_candidates, seed=seed, device=device, overwrite=overwrite)
@@ -95,6 +95,8 @@ def print_summary(record: dict, src: str, out: Path) -> None:
     times = ", ".join(f"{k} {v:.1f}" for k, v in record.get("timings_s", {}).items())
     console.print(f"wrote {out}/plan.txt ({record['plan']}), select.json, select.md, select.png")
     console.print(f"seconds: {times}")
-    # quoted: a plan with windows holds a ';' that a shell would take as the end of the command
-    console.print(f"next: hybridize convert --src {src} --layers {shlex.quote(record['plan'])} --mixer {record['mixer']} "
-                  f"--out runs/{Path(out).name}-{record['mixer']}", soft_wrap=True, highlight=False)
+    # quoted: a plan with windows holds a ';' that a shell would take as the end of the command. Windows get the
+    # 4 attention sinks that brought retrieval back on the default (benchmarks/RESULTS.md, "(iv) sliding windows")
+    sinks = " --mixer-settings swa.sinks=4" if record.get("windows") else ""
+    console.print(f"next: hybridize convert --src {src} --layers {shlex.quote(record['plan'])} --mixer {record['mixer']}"
+                  f"{sinks} --out runs/{Path(out).name}-{record['mixer']}", soft_wrap=True, highlight=False)
