@@ -16,7 +16,9 @@ select` measured; `select_long` = `select` plus the long-context recipe (smollm2
 tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; `pattern_long` = `pattern` plus the
 long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A and B: the teacher's answers to N
 GSM8K train questions in the chat template (`hybridize distill traces`); `--python-docs` adds the built-in
-standard-library docstrings (prose about Python; the held-out Python reference stays out). Stages A and B
+standard-library docstrings (prose about Python; the held-out Python reference stays out); `--long-mix` gives the
+long-context stage that extra text too (otherwise it trains on whole articles only); `--recall-drills F` plants
+recall drills in every stage's text (`hybridize/distill/recall_drills.py`). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap
@@ -83,6 +85,10 @@ def args_parser():
                    help="add the built-in `python-docs` text (the standard library's docstrings, none sharing a long "
                         "line with the held-out Python reference) to stage A's and B's training text: the suite's "
                         "out-of-domain perplexity row then has prose about Python in training, never its own text")
+    p.add_argument("--long-mix", action="store_true",
+                   help="the long stage also trains on stages A and B's extra text (--chat-traces, --python-docs), "
+                        "not only on whole articles: at 4k-8k the student fails in the answer's form (RESULTS.md, "
+                        "variant (viii)), and the articles alone hold no chat")
     p.add_argument("--recall-drills", type=float, default=0.0,
                    help="data.recall_drills of every training step (hybridize/distill/recall_drills.py: records "
                         "planted in the training text and stated again later; 0 = none)")
@@ -151,9 +157,13 @@ def drills(a, reach: int) -> list[str]:
     return [f"data.recall_drills={a.recall_drills}", f"data.recall_reach={reach}"] if a.recall_drills else []
 
 
+def extra_text(a, work: Path, env: dict) -> list[str]:
+    """The sources stages A and B add to the articles: python-docs and the chat traces, when asked for."""
+    return (["python-docs"] if a.python_docs else []) + chat_traces(a, work, env)
+
+
 def run_train(a, work: Path, env: dict, variant: str) -> None:
-    extra = ["python-docs"] if a.python_docs else []
-    text = "[" + ",".join(training_text(Path(a.data)) + extra + chat_traces(a, work, env)) + "]"
+    text = "[" + ",".join(training_text(Path(a.data)) + extra_text(a, work, env)) + "]"
     common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
               "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
               "train.mixed_precision=bf16", *drills(a, a.recall_reach)]
@@ -181,10 +191,12 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
     if not src.is_dir():
         sys.exit(f"{src} is missing: run `train {variant}` first")
     n = a.long_steps
+    articles = training_text(Path(a.data))[::2]   # the whole-article sources
+    sources = articles + (extra_text(a, work, env) if a.long_mix else [])
     step(work, env, f"{variant}_long", work / f"{variant}_long" / "long" / "final" / "config.json",
          ["distill", "e2e", "-r", "smollm2-135m/long", f"student={src}", f"teacher={a.teacher}",
           f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",
-          f"data.train=[{','.join(training_text(Path(a.data))[::2])}]",  # the whole-article sources
+          f"data.train=[{','.join(sources)}]",
           f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
           f"train.grad_accum={min(a.accum, 2)}", "gradient_checkpointing=true", "train.progress=false",
           "train.save_every=0", f"train.max_minutes={a.minutes}", *drills(a, 4 * a.recall_reach),

@@ -72,3 +72,22 @@ def test_recall_drills_reach_every_training_step(monkeypatch, tmp_path, data):
                                      "--recall-reach", "5000"])
     rv.run_long(a, tmp_path / "work", {}, "pattern")
     assert {"data.recall_drills=0.5", "data.recall_reach=20000"} <= set(long[0])
+
+
+def test_long_mix_gives_the_long_stage_the_chat_mix(monkeypatch, tmp_path, data):
+    (tmp_path / "work" / "pattern" / "e2e" / "final").mkdir(parents=True)
+
+    def long_train(*extra):
+        calls = []
+        monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: calls.append((name, args)))
+        a = rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data), *extra])
+        rv.run_long(a, tmp_path / "work", {}, "pattern")
+        return dict(calls)
+
+    plain = long_train("--chat-traces", "10", "--python-docs")
+    assert list(plain) == ["pattern_long"]   # no traces step: the long stage does not use them
+    train = next(x for x in plain["pattern_long"] if x.startswith("data.train="))
+    assert "python-docs" not in train and "chat.jsonl" not in train and "wiki_demo.jsonl" in train
+    mixed = long_train("--chat-traces", "10", "--python-docs", "--long-mix")
+    train = next(x for x in mixed["pattern_long"] if x.startswith("data.train="))
+    assert "wiki_demo.jsonl" in train and ",python-docs," in train and train.endswith("chat.jsonl]")
