@@ -91,16 +91,28 @@ def _intra_chunk_scores(qc, kc, hi, lo, causal):
     """A_ij = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, `[B, H, n, C, C]`.
 
     Fast path: exp(G_i - G_j) = exp(G_i - G_0) * exp(G_0 - G_j) folds into q and k and A is one matmul;
-    both factors are bounded by exp(span), span = G_0 - G_last, so it is taken only when every chunk's
-    span is <= FACTORISED_MAX_SPAN (the usual case: gates near 1). Otherwise the pairwise decay tensor
-    `[B, H, n, C, C, K]` is formed explicitly, j > i masked before exp so every exponent is <= 0."""
-    span = hi[..., :1, :] - hi[..., -1:, :]
-    if float(span.max()) <= FACTORISED_MAX_SPAN:
-        rel = (hi - hi[..., :1, :]) + (lo - lo[..., :1, :])          # G_i - G_0 <= 0
-        A = (qc * rel.exp()) @ (kc * (-rel).exp()).transpose(-1, -2)
-        return A.masked_fill(~causal, 0.0)
+    both factors are bounded by exp(span), span = G_0 - G_last, so it is taken for every chunk whose span is
+    <= FACTORISED_MAX_SPAN (the usual case: gates near 1). The other chunks, and only those, get the pairwise
+    decay tensor `[M, C, C, K]` (`_pairwise_scores`): formed for every chunk whenever one needed it,
+    it would hold ~11 MB of autograd state per token (the 135M demo student training on the CPU)."""
+    span = (hi[..., :1, :] - hi[..., -1:, :]).amax(-1).squeeze(-1)   # [B, H, n]
+    strong = span > FACTORISED_MAX_SPAN
+    rel = (hi - hi[..., :1, :]) + (lo - lo[..., :1, :])               # G_i - G_0 <= 0
+    any_strong = bool(strong.any())
+    if any_strong:   # those chunks' factors could overflow: zeroed here, their scores come from the pairwise form
+        rel = rel.masked_fill(strong[..., None, None], 0.0)
+    A = ((qc * rel.exp()) @ (kc * (-rel).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)
+    if not any_strong:
+        return A
+    idx = strong.nonzero(as_tuple=True)
+    return A.index_put(idx, _pairwise_scores(qc[idx], kc[idx], hi[idx], lo[idx], causal))
+
+
+def _pairwise_scores(qc, kc, hi, lo, causal):
+    """A `[M, C, C]` of M chunks `[M, C, K]` from the explicit pairwise decays, j > i masked before exp so every
+    exponent is <= 0."""
     diff = (hi.unsqueeze(-2) - hi.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    return torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc * lo.exp(), kc * (-lo).exp(), diff.exp())
+    return torch.einsum("mik,mjk,mijk->mij", qc * lo.exp(), kc * (-lo).exp(), diff.exp())
 
 
 def _gla_chunk(q, k, v, g, initial_state, output_final_state, scale, chunk_size):

@@ -204,3 +204,28 @@ def test_factorised_and_pairwise_intra_chunk_scores_agree(monkeypatch, gate):
     ref, _ = gla_mod.naive_recurrent_gla(q, k, v, g)
     assert (fast - slow).abs().max() / slow.abs().max() < 1e-5
     assert (fast - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_only_the_strong_chunks_take_the_pairwise_path_and_gradients_match(monkeypatch):
+    """Weak and strong chunks in one call: the pairwise decay tensor is formed for the strong chunks alone, and
+    output and gradients equal the fp64 recurrent op's."""
+    import hybridize.ops.gla.reference as gla_mod
+
+    torch.manual_seed(5)
+    B, T, H, K, V, C = 1, 64, 2, 8, 6, 16
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K)) * 0.2     # weak: a chunk spans ~2
+    g[:, 16:32, 1] = -torch.rand(16, K) * 20                             # one strong chunk (span ~160) of head 1
+    seen = []
+    pairwise = gla_mod._pairwise_scores
+    monkeypatch.setattr(gla_mod, "_pairwise_scores", lambda *a: seen.append(a[0].shape[0]) or pairwise(*a))
+    leaves = [t.clone().double().requires_grad_() for t in (q, k, v, g)]
+    o_ref, _ = naive_recurrent_gla(*leaves)
+    o_ref.pow(2).sum().backward()
+    xs = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    o, _ = gla_mod.chunk_gla(*xs, chunk_size=C)
+    o.pow(2).sum().backward()
+    assert seen == [1], "the pairwise form for the one strong chunk only"
+    assert rel_err(o, o_ref.float()) < 1e-5
+    for x, r in zip(xs, leaves):
+        assert torch.isfinite(x.grad).all() and rel_err(x.grad, r.grad.float()) < 1e-4
