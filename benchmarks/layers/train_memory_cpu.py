@@ -45,9 +45,15 @@ def main(argv=None):
     p.add_argument("--model", required=True, help="a converted / distilled hybrid folder")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--saved-at", type=int, default=0, help="also list the saved autograd state by line at this length")
+    p.add_argument("--layout", default="", choices=("", "masking", "varlen", "auto"),
+                   help="SSE layers' training layout for this run (default: the checkpoint's; auto takes varlen from "
+                        "its varlen_min_len, 1,024 tokens)")
     a = p.parse_args(argv)
     model, _ = load_model(a.model, dtype="float32", device="cpu")
     model.train()
+    for m in model.modules():   # the mixers' own config object: the layout is read at each forward
+        if a.layout and hasattr(getattr(m, "config", None), "varlen_min_len"):
+            m.config.layout = a.layout
     for n, prm in model.named_parameters():
         prm.requires_grad_("mixer" in n or "self_attn" in n)
     print(f"loaded: peak {peak_gb():.2f} GB")
