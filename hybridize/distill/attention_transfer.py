@@ -32,6 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .models import attention_implementation
+
 ATTENTION = "hybridize_attention_probe"
 
 
@@ -63,18 +65,9 @@ AttentionInterface.register(ATTENTION, _probe_forward)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-@contextlib.contextmanager
 def probe_attention(*models: nn.Module):
-    """The models run `ATTENTION` (SDPA plus recording) inside the block, their own implementation after it:
-    a trained model is saved with the implementation it was loaded with."""
-    before = [m.config._attn_implementation for m in models]
-    for m in models:
-        m.set_attn_implementation(ATTENTION)
-    try:
-        yield
-    finally:
-        for m, b in zip(models, before):
-            m.set_attn_implementation(b)
+    """The models run `ATTENTION` (SDPA plus recording) inside the block, their own implementation after it."""
+    return attention_implementation(ATTENTION, *models)
 
 
 @contextlib.contextmanager

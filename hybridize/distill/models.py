@@ -7,6 +7,7 @@ A converted layer is a decoder layer whose `self_attn` is a hybridize mixer (`hy
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -104,6 +105,20 @@ def check_run_teacher(run_dir: str | Path, src: str, resume: bool) -> str:
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
     return record["teacher"]
+
+
+@contextlib.contextmanager
+def attention_implementation(name: str, *models: nn.Module):
+    """The models run transformers' attention implementation `name` inside the block and their own after it (a
+    model trained or scored meanwhile is saved with the implementation it was loaded with)."""
+    before = [m.config._attn_implementation for m in models]
+    for m in models:
+        m.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        for m, b in zip(models, before):
+            m.set_attn_implementation(b)
 
 
 def base_model(model: nn.Module) -> nn.Module:

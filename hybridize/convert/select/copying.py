@@ -14,12 +14,10 @@ the previous token exactly. Measured on the embedded default (benchmarks/RESULTS
 keeping the 7 induction layers plus layer 16 and windows on the previous-token layers brought UUID needles back
 at 1k-2k, where 5 softmax layers chosen by KL and needle attention kept none.
 
-Forward hooks reduce each layer's `[B, H, T, T]` probabilities to `[H]` at once, so only one layer's matrix
-exists at a time.
+Forward hooks (`retrieval.reduced_attention`) reduce each layer's `[B, H, T, T]` probabilities to `[H]` at once,
+so only one layer's matrix exists at a time.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn as nn
@@ -27,7 +25,7 @@ import torch.nn as nn
 from hybridize.distill.models import decoder_layers
 
 from .probe import amp
-from .retrieval import eager_attention
+from .retrieval import reduced_attention
 
 #: previous-token positions skipped at the start (the first tokens attend to the start of the sequence)
 SKIP = 16
@@ -43,27 +41,6 @@ def induction_mass(probs: torch.Tensor, start: int, period: int) -> torch.Tensor
     `[H]` mean attention from the second copy's token i onto the first copy's token i + 1."""
     rows = torch.arange(start + period, start + 2 * period - 1, device=probs.device)
     return probs[:, rows, rows - period + 1].float().mean(-1)
-
-
-@contextlib.contextmanager
-def reduced_attention(model: nn.Module, reduce):
-    """Within the block the model runs eager attention and every decoder layer's probabilities go through
-    `reduce(probs [H, T, T]) -> [H]` at once; the block gets {layer: [H]} after each forward."""
-    out: dict[int, torch.Tensor] = {}
-
-    def hook(i: int):
-        def fn(module, args, output):
-            out[i] = reduce(output[1][0])
-            return (output[0], None)
-        return fn
-
-    with eager_attention(model):
-        handles = [layer.self_attn.register_forward_hook(hook(i)) for i, layer in enumerate(decoder_layers(model))]
-        try:
-            yield out
-        finally:
-            for h in handles:
-                h.remove()
 
 
 @torch.no_grad()

@@ -22,20 +22,34 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from hybridize.distill.models import decoder_layers
+from hybridize.distill.models import attention_implementation, decoder_layers
 
 from .probe import amp
 
 
 @contextlib.contextmanager
-def eager_attention(model: nn.Module):
-    """The model with the eager attention implementation (probabilities returned), restored on exit."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(before)
+def reduced_attention(model: nn.Module, reduce, layers=None):
+    """Within the block the model runs eager attention (which returns the probabilities) and each of `layers`
+    (decoder layer indices; default all) passes its first row's probabilities `[H, T, T]` through `reduce` -> `[H]`
+    at once and drops them, so only one layer's matrix exists at a time. The block gets {layer: [H]}, filled by
+    each forward."""
+    out: dict[int, torch.Tensor] = {}
+    blocks = decoder_layers(model)
+
+    def hook(i: int):
+        def fn(module, args, output):
+            out[i] = reduce(output[1][0])
+            return (output[0], None)
+        return fn
+
+    with attention_implementation("eager", model):
+        handles = [blocks[i].self_attn.register_forward_hook(hook(i))
+                   for i in (range(len(blocks)) if layers is None else layers)]
+        try:
+            yield out
+        finally:
+            for h in handles:
+                h.remove()
 
 
 class NeedleMass:
@@ -50,26 +64,19 @@ class NeedleMass:
     def aim(self, prompt) -> None:
         self.query, self.keys = prompt.answer_positions, prompt.value_tokens
 
-    def hook(self, i: int):
-        def reduce(module, args, output):
-            probs = output[1]  # [B, H, T, T] with eager attention
-            self.mass[i] = probs[0][:, self.query][:, :, self.keys].float().sum(-1).mean(-1)
-            return (output[0], None)   # the probabilities are dropped at once: one layer's matrix at a time
-        return reduce
+    def reduce(self, probs: torch.Tensor) -> torch.Tensor:
+        """`[H, T, T]` -> `[H]`: the attention from the answer positions on the value tokens."""
+        return probs[:, self.query][:, :, self.keys].float().sum(-1).mean(-1)
 
 
 @contextlib.contextmanager
 def needle_mass(model: nn.Module, layers):
-    """Within the block the model runs eager attention and each of `layers` (indices of its decoder layers)
-    reduces its probabilities to the needle mass of a `NeedleMass`, which the block gets."""
-    nm, blocks = NeedleMass(), decoder_layers(model)
-    with eager_attention(model):
-        handles = [blocks[i].self_attn.register_forward_hook(nm.hook(i)) for i in layers]
-        try:
-            yield nm
-        finally:
-            for h in handles:
-                h.remove()
+    """Within the block each of `layers` (indices of its decoder layers) reduces its attention probabilities to
+    the needle mass of a `NeedleMass`, which the block gets (`reduced_attention`)."""
+    nm = NeedleMass()
+    with reduced_attention(model, nm.reduce, layers) as mass:
+        nm.mass = mass
+        yield nm
 
 
 @torch.no_grad()
