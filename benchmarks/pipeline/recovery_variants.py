@@ -17,7 +17,8 @@ tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; 
 long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A and B: the teacher's answers to N
 GSM8K train questions in the chat template (`hybridize distill traces`); `--python-docs` adds the built-in
 standard-library docstrings (prose about Python; the held-out Python reference stays out); `--long-mix` gives the
-long-context stage that extra text too (otherwise it trains on whole articles only); `--recall-drills F` plants
+long-context stage that extra text too (otherwise it trains on whole articles only); `--long-questions N` adds the
+teacher's answers to N questions asked after 1k-7k tokens of those articles to the long stage; `--recall-drills F` plants
 recall drills in every stage's text (`hybridize/distill/recall_drills.py`). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
@@ -89,6 +90,11 @@ def args_parser():
                    help="the long stage also trains on stages A and B's extra text (--chat-traces, --python-docs), "
                         "not only on whole articles: at 4k-8k the student fails in the answer's form (RESULTS.md, "
                         "variant (viii)), and the articles alone hold no chat")
+    p.add_argument("--long-questions", type=int, default=0,
+                   help="the long stage also trains on the teacher's answers to N questions asked after 1k-7k tokens "
+                        "of the whole-article text (`hybridize distill long-questions`, then `distill traces`): the "
+                        "first answer token after a long context is where the 4k-8k needle answers go wrong "
+                        "(0 = none)")
     p.add_argument("--recall-drills", type=float, default=0.0,
                    help="data.recall_drills of every training step (hybridize/distill/recall_drills.py: records "
                         "planted in the training text and stated again later; 0 = none)")
@@ -186,13 +192,28 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
           "--overwrite", *common])
 
 
+def long_questions(a, work: Path, env: dict, articles: list[str]) -> list[str]:
+    """The teacher's answers to `--long-questions N` questions asked after long stretches of the whole-article text,
+    as one more long-stage source ([] when N is 0): the prompts file, then its traces (both steps resume)."""
+    if not a.long_questions:
+        return []
+    prompts, out = work / "traces" / "long_questions.jsonl", work / "traces" / "long_answers.jsonl"
+    step(work, env, "long-questions", prompts,
+         ["distill", "long-questions", f"texts=[{','.join(articles)}]", f"num_prompts={a.long_questions}",
+          f"out={prompts}"])
+    step(work, env, "long-answers", None,
+         ["distill", "traces", f"teacher={a.teacher}", f"prompts={prompts}", f"num_prompts={a.long_questions}",
+          "max_new_tokens=64", "batch_size=16", "dtype=bfloat16", f"out={out}"])
+    return [str(out)]
+
+
 def run_long(a, work: Path, env: dict, variant: str) -> None:
     src = work / variant / "e2e" / "final"
     if not src.is_dir():
         sys.exit(f"{src} is missing: run `train {variant}` first")
     n = a.long_steps
     articles = training_text(Path(a.data))[::2]   # the whole-article sources
-    sources = articles + (extra_text(a, work, env) if a.long_mix else [])
+    sources = articles + (extra_text(a, work, env) if a.long_mix else []) + long_questions(a, work, env, articles)
     step(work, env, f"{variant}_long", work / f"{variant}_long" / "long" / "final" / "config.json",
          ["distill", "e2e", "-r", "smollm2-135m/long", f"student={src}", f"teacher={a.teacher}",
           f"train.run_dir={work / f'{variant}_long' / 'long'}", f"train.max_steps={n}",

@@ -1,4 +1,4 @@
-"""CLI of the distillation stages: `hybridize distill align|e2e|sft|traces` and `hybridize demo`.
+"""CLI of the distillation stages: `hybridize distill align|e2e|sft|traces|long-questions` and `hybridize demo`.
 
 Every stage takes an optional `--recipe` (a YAML file, or a name under `recipes/`, e.g.
 `smollm2-135m/align`) and then `key=value` overrides (dotted for sections: `train.lr=3e-4`,
@@ -15,11 +15,14 @@ from typing import Optional
 
 import typer
 
+from hybridize.errors import UserError
+
 from .checkpoint import guard_run_dir, run_history
 from .config import (
     AlignConfig,
     DemoConfig,
     E2EConfig,
+    LongQuestionsConfig,
     SFTStageConfig,
     TracesConfig,
     check_resume_settings,
@@ -116,6 +119,19 @@ def register(app: typer.Typer) -> None:
         from .traces import run_traces
         path = run_traces(load_config(TracesConfig, recipe, overrides))
         typer.echo(f"traces: {path}")
+
+    @distill.command("long-questions")
+    def long_questions_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
+                           show: bool = SHOW):
+        """Prompts that ask a question after a long text (JSONL for `distill traces`, whose answers then train
+        the long-context stage)."""
+        cfg = load_config(LongQuestionsConfig, recipe, overrides)
+        if show:
+            return _show(LongQuestionsConfig, cfg)
+        if not cfg.texts:
+            raise UserError("long-questions: name the documents, e.g. texts=../shared/data/wikitext2/valid.txt")
+        from .long_questions import run_long_questions
+        run_long_questions(cfg)
 
     app.add_typer(distill, name="distill")
 

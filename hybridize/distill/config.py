@@ -216,6 +216,24 @@ class TracesConfig:
 
 
 @dataclass
+class LongQuestionsConfig:
+    """`hybridize distill long-questions`: prompts that ask a question after a long text, for `distill traces`."""
+
+    texts: typing.Union[str, list] = _f("", "the documents: a local file or folder, a hub dataset, a built-in text, "
+                                            "or a list of them (texts=[a,b]); training sources only, never "
+                                            "evaluation text")
+    txt_document: str = _f("wikitext", "what one document of a local .txt file is (as data.txt_document)")
+    out: str = _f("runs/traces/long_questions.jsonl", "output JSONL (columns problem, answer, kind, chars)")
+    num_prompts: int = _f(240, "how many prompts", min=1)
+    min_chars: int = _f(4000, "shortest text before the question, in characters (about 4 per token)", min=1)
+    max_chars: int = _f(28000, "longest text before the question (28,000 characters is about 6,700 tokens, "
+                               "so prompt and answer fit an 8k context)", min=1)
+    record_fraction: float = _f(0.6, "share of prompts with 1-3 planted records, one of which the question asks "
+                                     "for; the rest ask about the text itself", min=0.0)
+    seed: int = _f(0, "seed of the lengths, records and questions")
+
+
+@dataclass
 class DemoConfig:
     """`hybridize demo`: convert + stage A + stage B on the embedded default, on CPU, budgets in steps."""
 

@@ -31,8 +31,8 @@ TEMPLATES = (
 )
 KINDS = ("code", "number", "identifier", "key", "serial")
 # a boundary where a sentence may be put: after a full stop and a space, or at a line break
-_BOUNDARY = re.compile(r"(?<=[.!?]) (?=[A-Z(])|\n")
-_WORD = re.compile(r"[A-Za-z]{4,12}")
+BOUNDARY = re.compile(r"(?<=[.!?]) (?=[A-Z(])|\n")
+WORD = re.compile(r"[A-Za-z]{4,12}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def random_value(rng: random.Random) -> str:
     return "-".join("".join(rng.choice(string.ascii_uppercase + string.digits) for _ in range(n)) for n in groups)
 
 
-def _label(rng: random.Random, words: list[str], taken: set[str]) -> str:
+def draw_label(rng: random.Random, words: list[str], taken: set[str]) -> str:
     """Two of the document's words ("harbour signal"); other letters when the document has too few words."""
     for _ in range(20):
         label = " ".join(rng.choice(words).lower() for _ in range(2)) if len(words) >= 2 else \
@@ -70,8 +70,8 @@ def plan_drills(doc: str, rng: random.Random, fraction: float, reach: int) -> li
     """The drills of one document: one candidate every `reach` characters, each kept with probability `fraction`;
     a kept one puts its restatement at the last boundary before the candidate point and its 1-3 records at random
     boundaries of the `reach` characters before that."""
-    cuts = [m.end() for m in _BOUNDARY.finditer(doc)]
-    words = _WORD.findall(doc)
+    cuts = [m.end() for m in BOUNDARY.finditer(doc)]
+    words = WORD.findall(doc)
     drills, taken = [], set()
     for point in range(reach, len(doc) + 1, reach):
         if rng.random() >= fraction:
@@ -87,7 +87,7 @@ def plan_drills(doc: str, rng: random.Random, fraction: float, reach: int) -> li
         planted = tuple(sorted(rng.choice(window) for _ in range(n)))
         records = []
         for _ in range(n):
-            label = _label(rng, words, taken)
+            label = draw_label(rng, words, taken)
             taken.add(label)
             value = random_value(rng)
             sentence = rng.choice(TEMPLATES).format(kind=rng.choice(KINDS), label=label, value=value)
@@ -96,10 +96,8 @@ def plan_drills(doc: str, rng: random.Random, fraction: float, reach: int) -> li
     return drills
 
 
-def apply_drills(doc: str, drills: list[Drill]) -> str:
-    """The document with every drill's records and restatement inserted (each as its own sentence)."""
-    inserts = [(pos, k, rec[2]) for d in drills for k, (pos, rec) in enumerate(zip(d.planted, d.records))]
-    inserts += [(d.at, len(d.records), d.records[d.recalled][2]) for d in drills]
+def insert_sentences(doc: str, inserts: list[tuple[int, int, str]]) -> str:
+    """`doc` with each (position, order, sentence) inserted as its own sentence at that boundary (ties by order)."""
     out, last = [], 0
     for pos, _, sentence in sorted(inserts, key=lambda x: (x[0], x[1])):
         out.append(doc[last:pos])
@@ -108,6 +106,13 @@ def apply_drills(doc: str, drills: list[Drill]) -> str:
         last = pos
     out.append(doc[last:])
     return "".join(out)
+
+
+def apply_drills(doc: str, drills: list[Drill]) -> str:
+    """The document with every drill's records and restatement inserted (each as its own sentence)."""
+    inserts = [(pos, k, rec[2]) for d in drills for k, (pos, rec) in enumerate(zip(d.planted, d.records))]
+    inserts += [(d.at, len(d.records), d.records[d.recalled][2]) for d in drills]
+    return insert_sentences(doc, inserts)
 
 
 def add_recall_drills(texts: list[str], fraction: float, reach: int, seed: int = 0) -> list[str]:

@@ -91,3 +91,24 @@ def test_long_mix_gives_the_long_stage_the_chat_mix(monkeypatch, tmp_path, data)
     mixed = long_train("--chat-traces", "10", "--python-docs", "--long-mix")
     train = next(x for x in mixed["pattern_long"] if x.startswith("data.train="))
     assert "wiki_demo.jsonl" in train and ",python-docs," in train and train.endswith("chat.jsonl]")
+
+
+def test_long_questions_give_the_long_stage_the_teachers_answers(monkeypatch, tmp_path, data):
+    (tmp_path / "work" / "pattern" / "e2e" / "final").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: calls.append((name, done, args)))
+    a = rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data), "--long-questions", "50"])
+    rv.run_long(a, tmp_path / "work", {}, "pattern")
+    assert [n for n, _, _ in calls] == ["long-questions", "long-answers", "pattern_long"]
+    (_, done, q), (_, _, t), (_, _, long) = calls
+    prompts = next(x.split("=", 1)[1] for x in q if x.startswith("out="))
+    assert q[:2] == ["distill", "long-questions"] and str(done) == prompts and "num_prompts=50" in q
+    texts = next(x for x in q if x.startswith("texts="))
+    assert "wiki_demo.jsonl" in texts and "valid.txt" in texts and "c4_demo" not in texts   # the long stage's articles
+    assert t[:2] == ["distill", "traces"] and f"prompts={prompts}" in t and "teacher=T" in t
+    answers = next(x.split("=", 1)[1] for x in t if x.startswith("out="))
+    assert next(x for x in long if x.startswith("data.train=")).endswith("," + answers + "]")
+    calls.clear()
+    rv.run_long(rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data)]),
+                tmp_path / "work", {}, "pattern")
+    assert [n for n, _, _ in calls] == ["pattern_long"]   # none by default
