@@ -96,9 +96,14 @@ class GRPORunConfig:
     fast_generation: bool = _f(True, "rollouts through hybridize.generation.fast (static buffers, CUDA graphs); "
                                      "falls back to model.generate for settings it does not support")
     cuda_graphs: str = _f("auto", "CUDA graphs in the fast path: auto | on | off")
-    compile_decode: str = _f("off", "torch.compile the fast path's decode step (off | on): faster decode "
-                                    "steps (benchmarks/RESULTS.md), a few seconds of compilation per "
-                                    "new rollout shape")
+    compile_decode: str = _f("auto", "torch.compile the fast path's decode step: auto | on | off. auto turns it on "
+                                     "on CUDA when the run can decode at least compile_min_decode_steps steps "
+                                     "(decode_compile_choice); compiled steps are about 2 ms faster at the default's "
+                                     "and the 1.7B shape, and the first compile at a batch size costs 8-24 s "
+                                     "(benchmarks/RESULTS.md, the speed table)")
+    compile_min_decode_steps: int = _f(16000, "compile_decode=auto: the fewest decode steps the run can take (generate "
+                                              "calls x max_completion_length) for which compiling is worth it",
+                                       min=0)
     decode_gemm: str = _f("auto", "linear layers in the fast path's decode steps: auto (per weight shape the faster "
                                   "of cuBLAS and our Triton weight-streaming GEMM, timed on first use; CUDA, "
                                   "16-bit) | torch (cuBLAS)")
@@ -126,11 +131,34 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
         check_recipe(recipe)
     cfg = load_config(GRPORunConfig, recipe, overrides)
     # decode_gemm: FastGenConfig.gemm without "triton", which only forces the kernel for CPU interpreter tests
-    for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", COMPILE_MODES),
+    for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", ("auto", *COMPILE_MODES)),
                           ("decode_gemm", ("auto", "torch"))):
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")
     return cfg
+
+
+def decode_compile_choice(cfg: GRPORunConfig, device: str) -> tuple[str, str]:
+    """The fast path's `compile` setting for this run ("on" | "off") and why. `compile_decode=auto` compiles when the
+    run can pay for it: on CUDA (the compiled step runs in the CUDA graph; on the CPU it is not measured), with fast
+    rollouts, and when the run's decode steps can reach `compile_min_decode_steps`. That count is an upper bound:
+    TRL generates once per `steps_per_generation` x `num_iterations` micro-batches (steps_per_generation defaults to
+    gradient_accumulation_steps), each call decoding at most `max_completion_length` steps (fewer when every
+    completion ends early). Measured (benchmarks/RESULTS.md, the speed table): compiling saves 1.9-2.6 ms per step at
+    batch 1-8 at the default's and the 1.7B shape and costs 8-24 s the first time at a batch size (then 0.3-2.3 s per
+    new length bucket), so it pays back from about 4,000-12,000 decode steps; 16,000 leaves a margin for early
+    stops."""
+    if cfg.compile_decode != "auto":
+        return cfg.compile_decode, "set by compile_decode"
+    if device != "cuda" or not cfg.fast_generation:
+        return "off", "auto: compiled decode runs only on the fast path on CUDA"
+    g = cfg.grpo
+    per_call = (g.steps_per_generation or g.gradient_accumulation_steps) * g.num_iterations
+    calls = -(-g.max_steps * g.gradient_accumulation_steps // per_call)
+    steps = calls * g.max_completion_length
+    if steps >= cfg.compile_min_decode_steps:
+        return "on", f"auto: up to {steps:,} decode steps ({calls} generate calls) >= {cfg.compile_min_decode_steps:,}"
+    return "off", f"auto: at most {steps:,} decode steps ({calls} generate calls) < {cfg.compile_min_decode_steps:,}"
 
 
 def check_recipe(recipe: str) -> None:

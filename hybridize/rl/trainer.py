@@ -40,7 +40,7 @@ from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generat
 from hybridize.generation.loading import load_model
 from hybridize.ops.common.options import with_run_kernel_options
 from hybridize.modeling import HybridForCausalLM
-from hybridize.rl.config import GRPORunConfig, save_config, to_dict
+from hybridize.rl.config import GRPORunConfig, decode_compile_choice, save_config, to_dict
 from hybridize.rl.data import build_records, to_dataset
 from hybridize.rl.rewards import RewardError, combined_reward, guard_reward, reward_functions
 
@@ -372,12 +372,14 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     if ckpt is not None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         truncate_metrics(run_dir / "metrics.jsonl", int(state.get("global_step", 0)))
+    compile_mode, why = decode_compile_choice(cfg, device)
+    print(f"grpo: compiled decode {compile_mode} ({why})")
     trainer = HybridGRPOTrainer(
         model=model, reward_funcs=funcs, args=args, train_dataset=to_dataset(records), processing_class=tok,
         peft_config=_lora_config(cfg) if cfg.lora.enabled else None,
         callbacks=[MetricsCallback(run_dir), *(callbacks or [])],
         fast_generation=cfg.fast_generation, fast_config=FastGenConfig(cuda_graphs=cfg.cuda_graphs,
-                                                                   compile=cfg.compile_decode,
+                                                                   compile=compile_mode,
                                                                    gemm=cfg.decode_gemm,
                                                                    prefill_tokens=cfg.prefill_tokens))
     # under DeepSpeed, before its engine unpickles the checkpoint freely
@@ -412,6 +414,7 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     rewards = [r["reward"] for r in rows if "reward" in r]
     tps = [r["rollout/tokens_per_s"] for r in rows if "rollout/tokens_per_s" in r]
     summary = {"steps": trainer.state.global_step, "train_seconds": train_s, "device": device,
+               "compile_decode": {"mode": compile_mode, "why": why},
                "dtype": str(dtype).replace("torch.", ""), "prompts": len(records),
                "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
                "rollout_tokens_per_s": sum(tps) / len(tps) if tps else None,

@@ -114,3 +114,6 @@ def test_fast_path_settings_reach_the_generator(setup, monkeypatch):
         run_grpo(_cfg(setup, "decode_gemm=torch", "compile_decode=on", "cuda_graphs=off", "prefill_tokens=4096",
                       "data.eval="))
     assert seen == [dict(cuda_graphs="off", compile="on", gemm="torch", prefill_tokens=4096)]
+    with pytest.raises(Built):   # compile_decode=auto, the default, is off on the CPU
+        run_grpo(_cfg(setup, "data.eval="))
+    assert seen[-1]["compile"] == "off"
