@@ -1,8 +1,9 @@
 """Does compiling the decode step pay off in a GRPO run? (issue 24 item 3: the compile policy for GRPO)
 
 The same GRPO run (recipe `smollm2-135m/grpo`: arithmetic prompts, 8 completions each, `--tokens` per completion)
-on a hybrid of the embedded default, once per `compile_decode` setting in turn (`--modes off,on,off`: the repeat
-shows drift), in one process. Per run: the rollout seconds of the first step (where the compile happens) and the
+on a hybrid of the embedded default, once per `compile_decode` setting in turn, in one process (`--modes
+off,on,off`: the first run absorbs what both settings pay once per process, the Triton kernels' compilation and
+autotuning, and the break-even compares the compiled run with the uncompiled run after it). Per run: the rollout seconds of the first step (where the compile happens) and the
 median of the later steps, rollout tokens/s, and the whole run's seconds. The break-even is the first step's extra
 time over the per-step saving, in steps and in decode steps (steps x tokens): what `compile_decode=auto`'s
 threshold (`compile_min_decode_steps`, hybridize/rl/config.py) should be. Rewards do not matter here (a converted,
@@ -76,13 +77,14 @@ def one_run(args, model: Path, out_dir: Path, mode: str) -> dict:
 
 
 def break_even(rows: list[dict], tokens: int) -> dict | None:
-    """Steps (and decode steps) after which the compiled run's first-step cost is paid back by its faster steps."""
-    on = next((r for r in rows if r["mode"] == "on"), None)
-    offs = [r for r in rows if r["mode"] == "off"]
-    if on is None or not offs:
+    """Steps (and decode steps) after which the compiled run's first-step cost is paid back by its faster steps,
+    against the first uncompiled run after it (None without such a pair)."""
+    on = next((i for i, r in enumerate(rows) if r["mode"] == "on"), None)
+    off = next((r for r in rows[on + 1:] if r["mode"] == "off"), None) if on is not None else None
+    if off is None:
         return None
-    off_first = statistics.mean(r["first_rollout_s"] for r in offs)
-    off_med = statistics.mean(r["median_rollout_s"] for r in offs)
+    on = rows[on]
+    off_first, off_med = off["first_rollout_s"], off["median_rollout_s"]
     extra, saving = on["first_rollout_s"] - off_first, off_med - on["median_rollout_s"]
     if saving <= 0:
         return {"extra_first_step_s": round(extra, 2), "saving_per_step_s": round(saving, 3), "steps": None}
