@@ -127,6 +127,24 @@ def test_compiled_decode_step_same_tokens():
     assert counters["stats"]["unique_graphs"] > 0   # the step went through dynamo
 
 
+def test_compiled_decode_step_follows_in_place_weight_updates():
+    """GRPO updates the policy's weights in place between rollouts (and `compile_decode=auto` compiles its decode step):
+    the compiled step of a reused generator must read the new weights, not values captured at its first call."""
+    model, _ = tiny_hybrid(mixer="sse", layers=2)
+    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16))
+    compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
+    ids, am = _batch()
+    kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
+    before = compiled(**kw)
+    torch.manual_seed(11)
+    with torch.no_grad():   # an optimizer step's kind of change: every weight moved in place
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5 * p.std().clamp(min=1e-3))
+    after, ref = compiled(**kw), plain(**kw)
+    assert torch.equal(after, ref)
+    assert not torch.equal(after, before)   # the update changed the greedy tokens, so stale weights would show
+
+
 def test_compile_raises_dynamo_limits_for_the_call_only(monkeypatch):
     """compile=on: dynamo's recompile limits are raised to 8 (32 accumulated) entries per decoder layer while the
     generator runs (each layer's frames are compiled on their own on the GPU, where our kernels are graph breaks;
