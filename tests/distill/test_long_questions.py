@@ -7,10 +7,8 @@ import random
 import re
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from hybridize.distill.cli import register
 from hybridize.distill.long_questions import (
     RECORD_QUESTIONS,
     TEXT_QUESTIONS,
@@ -20,6 +18,8 @@ from hybridize.distill.long_questions import (
 )
 from hybridize.distill.recall_drills import KINDS
 from hybridize.errors import UserError
+
+from .test_cli import app  # noqa: F401  (the fixture: the distill sub-app on a bare Typer)
 
 SENTENCES = ["Lobsters moult in summer.", "The harbour was rebuilt twice.", "Fishermen set traps at dawn.",
              "Prices rose after the storm.", "Markets opened early that year."]
@@ -108,17 +108,6 @@ def test_rows_are_deterministic_per_seed():
 def test_bad_settings_are_one_line(kw, match):
     with pytest.raises(UserError, match=match):
         build_prompts(n=2, record_fraction=0.5, **kw)
-
-
-@pytest.fixture
-def app():
-    a = typer.Typer()
-
-    @a.callback()
-    def _root():
-        pass
-    register(a)
-    return a
 
 
 def test_cli_writes_the_prompts_and_names_missing_texts(app, tmp_path):
