@@ -3,11 +3,12 @@
 The same GRPO run (recipe `smollm2-135m/grpo`: arithmetic prompts, 8 completions each, `--tokens` per completion)
 on a hybrid of the embedded default, once per `compile_decode` setting in turn, in one process (`--modes
 off,on,off`: the first run absorbs what both settings pay once per process, the Triton kernels' compilation and
-autotuning, and the break-even compares the compiled run with the uncompiled run after it). Per run: the rollout seconds of the first step (where the compile happens) and the
-median of the later steps, rollout tokens/s, and the whole run's seconds. The break-even is the first step's extra
-time over the per-step saving, in steps and in decode steps (steps x tokens): what `compile_decode=auto`'s
-threshold (`compile_min_decode_steps`, hybridize/rl/config.py) should be. Rewards do not matter here (a converted,
-undistilled hybrid samples to the token budget, which is what a rollout's decode cost is).
+autotuning, and the break-even compares the compiled run with the uncompiled run after it). Per run: the rollout
+seconds of the first step (where the compile happens) and the median of the later steps, rollout tokens/s, and the
+whole run's seconds. The break-even is the first step's extra time over the per-step saving, in steps and in decode
+steps (steps x tokens): what `compile_decode=auto`'s threshold (`compile_min_decode_steps`, hybridize/rl/config.py)
+should be. Rewards do not matter here (a converted, undistilled hybrid samples to the token budget, which is what a
+rollout's decode cost is). Measured: benchmarks/RESULTS.md, "Compiled decode in GRPO".
 
     python -m benchmarks.generation.grpo_compile --gguf /root/p/smollm2.gguf --steps 30 --out $OUT/grpo_compile.json
 
@@ -68,11 +69,14 @@ def one_run(args, model: Path, out_dir: Path, mode: str) -> dict:
     rows = [r for r in read_metrics(out_dir / "metrics.jsonl") if "rollout/seconds" in r]
     secs = [r["rollout/seconds"] for r in rows]
     later = secs[1:] or secs
-    return {"mode": mode, "steps": summary["steps"], "run_s": round(wall, 1), "train_s": round(summary["train_seconds"], 1),
+    lengths = [r.get("completions/mean_length", 0.0) for r in rows]
+    return {"mode": mode, "steps": summary["steps"], "run_s": round(wall, 1),
+            "train_s": round(summary["train_seconds"], 1),
             "first_rollout_s": round(secs[0], 2) if secs else None,
             "median_rollout_s": round(statistics.median(later), 3) if later else None,
-            "mean_length": round(statistics.median(r.get("completions/mean_length", 0.0) for r in rows), 1) if rows else None,
-            "rollout_tok_s": round(statistics.median(r["rollout/tokens_per_s"] for r in rows[1:] or rows), 0) if rows else None,
+            "mean_length": round(statistics.median(lengths), 1) if lengths else None,
+            "rollout_tok_s": round(statistics.median(r["rollout/tokens_per_s"] for r in rows[1:] or rows), 0)
+            if rows else None,
             "why": summary.get("compile_decode", {}).get("why")}
 
 
