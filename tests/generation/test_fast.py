@@ -127,13 +127,18 @@ def test_compiled_decode_step_same_tokens():
     assert counters["stats"]["unique_graphs"] > 0   # the step went through dynamo
 
 
-def test_compiled_decode_step_follows_in_place_weight_updates():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_compiled_decode_step_follows_in_place_weight_updates(device):
     """GRPO updates the policy's weights in place between rollouts (and `compile_decode=auto` compiles its decode step):
-    the compiled step of a reused generator must read the new weights, not values captured at its first call."""
+    the compiled step of a reused generator (on CUDA: compiled and captured in a CUDA graph) must read the new
+    weights, not values captured at its first call."""
     model, _ = tiny_hybrid(mixer="sse", layers=2)
-    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16))
-    compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
-    ids, am = _batch()
+    model = model.to(device)
+    graphs = "on" if device == "cuda" else "off"
+    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, cuda_graphs="off"))
+    compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on", cuda_graphs=graphs))
+    ids, am = (t.to(device) for t in _batch())
     kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
     before = compiled(**kw)
     torch.manual_seed(11)
@@ -143,6 +148,8 @@ def test_compiled_decode_step_follows_in_place_weight_updates():
     after, ref = compiled(**kw), plain(**kw)
     assert torch.equal(after, ref)
     assert not torch.equal(after, before)   # the update changed the greedy tokens, so stale weights would show
+    if device == "cuda":
+        assert compiled.stats["graphs"]   # the second call replayed the captured graph
 
 
 def test_compile_raises_dynamo_limits_for_the_call_only(monkeypatch):
