@@ -12,7 +12,8 @@ import torch
 
 from hybridize.errors import UserError
 from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
-                                     kl_agreement, parse_model_spec, row_ids, run_recovery, teacher_answers)
+                                     kl_agreement, merge_reports, parse_model_spec, row_ids, run_recovery,
+                                     teacher_answers)
 
 
 def _cfg(**kw):
@@ -59,8 +60,18 @@ def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, 
             got = [json.loads(l) for l in (tmp_path / "needles" / f"{task}_{L}" / name / "samples.jsonl").open()]
             assert len(got) == cfg.needle_samples and {"completion", "answers", "score"} <= set(got[0])
             assert sum(g["score"] for g in got) / len(got) == rows[rid]["values"][name]
+    # pass/fail rows carry their prompt count and each model's Fisher test against the teacher
+    for rid, r in rows.items():
+        if rid.startswith("niah:"):
+            assert r["samples"] == cfg.needle_samples
+        if rid.startswith(("niah:", "arith:")):
+            assert r["samples"] >= 1 and r["p"]["self"] == 1.0 and 0 < r["p"]["noisy"] <= 1
+        else:
+            assert "p" not in r and "samples" not in r
+    assert rows["arith:test"]["samples"] == 6 * cfg.arith_samples   # every level's problems
     md = (tmp_path / "recovery.md").read_text()
     assert "teacher_ppl/model_ppl" in md and "| ppl | ppl:python-reference |" in md
+    assert " (p 1)" in md and "Fisher's exact test" in md
     # and how those answers are formed, per task, length and model
     assert "## needle answers by form" in md
     assert all(f"| {t}_{L} | {n} |" in md for t, L in (r.split(":")[1:] for r in rows if r.startswith("niah:"))
@@ -185,7 +196,6 @@ def test_niah_prompt_and_answer_fit_the_teachers_context(tmp_path, tiny_model, t
 def test_reports_run_apart_merge_into_one(tmp_path, tiny_model, tiny_tokenizer, noisy):
     """Two models evaluated in separate runs (side by side on one GPU), merged: the run over all models then
     recomputes nothing (stand-in models would change every value) and carries each model's values and ratios."""
-    from hybridize.eval.recovery import merge_reports
 
     cfg = _cfg(niah_tasks=("s-niah-1",))
     a = run_recovery({"teacher": tiny_model, "a": tiny_model}, tiny_tokenizer, cfg, tmp_path / "a", log=lambda s: None)
@@ -229,3 +239,26 @@ def test_answer_rows_score_the_teachers_answer_tokens_only(tiny_model, tiny_toke
     kl, agree = kl_agreement(lp, answer_logprobs(noisy, pairs))
     assert kl > 1e-3 and 0.0 <= agree < 1.0
     assert kl_agreement([], []) != kl_agreement([], [])   # (nan, nan) for no answers, not a division by zero
+
+
+def test_fisher_p_known_values():
+    from hybridize.eval.recovery import fisher_p
+
+    assert fisher_p(1, 40, 5, 40) == pytest.approx(0.2007, abs=1e-4)    # (x)'s S-NIAH-2 at 8k against the teacher
+    assert fisher_p(36, 40, 40, 40) == pytest.approx(0.1156, abs=1e-4)
+    assert fisher_p(0, 20, 10, 20) == pytest.approx(2 * 30045015 / 137846528820)   # the two extreme tables
+    assert fisher_p(3, 10, 3, 10) == 1.0 and fisher_p(0, 5, 0, 5) == 1.0
+    assert fisher_p(2, 30, 9, 30) == fisher_p(9, 30, 2, 30)
+
+
+def test_merge_recomputes_the_tests(tmp_path):
+    def rep(name, v):
+        return {"models": ["teacher", name], "rows": [{"row": "niah:s-niah-1:1024", "capability": "niah",
+                                                        "samples": 40, "values": {"teacher": 1.0, name: v},
+                                                        "ratios": {}, "p": {name: 0.5}}]}
+
+    for i, (name, v) in enumerate((("a", 0.9), ("b", 1.0))):
+        (tmp_path / f"{i}.json").write_text(json.dumps(rep(name, v)))
+    row = merge_reports([tmp_path / "0.json", tmp_path / "1.json"], tmp_path / "m.json")["rows"][0]
+    assert row["p"] == {"a": pytest.approx(0.1156, abs=1e-4), "b": 1.0}
+    assert row["ratios"] == {"a": pytest.approx(0.9), "b": 1.0}
