@@ -512,7 +512,7 @@ def summarize(rows: Sequence[dict], n: int, ks: Sequence[int], answer_format: st
            **{f"pass@{k}": sum(r[f"pass@{k}"] for r in rows) / P for k in ks},
            "format_rate": sum(answer_format_ok(c, answer_format) for r in rows for c in r["completions"]) / (P * n),
            "mean_tokens": sum(sum(r["num_tokens"]) for r in rows) / (P * n),
-           "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n), "problems": P}
+           "truncated_rate": sum(not f for r in rows for f in r["finished"]) / (P * n)}
     levels = sorted({r["level"] for r in rows if r.get("level") is not None}, key=lambda v: (str(type(v)), v))
     if levels:
         out["by_level"] = []

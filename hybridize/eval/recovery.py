@@ -49,7 +49,7 @@ import torch
 
 from hybridize.builtin_text import HELDOUT_CHAT_PROMPTS
 from hybridize.errors import UserError
-from . import needle_forms
+from . import arith, needle_forms
 from .common import build_prompt, data_file, encode, generate, has_chat_template, model_device, plt
 from .math import MathEvalConfig, evaluate_math
 from .niah import NiahConfig, answer_tokens, build_samples, evaluate_niah
@@ -155,6 +155,11 @@ def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -
         agree += (t.argmax(-1) == m.argmax(-1)).sum().item()
         n += t.shape[0]
     return (kl / n, agree / n) if n else (float("nan"), float("nan"))
+
+
+def arith_spec(cfg: RecoveryConfig) -> str:
+    """The generated problems of the `arith:test` row (`hybridize.eval.arith`)."""
+    return f"arith:test:n={cfg.arith_samples}"
 
 
 def ratio(row_id: str, teacher: float, value: float) -> float:
@@ -276,11 +281,9 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
             # a score of 0 says nothing of whether the model copied badly, answered in another form or not at all
             return evaluate_niah(m, tokenizer, nc, progress=False, samples=cache[key],
                                  out_dir=out / "needles" / f"{task}_{L}" / name)["accuracy"]
-        mc = MathEvalConfig(dataset=f"arith:test:n={cfg.arith_samples}", greedy=True, answer_format="number",
+        mc = MathEvalConfig(dataset=arith_spec(cfg), greedy=True, answer_format="number",
                             max_new_tokens=cfg.arith_max_new_tokens, generation=cfg.generation)
-        res = evaluate_math(m, tokenizer, mc, progress=False)
-        cache["arith_problems"] = res.get("problems")
-        return res["avg@1"]
+        return evaluate_math(m, tokenizer, mc, progress=False)["avg@1"]
 
     def write():
         report["rows"] = [rows[r] for r in row_ids(cfg) if r in rows]
@@ -306,8 +309,8 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                 _, task, L = row_id.split(":")
                 row["prompt_tokens"] = niah_config(task, int(L), models["teacher"], cfg).lengths[0]
                 row["samples"] = cfg.needle_samples
-            elif capability == "arith" and cache.get("arith_problems"):
-                row["samples"] = cache["arith_problems"]
+            elif capability == "arith":
+                row["samples"] = len(arith.load(arith_spec(cfg)))
             row.update(compare(row))
         rows[row_id] = row
         log(f"recovery: {row_id} done")
