@@ -3,9 +3,12 @@
 - Training text: the docstrings of the standard library's modules and of their public classes and
   functions (English prose about programming, ~0.4 MB on CPython 3.11), read with `inspect` from the
   interpreter that runs us.
+- More training text, `python-source`: the standard library's own Python source files (code, comments and
+  docstrings; ~8 MB on CPython 3.11, of which 2 MB by default, whole files in a fixed hash order so the
+  share spreads over the library rather than its first letters), read from the interpreter's stdlib folder.
 - Held-out text: `pydoc_data.topics`, the Python Language Reference sections that `help()` shows
-  (~0.47 MB, 79 topics). It is never in a training mix: `stdlib_docstrings` skips `pydoc_data`, and any
-  docstring that shares a line of 60+ characters with a topic is dropped (`_without_overlap`).
+  (~0.47 MB, 79 topics). It is never in a training mix: both training texts skip `pydoc_data`, and any
+  docstring or source file that shares a line of 60+ characters with a topic is dropped (`_without_overlap`).
 - Chat prompts: short instructions written for this project (`CHAT_PROMPTS`); the teacher answers them
   (`hybridize demo`), so the student also sees chat-formatted text and keeps answering chat prompts.
   `HELDOUT_CHAT_PROMPTS` are only ever asked, never trained on.
@@ -17,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import inspect
 import io
 import sys
+import sysconfig
 import warnings
+from pathlib import Path
 
 #: modules never imported: side effects on import (a browser, a window, printing), test suites, and the
 #: held-out source itself
@@ -146,8 +152,46 @@ def stdlib_docstrings(min_chars: int = 300) -> list[str]:
     return list(_stdlib_docstrings(min_chars))
 
 
+#: source folders never read: the test suites, GUI and demo code, the held-out topics, vendored or generated
+#: trees (codec tables, installed packages)
+SKIP_SOURCE_DIRS = frozenset({"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+                              "venv", "pydoc_data", "encodings", "site-packages", "dist-packages", "__pycache__"})
+
+
+def _source_files(root: Path) -> list[Path]:
+    """The stdlib's .py files outside SKIP_SOURCE_DIRS and the build's config folder, tests excluded, sorted."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        parts = p.relative_to(root).parts
+        if any(d in SKIP_SOURCE_DIRS or d.startswith("config-") for d in parts[:-1]) or parts[-1].startswith("test_"):
+            continue
+        out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_sources(max_chars: int, root: str) -> tuple[str, ...]:
+    base = Path(root)
+    files = sorted(_source_files(base), key=lambda p: hashlib.sha1(p.relative_to(base).as_posix().encode()).hexdigest())
+    texts = [t for t in (p.read_text(encoding="utf-8", errors="replace").strip() for p in files) if t]
+    docs, total = [], 0
+    for text in _without_overlap(texts, language_reference_topics()):
+        if total + len(text) <= max_chars:   # a file too long for what is left is skipped: a shorter one may fit
+            docs.append(text)
+            total += len(text)
+    return tuple(docs)
+
+
+def stdlib_sources(max_chars: int = 2_000_000) -> list[str]:
+    """More training text: whole source files of the standard library (one document each), in a fixed order
+    (the SHA-1 of each file's path under the stdlib folder), at most `max_chars` characters in all, without any
+    file that shares a long line with the held-out topics."""
+    return list(_stdlib_sources(max_chars, sysconfig.get_paths()["stdlib"]))
+
+
 #: names that every data option accepts (`data.train=python-docs`, `eval ppl --text python-reference`)
-BUILTIN_TEXTS = {"python-docs": stdlib_docstrings, "python-reference": language_reference_topics}
+BUILTIN_TEXTS = {"python-docs": stdlib_docstrings, "python-source": stdlib_sources,
+                 "python-reference": language_reference_topics}
 
 
 def builtin_texts(name: str) -> list[str] | None:

@@ -16,7 +16,9 @@ select` measured; `select_long` = `select` plus the long-context recipe (smollm2
 tokens plus 4 attention sinks) and SSE, the SSE paper's sse/swa/softmax recipe; `pattern_long` = `pattern` plus the
 long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A and B: the teacher's answers to N
 GSM8K train questions in the chat template (`hybridize distill traces`); `--python-docs` adds the built-in
-standard-library docstrings (prose about Python; the held-out Python reference stays out); `--long-mix` gives the
+standard-library docstrings (prose about Python; the held-out Python reference stays out) and `--python-source`
+2 MB of its source files; `eval teacher` computes the teacher's rows alone (beside training), which the variants'
+evals start from; `--long-mix` gives the
 long-context stage that extra text too (otherwise it trains on whole articles only); `--long-questions N` adds the
 teacher's answers to N questions asked after 1k-7k tokens of those articles to the long stage; `--recall-drills F`
 plants recall drills in every stage's text (`hybridize/distill/recall_drills.py`). Stages A and B
@@ -49,9 +51,10 @@ TRAINABLE = ("fixed", "select", "pattern")
 def args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=["select", "train", "long", "eval"])
-    p.add_argument("variant", nargs="?", choices=VARIANTS,
+    p.add_argument("variant", nargs="?", choices=VARIANTS + ("teacher",),
                    help="train/long: which variant (fixed, select, pattern); eval: that variant alone, into "
-                        "<work>/recovery_<variant> (side by side with the others); eval without one: merge those "
+                        "<work>/recovery_<variant> (side by side with the others; `teacher`: the teacher's rows "
+                        "alone, which the variants' evals then start from); eval without one: merge those "
                         "and report every trained variant")
     p.add_argument("--teacher", default="default")
     p.add_argument("--work", default="/root/rv")
@@ -86,8 +89,12 @@ def args_parser():
                    help="add the built-in `python-docs` text (the standard library's docstrings, none sharing a long "
                         "line with the held-out Python reference) to stage A's and B's training text: the suite's "
                         "out-of-domain perplexity row then has prose about Python in training, never its own text")
+    p.add_argument("--python-source", action="store_true",
+                   help="add the built-in `python-source` text (2 MB of the standard library's own source files, "
+                        "none sharing a long line with the held-out Python reference) to stage A's and B's text")
     p.add_argument("--long-mix", action="store_true",
-                   help="the long stage also trains on stages A and B's extra text (--chat-traces, --python-docs), "
+                   help="the long stage also trains on stages A and B's extra text (--chat-traces, --python-docs, "
+                        "--python-source), "
                         "not only on whole articles: at 4k-8k the student fails in the answer's form (RESULTS.md, "
                         "variant (viii)), and the articles alone hold no chat")
     p.add_argument("--long-questions", type=int, default=0,
@@ -164,8 +171,10 @@ def drills(a, reach: int) -> list[str]:
 
 
 def extra_text(a, work: Path, env: dict) -> list[str]:
-    """The sources stages A and B add to the articles: python-docs and the chat traces, when asked for."""
-    return (["python-docs"] if a.python_docs else []) + chat_traces(a, work, env)
+    """The sources stages A and B add to the articles: python-docs, python-source and the chat traces, when asked
+    for."""
+    builtin = [name for name, on in (("python-docs", a.python_docs), ("python-source", a.python_source)) if on]
+    return builtin + chat_traces(a, work, env)
 
 
 def run_train(a, work: Path, env: dict, variant: str) -> None:
@@ -259,17 +268,23 @@ def recovery_args(a) -> list[str]:
 
 
 def run_eval_one(a, work: Path, env: dict, variant: str) -> None:
-    """One variant against the teacher into <work>/recovery_<variant>, started from <work>/recovery_base.json
-    (the teacher's rows of an earlier run) when there is one: only the missing values are computed."""
-    d = final_dirs(work).get(variant)
-    if d is None:
-        sys.exit(f"{variant} has no trained model under {work}")
+    """One variant against the teacher into <work>/recovery_<variant>, started from the teacher's rows: those of
+    `eval teacher` (<work>/recovery_teacher) or else <work>/recovery_base.json (an earlier run's) when there is one,
+    so only the missing values are computed (rows of another prompt count are redone). `teacher`: the teacher's
+    rows alone, to run beside the training steps."""
+    model = []
+    if variant != "teacher":
+        d = final_dirs(work).get(variant)
+        if d is None:
+            sys.exit(f"{variant} has no trained model under {work}")
+        model = ["--model", f"{variant}={d}"]
     out = work / f"recovery_{variant}"
     out.mkdir(parents=True, exist_ok=True)
-    base = work / "recovery_base.json"
-    if base.is_file() and not (out / "recovery.json").is_file():
-        shutil.copy(base, out / "recovery.json")
-    run_step(work, f"recovery_{variant}", ["eval", "recovery", "--teacher", a.teacher, "--model", f"{variant}={d}",
+    bases = [b for b in (work / "recovery_teacher" / "recovery.json", work / "recovery_base.json")
+             if b.is_file() and b.parent != out]
+    if bases and not (out / "recovery.json").is_file():
+        shutil.copy(bases[0], out / "recovery.json")
+    run_step(work, f"recovery_{variant}", ["eval", "recovery", "--teacher", a.teacher, *model,
                                            "--out", str(out), *recovery_args(a)], env=env)
 
 

@@ -305,7 +305,8 @@ def speed_cmd(
 @eval_app.command("recovery")
 def recovery_cmd(
     teacher: str = typer.Option(..., "--teacher", help="'default' or the teacher's checkpoint dir"),
-    model: List[str] = typer.Option(..., "--model", "-m", help="NAME=DIR (repeatable)"),
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="NAME=DIR (repeatable); none: only the "
+                                              "teacher's rows, which later runs into the same --out reuse"),
     out: Path = typer.Option(..., help="output folder: recovery.json, recovery.md, recovery.png"),
     time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
     lengths: str = typer.Option("1k,2k,4k,8k", help="S-NIAH prompt lengths"),
@@ -325,7 +326,7 @@ def recovery_cmd(
     from .common import load_model, parse_int_list
     from .recovery import NIAH_TASKS, RecoveryConfig, check_lengths, check_tokenizer, parse_model_spec, run_recovery
 
-    specs = [parse_model_spec(s) for s in model]
+    specs = [parse_model_spec(s) for s in model or []]
     tasks = tuple(t.strip().lower() for t in niah_tasks.split(",") if t.strip())
     bad = [t for t in tasks if t not in NIAH_TASKS]
     if bad:

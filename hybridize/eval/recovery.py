@@ -233,6 +233,25 @@ def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
     return merged
 
 
+def samples_of(row_id: str, cfg: RecoveryConfig) -> int | None:
+    """How many pass/fail prompts a needle or arithmetic row scores under `cfg` (None for the other rows)."""
+    if row_id.startswith("niah:"):
+        return cfg.needle_samples
+    if row_id.startswith("arith:"):
+        return len(arith.load(arith_spec(cfg)))
+    return None
+
+
+def _stale(row: dict, cfg: RecoveryConfig, log: Callable[[str], None]) -> bool:
+    """A kept row scored on another number of prompts than `cfg` asks for: its values (the teacher's included)
+    cannot sit beside new ones, so every model's is computed again."""
+    n = row.get("samples")
+    if n is None or row.get("skipped") or n == samples_of(row["row"], cfg):
+        return False
+    log(f"recovery: {row['row']} holds {n} prompts per model, not {samples_of(row['row'], cfg)}: computed again")
+    return True
+
+
 def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Path,
                  log: Callable[[str], None] = print) -> dict:
     """`models`: {name: model}, the teacher first under the name 'teacher'. Returns the report dict."""
@@ -240,7 +259,7 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recovery.json"
     old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not cfg.overwrite else {}
-    earlier = {r["row"]: r for r in old.get("rows", [])}
+    earlier = {r["row"]: r for r in old.get("rows", []) if not _stale(r, cfg, log)}
     done = {k: r for k, r in earlier.items() if set(models) <= set(r.get("values", {})) or r.get("skipped")}
     deadline = time.time() + cfg.time_budget if cfg.time_budget is not None else None
     rows: dict[str, dict] = dict(done)
@@ -308,9 +327,8 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
             if capability == "niah":
                 _, task, L = row_id.split(":")
                 row["prompt_tokens"] = niah_config(task, int(L), models["teacher"], cfg).lengths[0]
-                row["samples"] = cfg.needle_samples
-            elif capability == "arith":
-                row["samples"] = len(arith.load(arith_spec(cfg)))
+            if capability in ("niah", "arith"):
+                row["samples"] = samples_of(row_id, cfg)
             row.update(compare(row))
         rows[row_id] = row
         log(f"recovery: {row_id} done")
@@ -318,7 +336,8 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
     write()
     write_md(out / "recovery.md", report)
     write_forms(out / "recovery.md", out)
-    save_bars(out / "recovery.png", report)
+    if len(models) > 1:   # bars of ratios: none without a model beside the teacher
+        save_bars(out / "recovery.png", report)
     return report
 
 

@@ -262,3 +262,59 @@ def test_merge_recomputes_the_tests(tmp_path):
     row = merge_reports([tmp_path / "0.json", tmp_path / "1.json"], tmp_path / "m.json")["rows"][0]
     assert row["p"] == {"a": pytest.approx(0.1156, abs=1e-4), "b": 1.0}
     assert row["ratios"] == {"a": pytest.approx(0.9), "b": 1.0}
+
+
+def test_teacher_rows_alone_then_a_model_reuses_them(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    """No model: only the teacher's rows (no bars). A later run with a model into the same folder keeps them: a
+    stand-in teacher there would change them if they were recomputed."""
+    cfg = _cfg(niah_tasks=("s-niah-1",))
+    alone = run_recovery({"teacher": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    assert alone["models"] == ["teacher"] and not (tmp_path / "recovery.png").exists()
+    assert all(set(r["values"]) == {"teacher"} for r in alone["rows"] if not r.get("skipped"))
+    later = run_recovery({"teacher": noisy, "m": noisy}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    for r1, r2 in zip(alone["rows"], later["rows"]):
+        if not r1.get("skipped"):
+            assert r2["values"]["teacher"] == r1["values"]["teacher"] and "m" in r2["ratios"], r1["row"]
+    assert (tmp_path / "recovery.png").exists()
+
+
+def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    """A needle row kept from a run with fewer prompts is redone for every model (teacher included), so that one
+    row's values and its `samples` (and Fisher's p) always count the same prompts; the other rows are kept."""
+    cfg = _cfg(niah_tasks=("s-niah-1",))
+    run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=lambda s: None)
+    old = json.loads((tmp_path / "recovery.json").read_text())
+    niah = "niah:s-niah-1:512"
+    for r in old["rows"]:   # a marker value the rerun must replace for the needle row, and keep for the others
+        if not r.get("skipped"):
+            r["values"]["teacher"] = 0.123
+    (tmp_path / "recovery.json").write_text(json.dumps(old))
+    logs = []
+    rep = run_recovery({"teacher": noisy, "m": noisy}, tiny_tokenizer, _cfg(niah_tasks=("s-niah-1",), needle_samples=2),
+                       tmp_path, log=logs.append)
+    rows = {r["row"]: r for r in rep["rows"]}
+    assert rows[niah]["samples"] == 2 and rows[niah]["values"]["teacher"] != 0.123
+    assert all(r["values"]["teacher"] == 0.123 for k, r in rows.items() if k != niah and not r.get("skipped"))
+    assert any(niah in s and "holds 1 prompts" in s for s in logs)
+
+
+def test_cli_without_a_model_writes_the_teachers_rows(tmp_path, tiny_model_dir):
+    import typer
+    from typer.testing import CliRunner
+
+    from hybridize.eval.cli import register
+
+    app = typer.Typer()
+
+    @app.callback()
+    def main():
+        pass
+
+    register(app)
+    r = CliRunner().invoke(app, ["eval", "recovery", "--teacher", str(tiny_model_dir), "--out", str(tmp_path),
+                                 "--device", "cpu", "--dtype", "float32", "--lengths", "512", "--needle-samples", "1",
+                                 "--arith-samples", "1", "--ppl-length", "64", "--ppl-tokens", "128",
+                                 "--niah-tasks", "s-niah-1", "--generation", "hf"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "recovery.json").read_text())
+    assert rep["models"] == ["teacher"] and rep["rows"]

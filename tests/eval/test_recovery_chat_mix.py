@@ -1,6 +1,8 @@
 """The recovery pipeline's chat mix (`benchmarks/pipeline/recovery_variants.py --chat-traces N`): the traces step is
 run with the teacher and the GSM8K questions, and its output joins stage A's and B's training text. The commands
 themselves are recorded, not run (they need the teacher and minutes of generation)."""
+from pathlib import Path
+
 import pytest
 
 import benchmarks.pipeline.recovery_variants as rv
@@ -112,3 +114,40 @@ def test_long_questions_give_the_long_stage_the_teachers_answers(monkeypatch, tm
     rv.run_long(rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data)]),
                 tmp_path / "work", {}, "pattern")
     assert [n for n, _, _ in calls] == ["pattern_long"]   # none by default
+
+
+def test_python_source_joins_stages_a_and_b_and_the_long_mix(monkeypatch, tmp_path, data):
+    calls = run(monkeypatch, tmp_path, data, "--python-docs", "--python-source")
+    trains = [next(x for x in args if x.startswith("data.train=")) for n, args in calls if "align" in n or "e2e" in n]
+    assert len(trains) == 2 and all(t.endswith(",python-docs,python-source]") for t in trains)
+    assert not any("python-source" in x for _, args in run(monkeypatch, tmp_path, data, "--python-docs") for x in args)
+    (tmp_path / "work" / "pattern" / "e2e" / "final").mkdir(parents=True)
+    long = []
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: long.append(args))
+    a = rv.args_parser().parse_args(["long", "pattern", "--teacher", "T", "--data", str(data), "--python-source",
+                                     "--long-mix"])
+    rv.run_long(a, tmp_path / "work", {}, "pattern")
+    assert next(x for x in long[0] if x.startswith("data.train=")).endswith(",python-source]")
+
+
+def test_teacher_eval_runs_without_a_model_and_seeds_the_variants(monkeypatch, tmp_path):
+    """`eval teacher` asks for no model and starts from an older recovery_base.json (its cheap rows kept); a
+    variant's eval then starts from the teacher's new rows, ahead of that older base."""
+    work = tmp_path / "work"
+    (work / "pattern" / "e2e" / "final").mkdir(parents=True)
+    (work / "pattern" / "e2e" / "final" / "config.json").write_text("{}")
+    (work / "recovery_base.json").write_text('{"old": 1}')
+    calls = []
+
+    def fake_run_step(w, name, args, *rest, **kw):
+        out = Path(args[args.index("--out") + 1])
+        calls.append((name, args, (out / "recovery.json").read_text()))
+        if name == "recovery_teacher":
+            (out / "recovery.json").write_text('{"teacher": 1}')
+
+    monkeypatch.setattr(rv, "run_step", fake_run_step)
+    a = rv.args_parser().parse_args(["eval", "teacher", "--teacher", "T", "--work", str(work)])
+    rv.run_eval_one(a, work, {}, "teacher")
+    assert calls[0][0] == "recovery_teacher" and "--model" not in calls[0][1] and calls[0][2] == '{"old": 1}'
+    rv.run_eval_one(a, work, {}, "pattern")
+    assert calls[1][0] == "recovery_pattern" and "--model" in calls[1][1] and calls[1][2] == '{"teacher": 1}'
