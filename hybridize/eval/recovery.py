@@ -243,12 +243,14 @@ def samples_of(row_id: str, cfg: RecoveryConfig) -> int | None:
 
 
 def _stale(row: dict, cfg: RecoveryConfig, log: Callable[[str], None]) -> bool:
-    """A kept row scored on another number of prompts than `cfg` asks for: its values (the teacher's included)
-    cannot sit beside new ones, so every model's is computed again."""
-    n = row.get("samples")
-    if n is None or row.get("skipped") or n == samples_of(row["row"], cfg):
+    """A kept needle or arithmetic row scored on another number of prompts than `cfg` asks for, or on an unknown
+    number (a report written before rows carried `samples`): its values (the teacher's included) cannot sit beside
+    new ones, so every model's is computed again."""
+    n, want = row.get("samples"), samples_of(row["row"], cfg)
+    if want is None or row.get("skipped") or n == want:
         return False
-    log(f"recovery: {row['row']} holds {n} prompts per model, not {samples_of(row['row'], cfg)}: computed again")
+    log(f"recovery: {row['row']} holds {n if n is not None else 'an unknown number of'} prompts per model, not "
+        f"{want}: computed again")
     return True
 
 

@@ -296,6 +296,16 @@ def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_m
     assert rows[niah]["samples"] == 2 and rows[niah]["values"]["teacher"] != 0.123
     assert all(r["values"]["teacher"] == 0.123 for k, r in rows.items() if k != niah and not r.get("skipped"))
     assert any(niah in s and "holds 1 prompts" in s for s in logs)
+    old = json.loads((tmp_path / "recovery.json").read_text())
+    for r in old["rows"]:
+        r.pop("samples", None)   # a report from before rows carried their prompt count
+    (tmp_path / "recovery.json").write_text(json.dumps(old))
+    logs.clear()
+    run_recovery({"teacher": noisy, "m": noisy}, tiny_tokenizer, _cfg(niah_tasks=("s-niah-1",), needle_samples=2),
+                 tmp_path, log=logs.append)
+    assert any(niah in s and "an unknown number of prompts" in s for s in logs)
+    assert any("arith:test" in s and "unknown" in s for s in logs)
+    assert not any("ppl:" in s and "computed again" in s for s in logs)
 
 
 def test_cli_without_a_model_writes_the_teachers_rows(tmp_path, tiny_model_dir):
