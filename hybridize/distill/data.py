@@ -138,8 +138,9 @@ def wikitext_articles(text: str) -> list[str]:
 
 def load_texts(source: str | list, text_field: str = "text", template: str = "", split: str = "train",
                max_docs: int = 0, txt_document: str = "line") -> list[str]:
-    """Documents of a built-in text (`python-docs`, `python-reference`: see hybridize.builtin_text), a local file or
-    folder, or a hub dataset; a list of sources is read in turn (`max_docs` applies to each).
+    """Documents of a built-in text (`python-docs`, `python-source`, `python-reference`: see
+    hybridize.builtin_text), a local file or folder, or a hub dataset; a list of sources is read in turn
+    (`max_docs` applies to each).
 
     `txt_document` says what one document of a local text file is: a "line" (the `datasets` default), a
     "paragraph", the whole "file", or a "wikitext" article (whole articles keep long-range structure for a

@@ -6,7 +6,8 @@ The teacher and every `--model` run on one fixed suite; `recovery.json` is rewri
 Rows (each tagged with its capability):
 - `ppl:python-reference`: held-out perplexity on the built-in `python-reference` text (Python's Language
   Reference). No training mix the project ships contains it: the e2e recipes in `hybridize/recipes/` train on
-  `python-docs` (stdlib docstrings) and name `python-reference` only as their held-out `data.eval`, and the
+  `python-docs` (stdlib docstrings; `python-source`, stdlib source files, is offered beside it, filtered the same
+  way) and name `python-reference` only as their held-out `data.eval`, and the
   demo (`hybridize/distill/demo.py`) trains on stdlib docstrings and the teacher's answers to its chat
   prompts, keeping the Language Reference topics as its held-out text.
 - `ppl:wikitext2`: wikitext-2 test from ../shared/data; where that is missing the row is written as
