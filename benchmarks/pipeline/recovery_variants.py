@@ -31,7 +31,8 @@ Measured on one H100 (RESULTS.md, "Recovery: the three variants"): `select` 178 
 stage A (250 x 8192 tokens) 222 s, stage B (160 x 16384) 302 s, long (80 x 16384) 142 s, with two variants side
 by side on the GPU (`bash benchmarks/pipeline/device_default.sh $OUT pipeline`, which runs the phases in a background
 process session so that they outlive the 10-minute device calls); each eval with 40 needle prompts per
-length, about 7 minutes. On the torch kernels stage A needs --accum 4 and runs about 5x slower.
+length, about 7 minutes (run (xi) on one H200, with the default 96: about 8 minutes per model, the teacher's
+included). On the torch kernels stage A needs --accum 4 and runs about 5x slower.
 """
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def args_parser():
     p.add_argument("--pattern-settings", default="swa.window=512 swa.sinks=4",
                    help="the `pattern` variant's --mixer-settings (space-separated)")
     p.add_argument("--select-args", default="", help="extra `hybridize select` options")
-    p.add_argument("--recovery-args", default="--needle-samples 40 --generation hf",
-                   help="`hybridize eval recovery` options (40 needle prompts per length: one is 0.025)")
+    p.add_argument("--recovery-args", default="--needle-samples 96 --arith-samples 20 --generation hf",
+                   help="`hybridize eval recovery` options: 96 needle prompts per length (three generation batches of "
+                        "32; a 0.9x ratio against a teacher at 1.0 then has Fisher's p = 0.002, at 40 prompts 0.12) "
+                        "and 114 arithmetic problems. Runs (i)-(x) in RESULTS.md used 40 and 60")
     p.add_argument("--eval-seconds", type=float, default=0.0, help="eval recovery's --time-budget; 0 = none")
     p.add_argument("--align-steps", type=int, default=200)
     p.add_argument("--e2e-steps", type=int, default=150)
