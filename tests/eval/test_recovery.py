@@ -9,8 +9,10 @@ import time
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from hybridize.errors import UserError
+from tests.eval.test_cli import app  # noqa: F401  (the fixture: `hybridize eval` as a group)
 from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
                                      kl_agreement, merge_reports, parse_model_spec, row_ids, run_recovery,
                                      teacher_answers)
@@ -113,19 +115,7 @@ def test_bad_input_lines(tiny_model, tiny_tokenizer):
         check_lengths(tiny_model, _cfg(lengths=(1024, 100_000)))
 
 
-def test_cli_end_to_end_and_bad_spelling(tmp_path, tiny_model_dir):
-    import typer
-    from typer.testing import CliRunner
-
-    from hybridize.eval.cli import register
-
-    app = typer.Typer()
-
-    @app.callback()
-    def main():
-        pass
-
-    register(app)
+def test_cli_end_to_end_and_bad_spelling(app, tmp_path, tiny_model_dir):
     base = ["eval", "recovery", "--teacher", str(tiny_model_dir), "--out", str(tmp_path), "--device", "cpu",
             "--dtype", "float32", "--lengths", "512", "--needle-samples", "1", "--arith-samples", "1",
             "--ppl-length", "64", "--ppl-tokens", "128", "--generation", "hf"]
@@ -308,19 +298,7 @@ def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_m
     assert not any("ppl:" in s and "computed again" in s for s in logs)
 
 
-def test_cli_without_a_model_writes_the_teachers_rows(tmp_path, tiny_model_dir):
-    import typer
-    from typer.testing import CliRunner
-
-    from hybridize.eval.cli import register
-
-    app = typer.Typer()
-
-    @app.callback()
-    def main():
-        pass
-
-    register(app)
+def test_cli_without_a_model_writes_the_teachers_rows(app, tmp_path, tiny_model_dir):
     r = CliRunner().invoke(app, ["eval", "recovery", "--teacher", str(tiny_model_dir), "--out", str(tmp_path),
                                  "--device", "cpu", "--dtype", "float32", "--lengths", "512", "--needle-samples", "1",
                                  "--arith-samples", "1", "--ppl-length", "64", "--ppl-tokens", "128",
