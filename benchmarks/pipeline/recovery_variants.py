@@ -18,8 +18,8 @@ long-context recipe. `--chat-traces N` adds a chat mix to any variant's stages A
 GSM8K train questions in the chat template (`hybridize distill traces`); `--python-docs` adds the built-in
 standard-library docstrings (prose about Python; the held-out Python reference stays out) and `--python-source`
 2 MB of its source files; `eval teacher` computes the teacher's rows alone (beside training), which the variants'
-evals start from; `--long-mix` gives the
-long-context stage that extra text too (otherwise it trains on whole articles only); `--long-questions N` adds the
+evals start from; `--long-mix` gives the long-context stage that extra text too (otherwise it trains on whole
+articles only); `--long-questions N` adds the
 teacher's answers to N questions asked after 1k-7k tokens of those articles to the long stage; `--recall-drills F`
 plants recall drills in every stage's text (`hybridize/distill/recall_drills.py`). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
@@ -297,8 +297,10 @@ def run_eval_all(a, work: Path, env: dict) -> None:
     models = final_dirs(work)
     if not models:
         sys.exit(f"no trained variant under {work}")
-    parts = [p for p in [work / "recovery_base.json", *sorted(work.glob("recovery_*/recovery.json")),
-                         work / "recovery" / "recovery.json"] if p.is_file()]
+    # the per-variant reports first: a row's prompt count is the first file's (merge_reports), and the base may be
+    # an older run's on fewer prompts
+    parts = [p for p in [*sorted(work.glob("recovery_*/recovery.json")), work / "recovery" / "recovery.json",
+                         work / "recovery_base.json"] if p.is_file()]
     if parts:
         merge_reports(parts, work / "recovery" / "recovery.json")
     run_step(work, "recovery", ["eval", "recovery", "--teacher", a.teacher,

@@ -210,7 +210,9 @@ def _atomic_json(path: Path, obj) -> None:
 def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
     """Several `recovery.json` (e.g. one model each, run side by side on one GPU) -> one at `out_path`, which
     `run_recovery` then resumes: each row's values united (the first file's value wins where two hold the same
-    model, the teacher's included), ratios recomputed; a row skipped in any file stays skipped."""
+    model, the teacher's included), ratios recomputed; a row skipped in any file stays skipped. A needle or
+    arithmetic row counts the prompts of the first file that holds it: the values of a file that scored it on
+    another number (`samples`) are left out, to be computed again."""
     reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
     models = list(dict.fromkeys(n for r in reports for n in r.get("models", [])))
     rows: dict[str, dict] = {}
@@ -219,6 +221,8 @@ def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
             row = rows.setdefault(r["row"], {k: v for k, v in r.items() if k not in ("values", "ratios", "p")})
             if r.get("skipped"):
                 row["skipped"] = r["skipped"]
+                continue
+            if row.get("samples") != r.get("samples"):
                 continue
             vals = row.setdefault("values", {})
             for n, v in r.get("values", {}).items():

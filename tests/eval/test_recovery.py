@@ -252,6 +252,11 @@ def test_merge_recomputes_the_tests(tmp_path):
     row = merge_reports([tmp_path / "0.json", tmp_path / "1.json"], tmp_path / "m.json")["rows"][0]
     assert row["p"] == {"a": pytest.approx(0.1156, abs=1e-4), "b": 1.0}
     assert row["ratios"] == {"a": pytest.approx(0.9), "b": 1.0}
+    other = rep("c", 0.5)
+    other["rows"][0].update(samples=96, values={"teacher": 0.25, "c": 0.5})   # scored on other prompts: left out
+    (tmp_path / "2.json").write_text(json.dumps(other))
+    row = merge_reports([tmp_path / f"{i}.json" for i in range(3)], tmp_path / "m.json")["rows"][0]
+    assert row["samples"] == 40 and set(row["values"]) == {"teacher", "a", "b"} and row["values"]["teacher"] == 1.0
 
 
 def test_teacher_rows_alone_then_a_model_reuses_them(tmp_path, tiny_model, tiny_tokenizer, noisy):
