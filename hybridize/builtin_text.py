@@ -4,8 +4,9 @@
   functions (English prose about programming, ~0.4 MB on CPython 3.11), read with `inspect` from the
   interpreter that runs us.
 - More training text, `python-source`: the standard library's own Python source files (code, comments and
-  docstrings; ~8 MB on CPython 3.11, of which 2 MB by default, whole files in a fixed hash order so the
-  share spreads over the library rather than its first letters), read from the interpreter's stdlib folder.
+  docstrings; ~8 MB on CPython 3.11, of which 2 MB by default and another share as `python-source:4M`, whole
+  files in a fixed hash order so the share spreads over the library rather than its first letters), read from the
+  interpreter's stdlib folder.
 - Held-out text: `pydoc_data.topics`, the Python Language Reference sections that `help()` shows
   (~0.47 MB, 79 topics). It is never in a training mix: both training texts skip `pydoc_data`, and any
   docstring or source file that shares a line of 60+ characters with a topic is dropped (`_without_overlap`).
@@ -28,6 +29,8 @@ import sys
 import sysconfig
 import warnings
 from pathlib import Path
+
+from hybridize.errors import UserError
 
 #: modules never imported: side effects on import (a browser, a window, printing), test suites, and the
 #: held-out source itself
@@ -195,6 +198,22 @@ BUILTIN_TEXTS = {"python-docs": stdlib_docstrings, "python-source": stdlib_sourc
 
 
 def builtin_texts(name: str) -> list[str] | None:
-    """The documents of a built-in text by name, None when `name` is not one."""
+    """The documents of a built-in text by name, None when `name` is not one. `python-source:SIZE` takes another
+    share of the source files than the default 2 MB: SIZE in characters, with k or M (`python-source:4M`)."""
+    base, colon, size = name.partition(":")
+    if colon and base == "python-source":
+        return stdlib_sources(_chars(size, name))
     fn = BUILTIN_TEXTS.get(name)
     return fn() if fn else None
+
+
+def _chars(size: str, name: str) -> int:
+    scale = {"k": 1_000, "m": 1_000_000}.get(size[-1:].lower(), 1)
+    digits = size[:-1] if scale > 1 else size
+    try:
+        n = int(float(digits) * scale)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise UserError(f"{name}: give the size in characters, e.g. python-source:4M or python-source:500k")
+    return n

@@ -47,3 +47,16 @@ def test_source_files_skip_tests_and_the_heldout_package():
            _source_files(Path(sysconfig.get_paths()["stdlib"]))]
     assert rel and not any(set(r[:-1]) & SKIP_SOURCE_DIRS or r[-1].startswith("test_") for r in rel)
     assert ("pydoc_data", "topics.py") not in rel
+
+
+def test_source_size_by_name_and_a_bad_size_is_one_line():
+    import pytest
+
+    from hybridize.errors import UserError
+
+    assert builtin_texts("python-source:300k") == stdlib_sources(max_chars=300_000)
+    assert load_texts("python-source:0.3M") == stdlib_sources(max_chars=300_000)
+    for bad in ("python-source:lots", "python-source:0", "python-source:"):
+        with pytest.raises(UserError, match="python-source:4M"):
+            builtin_texts(bad)
+    assert builtin_texts("python-docs:3") is None   # only the source text takes a size

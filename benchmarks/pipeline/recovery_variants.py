@@ -92,9 +92,10 @@ def args_parser():
                    help="add the built-in `python-docs` text (the standard library's docstrings, none sharing a long "
                         "line with the held-out Python reference) to stage A's and B's training text: the suite's "
                         "out-of-domain perplexity row then has prose about Python in training, never its own text")
-    p.add_argument("--python-source", action="store_true",
+    p.add_argument("--python-source", nargs="?", const="", default=None, metavar="SIZE",
                    help="add the built-in `python-source` text (2 MB of the standard library's own source files, "
-                        "none sharing a long line with the held-out Python reference) to stage A's and B's text")
+                        "none sharing a long line with the held-out Python reference) to stage A's and B's text; "
+                        "SIZE (e.g. 4M) takes another share")
     p.add_argument("--long-mix", action="store_true",
                    help="the long stage also trains on stages A and B's extra text (--chat-traces, --python-docs, "
                         "--python-source), "
@@ -176,7 +177,9 @@ def drills(a, reach: int) -> list[str]:
 def extra_text(a, work: Path, env: dict) -> list[str]:
     """The sources stages A and B add to the articles: python-docs, python-source and the chat traces, when asked
     for."""
-    builtin = [name for name, on in (("python-docs", a.python_docs), ("python-source", a.python_source)) if on]
+    builtin = ["python-docs"] if a.python_docs else []
+    if a.python_source is not None:
+        builtin.append(f"python-source:{a.python_source}" if a.python_source else "python-source")
     return builtin + chat_traces(a, work, env)
 
 

@@ -128,6 +128,8 @@ def test_python_source_joins_stages_a_and_b_and_the_long_mix(monkeypatch, tmp_pa
                                      "--long-mix"])
     rv.run_long(a, tmp_path / "work", {}, "pattern")
     assert next(x for x in long[0] if x.startswith("data.train=")).endswith(",python-source]")
+    sized = run(monkeypatch, tmp_path, data, "--python-source", "4M")
+    assert next(x for x in dict(sized)["pattern-e2e"] if x.startswith("data.train=")).endswith(",python-source:4M]")
 
 
 def test_teacher_eval_runs_without_a_model_and_seeds_the_variants(monkeypatch, tmp_path):
