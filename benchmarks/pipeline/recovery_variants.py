@@ -19,9 +19,9 @@ GSM8K train questions in the chat template (`hybridize distill traces`); `--pyth
 standard-library docstrings (prose about Python; the held-out Python reference stays out) and `--python-source`
 2 MB of its source files; `eval teacher` computes the teacher's rows alone (beside training), which the variants'
 evals start from; `--long-mix` gives the long-context stage that extra text too (otherwise it trains on whole
-articles only); `--long-questions N` adds the
-teacher's answers to N questions asked after 1k-7k tokens of those articles to the long stage; `--recall-drills F`
-plants recall drills in every stage's text (`hybridize/distill/recall_drills.py`). Stages A and B
+articles only); `--long-questions N` adds the teacher's answers to N questions asked after 1k-7k tokens of those
+articles to the long stage; `--recall-drills F` plants recall drills in every stage's text
+(`hybridize/distill/recall_drills.py`). Stages A and B
 use the shipped recipes with the sizes below; the training text is whole long documents from the data folder
 (general_text wiki/c4 demos and wikitext-2 *valid* articles; wikitext-2 test and the haystack essays are
 evaluation text and never train). Budgets are step counts (the same for every variant) with a wall-clock cap

@@ -12,10 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from hybridize.errors import UserError
-from tests.eval.test_cli import app  # noqa: F401  (the fixture: `hybridize eval` as a group)
 from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
                                      kl_agreement, merge_reports, parse_model_spec, row_ids, run_recovery,
                                      teacher_answers)
+from tests.eval.test_cli import app  # noqa: F401  (the fixture: `hybridize eval` as a group)
 
 
 def _cfg(**kw):
