@@ -109,11 +109,20 @@ class FastGenConfig:
                                                            "(else raise)"})
     compile: str = field(default="off", metadata={
         "help": "torch.compile the decode step (norms, gates and elementwise ops fused into few kernels) for the "
-                "masked / CUDA-graph path: off | on. "
+                "masked / CUDA-graph path: off | on | auto. auto compiles once this generator has decoded "
+                "compile_after_s seconds uncompiled on that path, so a long job of one shape pays at most about "
+                "twice the better of the two choices (ski rental) and a short one never compiles; each new batch "
+                "size or buffer length compiles again (on an H100 the teacher 13-27 s, the hybrid 0.3-2.3 s after "
+                "its first), which the rule does not count, so it suits jobs of few shapes (not yet measured on a "
+                "GPU). "
                 "Compiles on the first steps of each new session (seconds; benchmarks/RESULTS.md), so it pays off "
                 "for long rollouts and GRPO runs. Each decoder layer is compiled on its own (our kernels are graph "
                 "breaks), so dynamo's recompile limits are raised to 8 entries per layer (32 in all) during the "
                 "call; shapes past that run uncompiled"})
+    compile_after_s: float = field(default=20.0, metadata={
+        "help": "compile=auto: seconds of uncompiled decode on the masked / CUDA-graph path after which the next "
+                "session compiles; about the compile's own cost (8-27 s for a first compile on an H100, "
+                "benchmarks/RESULTS.md, the speed table's warm-up)"})
     gemm: str = field(default="auto", metadata={
         "help": "linear layers in decode steps: auto (<= 16 rows of bf16/fp16 on CUDA: per weight shape the faster "
                 "of cuBLAS and the Triton weight-streaming GEMM, timed on first use) | triton (also on CPU under "
@@ -131,7 +140,7 @@ class FastGenConfig:
 
 
 #: FastGenConfig.compile values (inductor's max-autotune was measured: no faster than "on", see RESULTS)
-COMPILE_MODES = ("off", "on")
+COMPILE_MODES = ("off", "on", "auto")
 #: FastGenConfig.cuda_graphs values
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 _ALLOWED_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
@@ -515,13 +524,23 @@ class FastGenerator:
         if not isinstance(self.config.prefill_tokens, int) or self.config.prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be a whole number >= 0 (0 = one forward), "
                              f"got {self.config.prefill_tokens!r}")
+        if not self.config.compile_after_s >= 0:
+            raise ValueError(f"compile_after_s must be >= 0 seconds, got {self.config.compile_after_s!r}")
         self._sessions: dict = {}
         self.last_fallback_reason: str | None = None
         self.last_logits: list | None = None
         self.stats: dict = {}
+        self.uncompiled_decode_s = 0.0   # compile=auto: decode seconds on the masked / graph path, uncompiled
 
     def reset(self) -> None:
         self._sessions.clear()
+
+    def _compile_now(self, exact: bool) -> bool:
+        """Whether a new session compiles its step: always with compile=on; with auto once the uncompiled decode
+        time on the path a compiled step serves (not the exact one) has reached compile_after_s."""
+        c = self.config
+        return c.compile == "on" or (c.compile == "auto" and not exact
+                                     and self.uncompiled_decode_s >= c.compile_after_s)
 
     # -- settings -------------------------------------------------------------------------------
     def _resolve(self, input_ids, generation_config, kwargs):
@@ -604,7 +623,7 @@ class FastGenerator:
                                     generation_config=generation_config, **kwargs)
         self._gc, sampling, max_new = resolved
         with torch.no_grad(), _no_checkpointing(m), decode_linear.linears_routed(m, self.config.gemm), \
-                _compile_limits(m, self.config.compile == "on"):
+                _compile_limits(m, self.config.compile != "off"):
             return self._generate(input_ids, attention_mask, sampling, max_new)
 
     # -- prefill + decode -------------------------------------------------------------------------
@@ -639,16 +658,19 @@ class FastGenerator:
         return out.logits[:, -1].to(dtype=torch.float32), out.past_key_values
 
     def _session(self, cache, B, T, L, device, dtype, use_graphs, sampling: _Sampling, windows: list[int | None],
-                 attn_fn=None, rows: slice | None = None):
+                 attn_fn=None, rows: slice | None = None, compiled: bool = False):
         """A session whose buffers hold the prefill `cache` of the batch's `rows` (all of them by default; the
-        other groups are loaded after). With graphs, sessions are kept and reused when the shapes, the sampling
-        settings (baked into the graph) and the parameters' storage match."""
+        other groups are loaded after), its step compiled when `compiled`. With graphs, sessions are kept and
+        reused when the shapes, the sampling settings (baked into the graph) and the parameters' storage match;
+        once steps compile, the uncompiled ones are dropped (their buffers freed, not kept beside)."""
         m = self.model
         tc = _text_config(m)
         key = None
+        if compiled:
+            self._sessions = {k: v for k, v in self._sessions.items() if v.compiled is not None}
         if use_graphs:
             key = (B, L, dtype, device, _sampling_key(sampling), getattr(attn_fn, "__name__", None),
-                   tuple(p.data_ptr() for p in m.parameters()))
+                   tuple(p.data_ptr() for p in m.parameters()), compiled)
             if key in self._sessions:
                 sess = self._sessions.pop(key)
                 self._sessions[key] = sess   # most recently used last
@@ -671,7 +693,7 @@ class FastGenerator:
         sess.slot = pos_slot   # the KV layers and the mask share the slot counter
         sess.sampling = sampling
         sess.attn_fn = attn_fn
-        if self.config.compile == "on":
+        if compiled:
             sess.compiled = torch.compile(sess.logits, dynamic=False)
         self._load(sess, cache, T, rows)
         if key is not None:
@@ -728,7 +750,8 @@ class FastGenerator:
         exact = self.config.exact_lengths and not use_graphs
         attn_fn = self._attention(device, exact, attention_mask)
         _refresh_decode_weights(m)
-        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0])
+        sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0],
+                             compiled=self._compile_now(exact))
         del cache
         if len(groups) > 1:   # the other row groups, each prefilled straight into the buffers
             parts = [logits]
@@ -774,9 +797,12 @@ class FastGenerator:
         total = _device_clock(device) - t0
         self.last_logits = sess.recorded
         sess.recorded = None
+        if sess.compiled is None and not exact:
+            self.uncompiled_decode_s += total - t_prefill
         self.stats = {"prefill_s": t_prefill, "decode_s": total - t_prefill, "new_tokens": out.shape[1],
                       "steps": n_done, "graphs": sess.graph is not None, "batch": B, "prompt_len": T,
-                      "attention": getattr(sess.attn_fn, "__name__", "model"), "gemm": self.config.gemm}
+                      "attention": getattr(sess.attn_fn, "__name__", "model"), "gemm": self.config.gemm,
+                      "compiled": sess.compiled is not None}
         return torch.cat([input_ids, out.clone()], dim=1)
 
     @staticmethod

@@ -14,7 +14,7 @@ from hybridize.distill.config import (  # noqa: F401 (re-exported)
     _f, describe, find_recipe, load_config, load_yaml, save_config, to_dict)
 from hybridize.errors import UserError, read_yaml
 from hybridize.eval.math import BOXED_INSTRUCTION
-from hybridize.generation.fast import COMPILE_MODES, CUDA_GRAPH_MODES
+from hybridize.generation.fast import CUDA_GRAPH_MODES
 
 
 @dataclass
@@ -131,7 +131,7 @@ def load_grpo_config(recipe: str | None = None, overrides: list[str] | dict | No
         check_recipe(recipe)
     cfg = load_config(GRPORunConfig, recipe, overrides)
     # decode_gemm: FastGenConfig.gemm without "triton", which only forces the kernel for CPU interpreter tests
-    for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", ("auto", *COMPILE_MODES)),
+    for name, allowed in (("cuda_graphs", CUDA_GRAPH_MODES), ("compile_decode", ("auto", "on", "off")),
                           ("decode_gemm", ("auto", "torch"))):
         if getattr(cfg, name) not in allowed:
             raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")

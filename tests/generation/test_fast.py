@@ -372,3 +372,33 @@ def test_cuda_graphs_same_tokens(mixer, compile_):
     n = len(graphs._sessions)
     _both(model, graphs, dict(do_sample=False, max_new_tokens=24), ids=ids, am=am)
     assert len(graphs._sessions) == n
+
+
+def test_compile_auto_switches_after_the_uncompiled_decode_time():
+    """compile=auto (ski rental): a generator decodes uncompiled until its uncompiled decode time on the masked /
+    graph path reaches compile_after_s, then its sessions compile; the tokens stay those of the uncompiled step.
+    Never with a budget it does not reach, and never on the exact path (which a compiled step does not serve)."""
+    model, _ = tiny_hybrid(mixer="sse", layers=2)
+    ids, am = _batch()
+    kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
+    ref = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16))(**kw)
+    auto = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="auto", compile_after_s=1e-9))
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    first = auto(**kw)
+    assert not auto.stats["compiled"] and auto.uncompiled_decode_s > 0 and not counters["stats"]["unique_graphs"]
+    second = auto(**kw)
+    assert auto.stats["compiled"] and counters["stats"]["unique_graphs"] > 0   # the step went through dynamo
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    spent = auto.uncompiled_decode_s
+    auto(**kw)
+    assert auto.uncompiled_decode_s == spent   # compiled calls do not count
+    never = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="auto", compile_after_s=1e9))
+    exact = FastGenerator(model, FastGenConfig(bucket=16, compile="auto", compile_after_s=0.0))
+    for g in (never, never, exact, exact):
+        assert torch.equal(g(**kw), ref) and not g.stats["compiled"]
+    assert exact.uncompiled_decode_s == 0.0
+    with pytest.raises(ValueError, match="compile_after_s"):
+        FastGenerator(model, FastGenConfig(compile="auto", compile_after_s=-1.0))
