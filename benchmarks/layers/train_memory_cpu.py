@@ -51,9 +51,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     model, _ = load_model(a.model, dtype="float32", device="cpu")
     model.train()
-    for m in model.modules():   # the mixers' own config object: the layout is read at each forward
-        if a.layout and hasattr(getattr(m, "config", None), "varlen_min_len"):
-            m.config.layout = a.layout
+    if a.layout:
+        for m in model.modules():   # the mixers' own config object: the layout is read at each forward
+            if hasattr(getattr(m, "config", None), "varlen_min_len"):
+                m.config.layout = a.layout
     for n, prm in model.named_parameters():
         prm.requires_grad_("mixer" in n or "self_attn" in n)
     print(f"loaded: peak {peak_gb():.2f} GB")

@@ -21,10 +21,10 @@ training mix. Not from a paper: the synthetic long-context question answering th
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
+from hybridize.convert.select.record import atomic_write
 from hybridize.errors import UserError
 
 from .recall_drills import BOUNDARY, KINDS, TEMPLATES, WORD, draw_label, insert_sentences, random_value
@@ -114,10 +114,7 @@ def write_prompts(rows: list[dict], out: str | Path) -> Path:
     """The rows as JSONL, written to a temporary file and renamed (a crash leaves no half file)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, out)
+    atomic_write(out, "".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 
