@@ -1,0 +1,33 @@
+"""The arithmetic of benchmarks/generation/compile_auto.py's table (the GPU run itself is in RESULTS.md)."""
+from benchmarks.generation.compile_auto import add_regret, summarize
+
+
+def call(i, wall, ms, compiled):
+    return {"call": i, "wall_s": wall, "decode_ms": ms, "compiled": compiled}
+
+
+def test_auto_compiles_midway_and_its_extra_is_over_the_uncompiled_calls_before():
+    calls = [call(1, 2.0, 6.0, False), call(2, 2.2, 6.1, False), call(3, 14.0, 4.0, True),
+             call(4, 1.0, 4.0, True), call(5, 1.2, 4.2, True)]
+    got = summarize("auto", calls)
+    assert (got["job_s"], got["first_compiled_call"], got["compile_extra_s"], got["steady_decode_ms"]) == \
+        (20.4, 3, 11.9, 4.1)
+
+
+def test_compiled_from_the_first_call_takes_its_extra_over_the_compiled_calls_after():
+    got = summarize("on", [call(1, 15.0, 4.0, True), call(2, 1.0, 4.0, True), call(3, 3.0, 4.4, True)])
+    assert (got["first_compiled_call"], got["compile_extra_s"], got["steady_decode_ms"]) == (1, 13.0, 4.2)
+
+
+def test_never_compiled_has_no_extra_and_its_steady_step_is_every_calls():
+    got = summarize("off", [call(1, 2.0, 6.0, False), call(2, 2.0, 5.0, False)])
+    assert (got["first_compiled_call"], got["compile_extra_s"], got["steady_decode_ms"]) == (None, None, 5.5)
+
+
+def test_regret_is_over_the_faster_of_off_and_on():
+    rows = [{"mode": "off", "job_s": 40.0}, {"mode": "auto", "job_s": 50.0}]
+    add_regret(rows)
+    assert rows[1]["regret"] is None   # on has not run yet
+    rows.append({"mode": "on", "job_s": 32.0})
+    add_regret(rows)
+    assert [r["regret"] for r in rows] == [1.25, 1.562, 1.0]
