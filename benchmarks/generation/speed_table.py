@@ -3,9 +3,10 @@ Transformer ("teacher") and its hybrid at the real models' shapes (random weight
 them), every path in one process:
 
 - teacher: HF generate warmed by `--hf-warmup` untimed calls, HF generate with the static cache (its compiled
-  decode step), and our fast engine (`hybridize.generation.fast`, CUDA graphs) with the default settings and
-  with `compile="on"`;
-- hybrid (`--plan`, `--mixer`): our fast engine with the default settings, and with `compile="on"`.
+  decode step), and our fast engine (`hybridize.generation.fast`, CUDA graphs) uncompiled (`compile="off"`)
+  and compiled (`compile="on"`); the default, `compile="auto"`, runs the first for a job's first
+  `compile_after_s` seconds of decode and the second after (benchmarks/generation/compile_auto.py);
+- hybrid (`--plan`, `--mixer`): our fast engine uncompiled, and with `compile="on"`.
 
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl                 # measure (resumable)
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --report        # table + plot only
@@ -22,7 +23,7 @@ report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (
 token), the median decode step in ms, the peak allocated memory, the decode step over its bytes floor (item 3:
 weights + states + softmax-layer keys/values read once per step, at `--hbm-gbs`), the warm-up of every path,
 and the hybrid's decode speed-up over the teacher on our own engine (best against best: the faster of
-default and compiled on each side) and over HF's static compiled decode.
+uncompiled and compiled on each side) and over HF's static compiled decode.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_compiled_decode_step_same_tokens():
     """FastGenConfig.compile=on: the torch.compile'd step (the masked path a CUDA graph captures) gives the
     tokens of the uncompiled step, greedy and seeded sampling; and it did run compiled (not silently eager)."""
     model, _ = tiny_hybrid(mixer="sse", layers=2)
-    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16))
+    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="off"))
     compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
     from torch._dynamo.utils import counters
 
@@ -136,7 +136,7 @@ def test_compiled_decode_step_follows_in_place_weight_updates(device):
     model, _ = tiny_hybrid(mixer="sse", layers=2)
     model = model.to(device)
     graphs = "on" if device == "cuda" else "off"
-    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, cuda_graphs="off"))
+    plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, cuda_graphs="off", compile="off"))
     compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on", cuda_graphs=graphs))
     ids, am = (t.to(device) for t in _batch())
     kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
@@ -381,8 +381,9 @@ def test_compile_auto_switches_after_the_uncompiled_decode_time():
     model, _ = tiny_hybrid(mixer="sse", layers=2)
     ids, am = _batch()
     kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
-    ref = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16))(**kw)
-    auto = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="auto", compile_after_s=1e-9))
+    ref = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="off"))(**kw)
+    assert FastGenConfig().compile == "auto"   # the default (measured on an H100: RESULTS.md, "compile=auto")
+    auto = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile_after_s=1e-9))
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
