@@ -82,7 +82,9 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") -> Path:
+def pending(cfg: TracesConfig):
+    """(prompt rows, the (prompt_index, sample) pairs not yet in `cfg.out` or its rejected file), after checking
+    the settings and saving them beside the output: everything a run needs to know before the teacher loads."""
     if cfg.keep not in ("all", "correct"):
         raise UserError(f"keep={cfg.keep!r}: use keep=all or keep=correct")
     if cfg.answer_format not in ANSWER_FORMATS:
@@ -104,7 +106,15 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
         raise UserError(f"keep=correct needs an `answer` column to check against; columns: {ds.column_names}")
     rejected = out.with_suffix(".rejected.jsonl")
     done = {(r.get("prompt_index"), r.get("sample")) for r in [*read_jsonl(out, partial=True), *read_jsonl(rejected, partial=True)]}
-    todo = [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
+    return ds, [(i, k) for i in range(len(ds)) for k in range(cfg.samples_per_prompt) if (i, k) not in done]
+
+
+def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "", plan=None) -> Path:
+    """Generate and append the completions still missing from `cfg.out` (`plan`: `pending(cfg)`, when the caller
+    has it already)."""
+    ds, todo = plan or pending(cfg)
+    fmt, out = cfg.answer_format, Path(cfg.out)
+    rejected = out.with_suffix(".rejected.jsonl")
     if not todo:
         print(f"traces: all {len(ds) * cfg.samples_per_prompt} completions already in {out}")
         return out
@@ -151,7 +161,10 @@ def write_traces(model, tokenizer, cfg: TracesConfig, teacher_name: str = "") ->
 def run_traces(cfg: TracesConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    plan = pending(cfg)
+    if not plan[1]:   # a finished file: said, and the teacher (a minute to load on a GPU machine) never loaded
+        return write_traces(None, None, cfg, cfg.teacher, plan)
     model, tok = load_teacher(cfg.teacher, cfg.dtype, resolve_device(cfg.device))
     if tok is None:
         raise UserError(f"teacher {cfg.teacher!r} came without a tokenizer")
-    return write_traces(model, tok, cfg, cfg.teacher)
+    return write_traces(model, tok, cfg, cfg.teacher, plan)

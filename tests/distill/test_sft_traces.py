@@ -130,10 +130,35 @@ def test_traces_load_the_teacher_on_the_configured_device(tmp_path, monkeypatch)
 
     monkeypatch.setattr(traces, "load_teacher", fake_load)
     monkeypatch.setattr(traces.torch.cuda, "is_available", lambda: True)
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?"}])
     for device, want in (("auto", "cuda"), ("cpu", "cpu"), ("cuda:1", "cuda:1")):
         with pytest.raises(SystemExit):
-            traces.run_traces(TracesConfig(teacher="default", out=str(tmp_path / "t.jsonl"), device=device))
+            traces.run_traces(TracesConfig(teacher="default", prompts=str(prompts), out=str(tmp_path / "t.jsonl"),
+                                           device=device))
         assert seen["device"] == want
+
+
+def test_traces_of_a_finished_file_do_not_load_the_teacher(tmp_path, monkeypatch, capsys):
+    """A rerun over a complete traces file says so without loading the teacher (40-50 s a time on the device
+    for a GGUF teacher); a file missing a row loads it."""
+    import hybridize.distill.traces as traces
+    loads = []
+
+    def fake_load(source, dtype, device):
+        loads.append(source)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(traces, "load_teacher", fake_load)
+    prompts = write_rows(tmp_path / "p.jsonl", [{"problem": "What is 2+3?"}, {"problem": "Name a colour."}])
+    out = tmp_path / "t.jsonl"
+    cfg = TracesConfig(teacher="default", prompts=str(prompts), out=str(out), num_prompts=0)
+    write_rows(out, [{"prompt_index": 0, "sample": 0, "completion": "5"}])
+    with pytest.raises(SystemExit):
+        traces.run_traces(cfg)   # row 1 missing: the teacher loads
+    assert loads == ["default"]
+    write_rows(out, [{"prompt_index": i, "sample": 0, "completion": "x"} for i in (0, 1)])
+    assert traces.run_traces(cfg) == out and loads == ["default"]
+    assert "all 2 completions already in" in capsys.readouterr().out
 
 
 def test_conversation_text_without_a_chat_template_and_a_prompt_text_column_kept():
