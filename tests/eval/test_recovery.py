@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from hybridize.errors import UserError
 from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
-                                     kl_agreement, merge_reports, parse_model_spec, row_ids, run_recovery,
+                                     kl_agreement, merge_reports, parse_model_spec, row_ids, run_order, run_recovery,
                                      teacher_answers)
 from tests.eval.test_cli import app  # noqa: F401  (the fixture: `hybridize eval` as a group)
 
@@ -91,7 +91,8 @@ def test_time_budget_then_resume(tmp_path, tiny_model, tiny_tokenizer):
     rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer, cfg, tmp_path, log=slow_log)
     saved = json.loads((tmp_path / "recovery.json").read_text())
     assert [r["row"] for r in saved["rows"]] == ids[:1]
-    assert saved["not_run"] == ids[1:] == rep["not_run"]
+    order = run_order(cfg)
+    assert saved["not_run"] == order[1:] == rep["not_run"] and order != ids   # arith:test before S-NIAH-3
     assert "not run (time budget)" in (tmp_path / "recovery.md").read_text()
     first = saved["rows"][0]
     logs = []
@@ -229,6 +230,14 @@ def test_answer_rows_score_the_teachers_answer_tokens_only(tiny_model, tiny_toke
     kl, agree = kl_agreement(lp, answer_logprobs(noisy, pairs))
     assert kl > 1e-3 and 0.0 <= agree < 1.0
     assert kl_agreement([], []) != kl_agreement([], [])   # (nan, nan) for no answers, not a division by zero
+
+
+def test_rows_outside_the_target_run_last():
+    cfg = _cfg(lengths=(512, 1024), niah_tasks=("s-niah-1", "s-niah-3", "s-niah-2"))
+    order = run_order(cfg)
+    assert sorted(order) == sorted(row_ids(cfg))
+    assert order[-3:] == ["arith:test", "niah:s-niah-3:512", "niah:s-niah-3:1024"]
+    assert order.index("niah:s-niah-2:1024") < order.index("arith:test")
 
 
 def test_fisher_p_known_values():
