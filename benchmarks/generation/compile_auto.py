@@ -5,15 +5,18 @@ to the budget, random weights: speed does not depend on them), run once per `com
 (`--modes off,auto,on`), each mode with a fresh generator and dynamo's caches reset, so every mode pays its own
 compile. Per call: wall seconds (CUDA-synchronised), decode ms per step, whether the step ran compiled. Per mode: the
 job's seconds, the call at which the step first ran compiled and the compile's extra seconds on that call (its
-wall time over the median of the uncompiled calls before it), the median step after it. The "regret" column is
+wall time over the median of the uncompiled calls before it, or of the compiled calls after it when it is the first),
+the median step after it. The "regret" column is
 the mode's seconds over the faster of off and on in this job: ski rental promises auto at most about 2x, and about
 1x once the job is much longer than `--compile-after-s`.
 
 Before the modes, one uncompiled call at the shape absorbs what every mode would pay once per process (Triton
 kernels' compilation, fla's autotuning).
 
-    python -m benchmarks.generation.compile_auto --shape qwen3-1.7b --model hybrid --prompt-len 4096 --batch 8 \
-        --new-tokens 256 --calls 24 --out $OUT/compile_auto.json
+    python -m benchmarks.generation.compile_auto --shape qwen3-1.7b --model hybrid --prompt-len 16384 --batch 8 \
+        --new-tokens 512 --calls 16 --out $OUT/compile_auto.json      # as measured: RESULTS.md, "compile=auto"
+    python -m benchmarks.generation.compile_auto --shape tiny --prompt-len 64 --new-tokens 8 --calls 3 \
+        --dtype float32 --out /tmp/compile_auto.json                   # CPU smoke run (the exact path: never compiles)
 
 Prints a markdown table (device, dtype, shape in the header) and writes `--out` JSON after each mode.
 """
