@@ -16,7 +16,7 @@ kernels' compilation, fla's autotuning).
     python -m benchmarks.generation.compile_auto --shape qwen3-1.7b --model hybrid --prompt-len 16384 --batch 8 \
         --new-tokens 512 --calls 16 --out $OUT/compile_auto.json      # as measured: RESULTS.md, "compile=auto"
     python -m benchmarks.generation.compile_auto --shape tiny --prompt-len 64 --new-tokens 8 --calls 3 \
-        --dtype float32 --out /tmp/compile_auto.json                   # CPU smoke run (the exact path: never compiles)
+        --dtype float32 --out /tmp/compile_auto.json                   # CPU smoke run (auto: the exact path never compiles)
 
 Prints a markdown table (device, dtype, shape in the header) and writes `--out` JSON after each mode.
 """
