@@ -48,12 +48,14 @@
 set -uo pipefail
 OUT=${1:?output folder}; STEP=${2:?step}; ARG=${3:-}
 GGUF=/root/p/smollm2.gguf
-# The carried wheels go here, put first on PYTHONPATH by the caller. Not under /tmp: with pyarrow in /tmp/site,
+# The carried wheels go here, put first on PYTHONPATH here (a call that forgot to export it imported the image's
+# transformers 5.17 and failed on its first import, 2026-11-27). Not under /tmp: with pyarrow in /tmp/site,
 # datasets 5.2's fingerprint (dill, recurse=True) copied the whole pyarrow module and failed on Python 3.12
 # ("Can't pickle <class 'MonthDayNano'>"), so every Dataset.from_list broke; from here it works (checked on
 # the H100 image, 2026-11-25).
 SITE=/usr/local/lib/hyb-site
 SHA=b179c952
+case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} ;; esac
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
 mkdir -p "$OUT" /root/p
 # the background runs (pipeline-run, pattern-run): 8 CPU threads each, since two processes of 16 threads on 16 cores made
