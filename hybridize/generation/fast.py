@@ -80,6 +80,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -118,7 +119,8 @@ class FastGenConfig:
                 "inductor's disk cache warm, and its later steps ran at the compiled 3.9 / 7.9 ms, not 5.9 / 10.0 "
                 "(benchmarks/RESULTS.md, 'compile=auto'). Each new batch size or buffer length compiles again "
                 "(the teacher 13-27 s, the hybrid 0.3-2.3 s after its first), which the rule does not count, so "
-                "auto suits jobs of few shapes. On the CPU's exact path nothing compiles. Each decoder layer is "
+                "auto suits jobs of few shapes. On the CPU's exact path nothing compiles. Under auto a compile that "
+                "fails warns once and the call is redone uncompiled (compile_failed says why). Each decoder layer is "
                 "compiled on its own (our kernels are graph breaks), so dynamo's recompile limits are raised to 8 "
                 "entries per layer (32 in all) during the call; shapes past that run uncompiled"})
     compile_after_s: float = field(default=20.0, metadata={
@@ -533,6 +535,8 @@ class FastGenerator:
         self.last_logits: list | None = None
         self.stats: dict = {}
         self.uncompiled_decode_s = 0.0   # compile=auto: decode seconds on the masked / graph path, uncompiled
+        self.compile_failed: str | None = None   # compile=auto: why compiling failed (then it is not tried again)
+        self._compiling = False                  # the running call's session is compiled
 
     def reset(self) -> None:
         self._sessions.clear()
@@ -541,7 +545,7 @@ class FastGenerator:
         """Whether a new session compiles its step: always with compile=on; with auto once the uncompiled decode
         time on the path a compiled step serves (not the exact one) has reached compile_after_s."""
         c = self.config
-        return c.compile == "on" or (c.compile == "auto" and not exact
+        return c.compile == "on" or (c.compile == "auto" and not exact and self.compile_failed is None
                                      and self.uncompiled_decode_s >= c.compile_after_s)
 
     # -- settings -------------------------------------------------------------------------------
@@ -626,7 +630,19 @@ class FastGenerator:
         self._gc, sampling, max_new = resolved
         with torch.no_grad(), _no_checkpointing(m), decode_linear.linears_routed(m, self.config.gemm), \
                 _compile_limits(m, self.config.compile != "off"):
-            return self._generate(input_ids, attention_mask, sampling, max_new)
+            try:
+                return self._generate(input_ids, attention_mask, sampling, max_new)
+            except Exception as e:
+                if not (self._compiling and self.config.compile == "auto"):
+                    raise
+                # compiling is the default, not the user's request: a compile that fails (no working inductor,
+                # an op dynamo cannot trace) costs one prefill again and a warning, not the call
+                self.compile_failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                self._sessions = {k: v for k, v in self._sessions.items() if v.compiled is None}
+                warnings.warn(f"fast generation: compiling the decode step failed ({self.compile_failed}); this "
+                              f"generator decodes uncompiled from now on (FastGenConfig(compile='off') skips the "
+                              f"attempt)", RuntimeWarning, stacklevel=2)
+                return self._generate(input_ids, attention_mask, sampling, max_new)
 
     # -- prefill + decode -------------------------------------------------------------------------
     @staticmethod
@@ -728,6 +744,7 @@ class FastGenerator:
         m = self.model
         device = input_ids.device
         B, T = input_ids.shape
+        self._compiling = False
         t0 = _device_clock(device)
         pos, am = self._positions(input_ids, attention_mask)
         groups = self._row_groups(B, T)
@@ -754,6 +771,7 @@ class FastGenerator:
         _refresh_decode_weights(m)
         sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0],
                              compiled=self._compile_now(exact))
+        self._compiling = sess.compiled is not None
         del cache
         if len(groups) > 1:   # the other row groups, each prefilled straight into the buffers
             parts = [logits]

@@ -403,3 +403,32 @@ def test_compile_auto_switches_after_the_uncompiled_decode_time():
     assert exact.uncompiled_decode_s == 0.0
     with pytest.raises(ValueError, match="compile_after_s"):
         FastGenerator(model, FastGenConfig(compile="auto", compile_after_s=-1.0))
+
+
+def test_compile_auto_that_fails_decodes_uncompiled_with_a_warning(monkeypatch):
+    """compile=auto is the default, so a compile that fails (no working inductor, an op dynamo cannot trace) must
+    not fail the call: the call is redone uncompiled (same greedy tokens), a warning says why, and the generator
+    does not try again. With compile=on, which the user asked for, the error is raised."""
+    model, _ = tiny_hybrid(mixer="sse", layers=2)
+    ids, am = _batch()
+    kw = dict(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=8)
+    ref = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="off"))(**kw)
+    tries = []
+
+    def broken_compile(fn, **_):
+        tries.append(fn)
+
+        def run(*a, **k):
+            raise RuntimeError("inductor: no working C compiler\nlong trace")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    gen = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile_after_s=0.0))
+    with pytest.warns(RuntimeWarning, match="compiling the decode step failed .RuntimeError: inductor: no working"):
+        out = gen(**kw)
+    assert torch.equal(out, ref) and not gen.stats["compiled"] and len(tries) == 1
+    assert gen.compile_failed == "RuntimeError: inductor: no working C compiler"
+    assert torch.equal(gen(**kw), ref) and len(tries) == 1   # not tried again
+    on = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
+    with pytest.raises(RuntimeError, match="no working C compiler"):
+        on(**kw)
