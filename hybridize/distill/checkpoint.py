@@ -287,9 +287,9 @@ def guard_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> None:
 
 
 def clear_run(run_dir: str | Path) -> None:
-    """Delete an earlier run's checkpoints, metrics, loss curve and teacher record (final/ stays until a new one
-    replaces it)."""
+    """Delete an earlier run's checkpoints, metrics, loss curve, teacher record and data mix (final/ stays until a
+    new one replaces it)."""
     run_dir = Path(run_dir)
     shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
-    for name in ("metrics.jsonl", "loss.png", "teacher.json"):
+    for name in ("metrics.jsonl", "loss.png", "teacher.json", "data.json"):
         (run_dir / name).unlink(missing_ok=True)

@@ -47,7 +47,7 @@ KERNEL_OPTIONS_HELP = ("kernel switches for this run, e.g. kernel_options.kernel
 class TrainArgs:
     """Optimisation and bookkeeping shared by every hand-written training loop (align, e2e)."""
 
-    run_dir: str = _f("runs/distill", "output folder: checkpoints/, metrics.jsonl, loss.png, config.yaml, final/")
+    run_dir: str = _f("runs/distill", "output folder: checkpoints/, metrics.jsonl, loss.png, config.yaml, data.json, final/")
     seed: int = _f(0, "seed of model init noise, data order and dropout")
     max_steps: int = _f(100, "optimizer steps", min=1)
     lr: float = _f(1e-3, "peak learning rate", min=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -309,6 +309,8 @@ class PackedData:
     world: int = 1
 
     prefix: tuple[int, ...] = ()   # the tokenizer's special_prefix: rows cut inside a document start with it
+    #: what each data.train source gave: [{"source", "docs", "tokens"}] (build_data), written to <run_dir>/data.json
+    sources: list = field(default_factory=list)
 
     def __post_init__(self):
         self.phases = parse_schedule(self.seq_len, self.schedule or [])
@@ -375,13 +377,29 @@ def default_train_source() -> str:
 
 
 def build_data(args, tokenizer, seed: int, grad_accum: int = 1) -> PackedData:
-    """PackedData from a DataArgs section."""
-    texts = load_texts(args.train or default_train_source(), args.text_field, args.text_template, args.split,
-                       args.max_docs, args.txt_document)
-    texts = add_recall_drills(texts, args.recall_drills, args.recall_reach, seed)
+    """PackedData from a DataArgs section, with the tokens each source gave (`PackedData.sources`: a mix's
+    shares are in tokens, not files or rows)."""
+    train = args.train or default_train_source()
+    names = list(train) if isinstance(train, (list, tuple)) and train else [train]
+    per = [load_texts(n, args.text_field, args.text_template, args.split, args.max_docs, args.txt_document)
+           for n in names]
+    texts = add_recall_drills([t for p in per for t in p], args.recall_drills, args.recall_reach, seed)
     docs = tokenize_docs(tokenizer, texts, args.add_eos)
+    sources, i = [], 0
+    for n, p in zip(names, per):   # drills change documents in place, so each source keeps its range
+        sources.append({"source": str(n), "docs": len(p), "tokens": sum(map(len, docs[i:i + len(p)]))})
+        i += len(p)
     return PackedData(docs, seq_len=args.seq_len, schedule=args.seq_len_schedule, batch_tokens=args.batch_tokens,
-                      grad_accum=grad_accum, seed=seed, prefix=tuple(special_prefix(tokenizer)))
+                      grad_accum=grad_accum, seed=seed, prefix=tuple(special_prefix(tokenizer)), sources=sources)
+
+
+def sources_line(sources: list[dict]) -> str:
+    """One line: the mix's tokens and each source's share, e.g. `data: 1,234 tokens; a.jsonl 60.0%, python-docs
+    40.0%`."""
+    total = sum(s["tokens"] for s in sources)
+    shares = ", ".join(f"{Path(s['source']).name or s['source']} {100 * s['tokens'] / max(total, 1):.1f}%"
+                       for s in sources)
+    return f"data: {total:,} tokens; {shares}"
 
 
 def build_heldout(args, tokenizer) -> torch.Tensor | None:

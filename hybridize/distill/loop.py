@@ -18,6 +18,7 @@ from train.mixed_precision, grad accumulation). DeepSpeed clips and steps inside
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -35,6 +36,7 @@ from hybridize.errors import UserError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainArgs
+from .data import sources_line
 from .metrics import MetricsLog, Throughput, plot_losses
 
 
@@ -336,6 +338,13 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     data.rank, data.world, data.grad_accum = acc.process_index, acc.num_processes, train.grad_accum
 
     log = MetricsLog(run_dir / "metrics.jsonl", enabled=acc.is_main_process)
+    sources = getattr(data, "sources", None)
+    if sources and acc.is_main_process:   # the mix in tokens per source, beside the run's config
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "data.json.tmp"
+        tmp.write_text(json.dumps({"tokens": sum(x["tokens"] for x in sources), "sources": sources}, indent=1))
+        os.replace(tmp, run_dir / "data.json")
+        acc.print(sources_line(sources))
     step, tokens = 0, 0
     if resume:
         ckpt = latest_checkpoint(run_dir)

@@ -101,3 +101,24 @@ def test_build_data_plants_drills_from_the_config(tmp_path):
 def test_a_negative_fraction_is_refused():
     with pytest.raises(Exception, match="recall_drills"):
         load_config(E2EConfig, None, ["data.recall_drills=-0.5"])
+
+
+def test_build_data_counts_each_sources_tokens_drills_included(tmp_path):
+    """`PackedData.sources`: each data.train source's documents and tokens, in order, summing to the mix (drills
+    grow a document in place, so they count with its source); `sources_line` gives the shares."""
+    from hybridize.distill.data import sources_line
+
+    a = write_rows(tmp_path / "a.jsonl", [{"text": doc(200, s)} for s in range(3)])
+    b = write_rows(tmp_path / "b.jsonl", [{"text": "short one"}])
+    tok = ToyTokenizer()
+    for drills in ("0", "1.0"):
+        cfg = load_config(E2EConfig, None, [f"data.train=[{a},{b}]", "data.seq_len=64",
+                                            f"data.recall_drills={drills}", "data.recall_reach=600"])
+        data = build_data(cfg.data, tok, seed=0)
+        got = [(s["source"], s["docs"]) for s in data.sources]
+        assert got == [(str(a), 3), (str(b), 1)]
+        assert [s["tokens"] for s in data.sources] == [sum(map(len, data.docs[:3])), len(data.docs[3])]
+        assert data.sources[1]["tokens"] == len(tok("short one")["input_ids"]) + 1   # + the document's EOS
+    line = sources_line(data.sources)
+    share = 100 * data.sources[0]["tokens"] / sum(s["tokens"] for s in data.sources)
+    assert line.startswith(f"data: {sum(map(len, data.docs)):,} tokens; a.jsonl {share:.1f}%, b.jsonl")

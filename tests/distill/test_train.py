@@ -94,6 +94,8 @@ def test_e2e_frozen_params_stay_bit_identical(tmp_path):
     for n, p in student.named_parameters():
         trains = ".mlp." in n or n.endswith("mixer.decay")
         assert torch.equal(p, before[n]) != trains, n
+    mix = json.loads((tmp_path / "e2e" / "data.json").read_text())   # the mix in tokens, beside the run
+    assert [s["source"] for s in mix["sources"]] == [cfg.data.train] and mix["tokens"] == mix["sources"][0]["tokens"] > 0
 
 
 def test_pretrained_lr_scale_scales_only_parameters_outside_the_mixers(tmp_path):
