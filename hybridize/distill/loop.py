@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from hybridize.convert.select.record import atomic_write
 from hybridize.cpu import ThreadGuard, pick_threads
 from hybridize.errors import UserError
 
@@ -341,9 +342,8 @@ def run_loop(train: TrainArgs, module: nn.Module, step_fn: Callable, data, *, re
     sources = getattr(data, "sources", None)
     if sources and acc.is_main_process:   # the mix in tokens per source, beside the run's config
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "data.json.tmp"
-        tmp.write_text(json.dumps({"tokens": sum(x["tokens"] for x in sources), "sources": sources}, indent=1))
-        os.replace(tmp, run_dir / "data.json")
+        atomic_write(run_dir / "data.json",
+                     json.dumps({"tokens": sum(x["tokens"] for x in sources), "sources": sources}, indent=1))
         acc.print(sources_line(sources))
     step, tokens = 0, 0
     if resume:
