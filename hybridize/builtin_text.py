@@ -12,7 +12,7 @@
   docstring or source file that shares a line of 60+ characters with a topic is dropped (`_without_overlap`).
 - Chat prompts: short instructions written for this project (`CHAT_PROMPTS`); the teacher answers them
   (`hybridize demo`), so the student also sees chat-formatted text and keeps answering chat prompts.
-  `HELDOUT_CHAT_PROMPTS` are only ever asked, never trained on.
+  `HELDOUT_CHAT_PROMPTS` are only ever asked, never trained on (`eval recovery`'s chat rows; the demo's first three).
 
 Both texts are licensed with CPython (PSF License); nothing is copied into this repository. They
 depend on the Python version, so the demo's numbers are stated with it.
@@ -88,12 +88,78 @@ CHAT_PROMPTS = (
     "What makes a good friend?",
 )
 
-#: asked of teacher and student after training, never trained on
+#: asked of teacher and student after training, never trained on: `hybridize eval recovery`'s chat rows score all
+#: of them (64, so that one row counts ~1,000 predictions, not the ~100 of the demo's three), the demo shows the first
+#: three (`DEMO_CHAT_PROMPTS`)
 HELDOUT_CHAT_PROMPTS = (
     "What is the capital of France?",
     "Name three fruits that are yellow.",
     "How many days are in a week?",
+    "What is the tallest animal on land?",
+    "Why do ships float?",
+    "Name two planets that are closer to the Sun than Earth.",
+    "What is a haiku?",
+    "How do I boil an egg?",
+    "What does a thermometer measure?",
+    "Explain what a verb is.",
+    "Why do we need sleep?",
+    "What is the largest ocean?",
+    "Give two reasons to drink water.",
+    "What is the opposite of cold?",
+    "How many legs does a spider have?",
+    "What is a noun? Give an example.",
+    "Describe a rainy afternoon in two sentences.",
+    "What is the freezing point of water in Celsius?",
+    "Name three colours of the rainbow.",
+    "Why do birds migrate?",
+    "What does a pilot do?",
+    "How do you say hello in Spanish?",
+    "What is a triangle?",
+    "Write one sentence about the moon.",
+    "What is the main ingredient of bread?",
+    "Explain what a map is for.",
+    "What are clouds made of?",
+    "Name a musical instrument with strings.",
+    "How can I keep a plant healthy?",
+    "What does a firefighter do?",
+    "What is the difference between a lake and a river?",
+    "Why is the ocean salty?",
+    "What is a keyboard used for?",
+    "Tell me a fun fact about elephants.",
+    "How many minutes are in an hour?",
+    "What is an island?",
+    "Suggest a name for a pet goldfish.",
+    "What do bees need to survive?",
+    "What is electricity used for at home?",
+    "Explain what a shadow is.",
+    "What is the biggest planet in the solar system?",
+    "How do I wash my hands properly?",
+    "What is a desert?",
+    "Name three animals that live on a farm.",
+    "What does a doctor use a stethoscope for?",
+    "Write a short greeting for a birthday card.",
+    "What is the sun?",
+    "How does a clock tell time?",
+    "What is a mountain?",
+    "Give an example of a healthy breakfast.",
+    "What is the job of the heart?",
+    "Why do we brush our teeth?",
+    "What is a calendar?",
+    "How many continents are there?",
+    "What does a bridge do?",
+    "Describe the colour green to a child.",
+    "What is a computer mouse?",
+    "What is the difference between a town and a city?",
+    "Why do some animals sleep in winter?",
+    "What is a recipe?",
+    "Name two sports played with a ball.",
+    "What makes wind?",
+    "How should I store fresh bread?",
+    "What is a telescope used for?",
 )
+
+#: what `hybridize demo` asks teacher and student at its end
+DEMO_CHAT_PROMPTS = HELDOUT_CHAT_PROMPTS[:3]
 
 
 def _quiet_import(name: str):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS, language_reference_topics, stdlib_docstrings
+from hybridize.builtin_text import CHAT_PROMPTS, DEMO_CHAT_PROMPTS, language_reference_topics, stdlib_docstrings
 from hybridize.convert.calibrate import calibration_inputs
 from hybridize.convert.convert import convert_model
 from hybridize.convert.plan import parse_plan
@@ -129,7 +129,7 @@ def heldout_text(cfg: DemoConfig) -> tuple[list[str], str]:
 
 
 @torch.no_grad()
-def chat_check(model, tok, prompts=HELDOUT_CHAT_PROMPTS, max_new_tokens: int = 24) -> list[str]:
+def chat_check(model, tok, prompts=DEMO_CHAT_PROMPTS, max_new_tokens: int = 24) -> list[str]:
     """Greedy answers to prompts no model trained on."""
     return [a.strip() for a in generate(model, tok, [render_prompt(tok, p) for p in prompts], max_new_tokens)]
 
@@ -216,7 +216,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     with timer("perplexity after B"):
         ppl["after_e2e"] = perplexity(student, held, win)
     with timer("chat check"):
-        chats = {"prompts": list(HELDOUT_CHAT_PROMPTS), "teacher": chat_check(teacher, tok),
+        chats = {"prompts": list(DEMO_CHAT_PROMPTS), "teacher": chat_check(teacher, tok),
                  "student": chat_check(student, tok)}
     save_final(student, tok, out / "student")
     for stage in ("align", "e2e"):  # resume points are useless once the demo is done (~1 GB each)

@@ -13,8 +13,12 @@ Rows (each tagged with its capability):
 - `ppl:wikitext2`: wikitext-2 test from ../shared/data; where that is missing the row is written as
   "skipped: no ../shared/data". Both ppl rows reuse `perplexity.evaluate_ppl` (one context length).
 - `kl:chat` and `agree:chat`: KL(teacher || model), mean per token, and top-1 agreement of the next-token
-  predictions on the PROMPT tokens of `HELDOUT_CHAT_PROMPTS` (chat template applied when the tokenizer has
-  one; no generation, so the row is cheap and deterministic). Most of those tokens are the template's own.
+  predictions on the PROMPT tokens of the 64 `HELDOUT_CHAT_PROMPTS` (chat template applied when the tokenizer has
+  one; no generation, so the row is cheap and deterministic). The prefix every prompt shares (system prompt and
+  template, 24 tokens for SmolLM2) gives the same predictions in every prompt, so it is scored once, on the first
+  prompt (`shared_prefix`): with it counted per prompt, three prompts' 112 predictions held the same 24 three
+  times, and two students 4 tokens apart read 0.875 against 0.911 (RESULTS.md, "(xiii)"). The rows record the
+  prompts (`samples`) and the predictions scored (`tokens`).
 - `kl:answers` and `agree:answers`: the same two measures on the ANSWER tokens: the teacher answers each
   held-out prompt greedily (`chat_answer_tokens` new tokens at most), and both models read prompt + that answer,
   teacher-forced; only the predictions of the answer's tokens count. This is what a user of the chat model
@@ -126,14 +130,25 @@ def run_order(cfg: RecoveryConfig) -> list[str]:
 
 
 @torch.no_grad()
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares: the positions whose predictions are the same in all of them."""
+    k = 0
+    while all(len(p) > k and p[k] == prompts[0][k] for p in prompts):
+        k += 1
+    return k
+
+
 def chat_logprobs(model, tokenizer) -> list[torch.Tensor]:
-    """Log-softmax of the next-token logits over every held-out chat prompt `[T, V]` (fp32, cpu)."""
+    """Log-softmax of the next-token logits `[T_i, V]` (fp32, cpu) per held-out chat prompt: every position of the
+    first prompt, and of each other prompt the positions after the prefix they all share (its predictions are the
+    first prompt's again)."""
     chat = has_chat_template(tokenizer)
+    prompts = [encode(tokenizer, build_prompt(tokenizer, p, chat=chat), chat) for p in HELDOUT_CHAT_PROMPTS]
+    k = shared_prefix(prompts)
     out = []
-    for p in HELDOUT_CHAT_PROMPTS:
-        ids = encode(tokenizer, build_prompt(tokenizer, p, chat=chat), chat)
+    for i, ids in enumerate(prompts):
         x = torch.tensor([ids], device=model_device(model))
-        out.append(torch.log_softmax(model(input_ids=x).logits[0].float(), -1).cpu())
+        out.append(torch.log_softmax(model(input_ids=x).logits[0].float(), -1)[0 if i == 0 else k:].cpu())
     return out
 
 
@@ -160,14 +175,14 @@ def answer_logprobs(model, pairs: list[tuple[list[int], list[int]]]) -> list[tor
     return out
 
 
-def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -> tuple[float, float]:
-    """(mean per-token KL(teacher || model) in nats, top-1 agreement)."""
+def kl_agreement(teacher_lp: list[torch.Tensor], model_lp: list[torch.Tensor]) -> tuple[float, float, int]:
+    """(mean per-token KL(teacher || model) in nats, top-1 agreement, tokens scored)."""
     kl, agree, n = 0.0, 0.0, 0
     for t, m in zip(teacher_lp, model_lp):
         kl += (t.exp() * (t - m)).sum(-1).clamp_min(0).sum().item()
         agree += (t.argmax(-1) == m.argmax(-1)).sum().item()
         n += t.shape[0]
-    return (kl / n, agree / n) if n else (float("nan"), float("nan"))
+    return (kl / n, agree / n, n) if n else (float("nan"), float("nan"), 0)
 
 
 def arith_spec(cfg: RecoveryConfig) -> str:
@@ -205,7 +220,7 @@ def compare(row: dict) -> dict:
     noise of a few dozen prompts (at 40 prompts, 36 against 40 right gives p = 0.12)."""
     vals, rid = row["values"], row["row"]
     out = {"ratios": {n: ratio(rid, vals["teacher"], v) for n, v in vals.items() if n != "teacher"}}
-    n = row.get("samples")
+    n = row.get("samples") if rid.split(":")[0] in ("niah", "arith") else None
     if n and vals.get("teacher") is not None and not math.isnan(vals["teacher"]):
         k0 = round(vals["teacher"] * n)
         out["p"] = {m: round(fisher_p(round(v * n), n, k0, n), 4) for m, v in vals.items()
@@ -251,18 +266,20 @@ def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
 
 
 def samples_of(row_id: str, cfg: RecoveryConfig) -> int | None:
-    """How many pass/fail prompts a needle or arithmetic row scores under `cfg` (None for the other rows)."""
+    """How many prompts a needle, arithmetic or chat row scores under `cfg` (None for the perplexity rows)."""
     if row_id.startswith("niah:"):
         return cfg.needle_samples
     if row_id.startswith("arith:"):
         return len(arith.load(arith_spec(cfg)))
+    if row_id.split(":")[0] in ("kl", "agree"):
+        return len(HELDOUT_CHAT_PROMPTS)
     return None
 
 
 def _stale(row: dict, cfg: RecoveryConfig, log: Callable[[str], None]) -> bool:
-    """A kept needle or arithmetic row scored on another number of prompts than `cfg` asks for, or on an unknown
-    number (a report written before rows carried `samples`): its values (the teacher's included) cannot sit beside
-    new ones, so every model's is computed again."""
+    """A kept needle, arithmetic or chat row scored on another number of prompts than `cfg` asks for, or on an
+    unknown number (a report written before rows carried `samples`, the chat rows' before they scored 64 prompts):
+    its values (the teacher's included) cannot sit beside new ones, so every model's is computed again."""
     n, want = row.get("samples"), samples_of(row["row"], cfg)
     if want is None or row.get("skipped") or n == want:
         return False
@@ -296,6 +313,7 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                 if "teacher_lp" not in cache:
                     cache["teacher_lp"] = chat_logprobs(models["teacher"], tokenizer)
                 cache[name] = kl_agreement(cache["teacher_lp"], chat_logprobs(m, tokenizer))
+                cache["tokens", "chat"] = cache[name][2]
             return cache[name][0 if row_id == "kl:chat" else 1]
         if row_id in ("kl:answers", "agree:answers"):
             key = ("answers", name)
@@ -305,6 +323,7 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                                                        cfg.generation)
                     cache["teacher_alp"] = answer_logprobs(models["teacher"], cache["answers"])
                 cache[key] = kl_agreement(cache["teacher_alp"], answer_logprobs(m, cache["answers"]))
+                cache["tokens", "answers"] = cache[key][2]
             return cache[key][0 if row_id == "kl:answers" else 1]
         if row_id.startswith("niah:"):
             _, task, L = row_id.split(":")
@@ -346,8 +365,10 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
             if capability == "niah":
                 _, task, L = row_id.split(":")
                 row["prompt_tokens"] = niah_config(task, int(L), models["teacher"], cfg).lengths[0]
-            if capability in ("niah", "arith"):
+            if capability in ("niah", "arith", "kl", "agree"):
                 row["samples"] = samples_of(row_id, cfg)
+            if capability in ("kl", "agree") and ("tokens", row_id.split(":")[1]) in cache:
+                row["tokens"] = cache["tokens", row_id.split(":")[1]]
             row.update(compare(row))
         rows[row_id] = row
         log(f"recovery: {row_id} done")
@@ -385,6 +406,10 @@ def write_md(path: Path, report: dict) -> None:
     if any(r.get("p") for r in report["rows"]):
         lines += ["", "p: Fisher's exact test of the model's pass count against the teacher's on the row's prompts "
                       "(needles, arithmetic); a small p says the difference is not the noise of that many prompts."]
+    counted = [f"{r['row']} {r['tokens']:,}" for r in report["rows"] if r.get("tokens")]
+    if counted:
+        lines += ["", "predictions scored (kl, agree rows; the prefix every chat prompt shares counted once): "
+                  + ", ".join(counted)]
     if report["not_run"]:
         lines += ["", "not run (time budget): " + ", ".join(report["not_run"])]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

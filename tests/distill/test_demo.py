@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hybridize.builtin_text import CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS
+from hybridize.builtin_text import CHAT_PROMPTS, DEMO_CHAT_PROMPTS
 from hybridize.distill.demo import chat_answers, demo_config, run_demo
 from hybridize.errors import read_jsonl
 from tests.distill.helpers import write_texts
@@ -43,8 +43,8 @@ def test_demo_with_local_text(tmp_path, teacher_dir):
     out = tmp_path / "demo"
     assert json.loads((out / "summary.json").read_text())["perplexity"] == ppl
     md = (out / "summary.md").read_text()
-    assert "after stage B" in md and HELDOUT_CHAT_PROMPTS[0] in md
-    assert len(s["chat"]["student"]) == len(HELDOUT_CHAT_PROMPTS)
+    assert "after stage B" in md and DEMO_CHAT_PROMPTS[0] in md
+    assert len(s["chat"]["student"]) == len(DEMO_CHAT_PROMPTS)
     assert (out / "student" / "config.json").is_file()
     assert not (out / "align" / "checkpoints").exists()  # resume points are removed at the end
 

@@ -12,9 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from hybridize.errors import UserError
-from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, check_lengths, check_tokenizer,
+from hybridize.eval.recovery import (RecoveryConfig, answer_logprobs, chat_logprobs, check_lengths, check_tokenizer,
                                      kl_agreement, merge_reports, parse_model_spec, row_ids, run_order, run_recovery,
-                                     teacher_answers)
+                                     shared_prefix, teacher_answers)
 from tests.eval.test_cli import app  # noqa: F401  (the fixture: `hybridize eval` as a group)
 
 
@@ -68,6 +68,8 @@ def test_report_rows_parity_and_perturbed(tmp_path, tiny_model, tiny_tokenizer, 
             assert r["samples"] == cfg.needle_samples
         if rid.startswith(("niah:", "arith:")):
             assert r["samples"] >= 1 and r["p"]["self"] == 1.0 and 0 < r["p"]["noisy"] <= 1
+        elif rid.startswith(("kl:", "agree:")):
+            assert "p" not in r and r["samples"] == 64 and r["tokens"] > 0
         else:
             assert "p" not in r and "samples" not in r
     assert rows["arith:test"]["samples"] == 6 * cfg.arith_samples   # every level's problems
@@ -227,9 +229,37 @@ def test_answer_rows_score_the_teachers_answer_tokens_only(tiny_model, tiny_toke
     # the teacher's own greedy answer: its top-1 at each answer position is that answer's next token
     for t, (_, a) in zip(lp, pairs):
         assert t.argmax(-1).tolist() == a
-    kl, agree = kl_agreement(lp, answer_logprobs(noisy, pairs))
-    assert kl > 1e-3 and 0.0 <= agree < 1.0
+    kl, agree, n = kl_agreement(lp, answer_logprobs(noisy, pairs))
+    assert kl > 1e-3 and 0.0 <= agree < 1.0 and n == sum(len(a) for _, a in pairs)
     assert kl_agreement([], []) != kl_agreement([], [])   # (nan, nan) for no answers, not a division by zero
+
+
+def test_chat_rows_score_the_shared_prefix_once(tmp_path, tiny_model, tiny_tokenizer, noisy):
+    """kl/agree:chat: every held-out prompt, the template prefix they all share scored on the first prompt only (it
+    gives the same predictions in each), so the rows count each distinct prediction once; the rows say how many."""
+    from hybridize.builtin_text import DEMO_CHAT_PROMPTS, HELDOUT_CHAT_PROMPTS
+    from hybridize.eval.common import build_prompt, encode, has_chat_template
+
+    assert shared_prefix([[5, 6, 7], [5, 6, 8], [5, 9]]) == 1 and shared_prefix([[1, 2], [1, 2]]) == 2
+    assert shared_prefix([[1], [2]]) == 0
+    assert len(HELDOUT_CHAT_PROMPTS) >= 64 and DEMO_CHAT_PROMPTS == HELDOUT_CHAT_PROMPTS[:3]
+    chat = has_chat_template(tiny_tokenizer)
+    ids = [encode(tiny_tokenizer, build_prompt(tiny_tokenizer, p, chat=chat), chat) for p in HELDOUT_CHAT_PROMPTS]
+    k = shared_prefix(ids)
+    assert k > 0   # the chat template's opening
+    lp = chat_logprobs(tiny_model, tiny_tokenizer)
+    assert [t.shape[0] for t in lp] == [len(ids[0])] + [len(p) - k for p in ids[1:]]
+    with torch.no_grad():
+        full = torch.log_softmax(tiny_model(input_ids=torch.tensor([ids[5]])).logits[0].float(), -1)
+    assert torch.allclose(lp[5], full[k:], atol=1e-5)
+    rep = run_recovery({"teacher": tiny_model, "noisy": noisy}, tiny_tokenizer, _cfg(niah_tasks=()), tmp_path,
+                       log=lambda s: None)
+    rows = {r["row"]: r for r in rep["rows"]}
+    for rid in ("kl:chat", "agree:chat"):
+        assert rows[rid]["samples"] == len(HELDOUT_CHAT_PROMPTS) and "p" not in rows[rid]
+        assert rows[rid]["tokens"] == len(ids[0]) + sum(len(p) - k for p in ids[1:])
+    assert rows["agree:answers"]["tokens"] > 0
+    assert f"agree:chat {rows['agree:chat']['tokens']:,}" in (tmp_path / "recovery.md").read_text()
 
 
 def test_rows_outside_the_target_run_last():
@@ -309,6 +339,7 @@ def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_m
                  tmp_path, log=logs.append)
     assert any(niah in s and "an unknown number of prompts" in s for s in logs)
     assert any("arith:test" in s and "unknown" in s for s in logs)
+    assert any("agree:chat" in s and "unknown" in s for s in logs)   # a chat row from before it scored 64 prompts
     assert not any("ppl:" in s and "computed again" in s for s in logs)
 
 
