@@ -33,6 +33,8 @@ Ratios: 1.0 = parity and higher is better everywhere. Accuracies and agreement: 
 Perplexity: teacher_ppl / model_ppl. KL (the teacher's own KL is 0): exp(-KL). The pass/fail rows (needles,
 arithmetic) also record their prompt count (`samples`) and `p`, Fisher's exact test of each model's count against the
 teacher's, shown beside the ratio in recovery.md: at 40 prompts a 0.9x ratio of 36 against 40 has p = 0.12.
+Every row records what it was scored on (`scored_on`: prompts, or a perplexity row's context and token budget); a
+resumed or merged report scores a row again where that differs from the run's settings.
 
 Departures from the issue: all models are loaded at once (fine for the small models this targets); a row
 whose teacher value is 0 or NaN gets ratio NaN; S-NIAH puts the needle at depth 0.5 only (`--needle-samples`
@@ -234,12 +236,17 @@ def _atomic_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+#: what a row was scored on (`scored_on`, and the chat rows' predictions): two reports' values of a row sit
+#: together only where these agree
+SCORED_KEYS = ("samples", "context", "ppl_tokens", "tokens")
+
+
 def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
     """Several `recovery.json` (e.g. one model each, run side by side on one GPU) -> one at `out_path`, which
     `run_recovery` then resumes: each row's values united (the first file's value wins where two hold the same
-    model, the teacher's included), ratios recomputed; a row skipped in any file stays skipped. A needle or
-    arithmetic row counts the prompts of the first file that holds it: the values of a file that scored it on
-    another number (`samples`) are left out, to be computed again."""
+    model, the teacher's included), ratios recomputed; a row skipped in any file stays skipped. A row counts the
+    prompts or tokens of the first file that holds it: the values of a file that scored it on others
+    (`SCORED_KEYS`) are left out, to be computed again."""
     reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
     models = list(dict.fromkeys(n for r in reports for n in r.get("models", [])))
     rows: dict[str, dict] = {}
@@ -249,7 +256,7 @@ def merge_reports(paths: list[str | Path], out_path: str | Path) -> dict:
             if r.get("skipped"):
                 row["skipped"] = r["skipped"]
                 continue
-            if row.get("samples") != r.get("samples"):
+            if any(row.get(k) != r.get(k) for k in SCORED_KEYS):
                 continue
             vals = row.setdefault("values", {})
             for n, v in r.get("values", {}).items():
@@ -276,15 +283,27 @@ def samples_of(row_id: str, cfg: RecoveryConfig) -> int | None:
     return None
 
 
+def scored_on(row_id: str, cfg: RecoveryConfig) -> dict:
+    """What a row's values were computed on under `cfg`, written into the row: the prompt count (`samples`) of the
+    needle, arithmetic and chat rows; the context and token budget of the perplexity rows."""
+    if row_id.startswith("ppl:"):
+        return {"context": cfg.ppl_length, "ppl_tokens": cfg.ppl_tokens}
+    return {"samples": samples_of(row_id, cfg)}
+
+
 def _stale(row: dict, cfg: RecoveryConfig, log: Callable[[str], None]) -> bool:
-    """A kept needle, arithmetic or chat row scored on another number of prompts than `cfg` asks for, or on an
-    unknown number (a report written before rows carried `samples`, the chat rows' before they scored 64 prompts):
-    its values (the teacher's included) cannot sit beside new ones, so every model's is computed again."""
-    n, want = row.get("samples"), samples_of(row["row"], cfg)
-    if want is None or row.get("skipped") or n == want:
+    """A kept row scored on other prompts or tokens than `cfg` asks for (`scored_on`), or on unknown ones (a report
+    written before rows carried them; the chat rows' before they scored 64 prompts): its values (the teacher's
+    included) cannot sit beside new ones, so every model's is computed again."""
+    if row.get("skipped"):
         return False
-    log(f"recovery: {row['row']} holds {n if n is not None else 'an unknown number of'} prompts per model, not "
-        f"{want}: computed again")
+    want = scored_on(row["row"], cfg)
+    have = {k: row.get(k) for k in want}
+    if have == want:
+        return False
+    said = ", ".join(f"{k} {v}" for k, v in have.items() if v is not None) or "an unknown number of prompts or tokens"
+    log(f"recovery: {row['row']} was scored on {said}, not {', '.join(f'{k} {v}' for k, v in want.items())}: "
+        "computed again")
     return True
 
 
@@ -365,8 +384,7 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
             if capability == "niah":
                 _, task, L = row_id.split(":")
                 row["prompt_tokens"] = niah_config(task, int(L), models["teacher"], cfg).lengths[0]
-            if capability in ("niah", "arith", "kl", "agree"):
-                row["samples"] = samples_of(row_id, cfg)
+            row.update(scored_on(row_id, cfg))
             if capability in ("kl", "agree") and ("tokens", row_id.split(":")[1]) in cache:
                 row["tokens"] = cache["tokens", row_id.split(":")[1]]
             row.update(compare(row))

@@ -296,6 +296,12 @@ def test_merge_recomputes_the_tests(tmp_path):
     (tmp_path / "2.json").write_text(json.dumps(other))
     row = merge_reports([tmp_path / f"{i}.json" for i in range(3)], tmp_path / "m.json")["rows"][0]
     assert row["samples"] == 40 and set(row["values"]) == {"teacher", "a", "b"} and row["values"]["teacher"] == 1.0
+    for i, (name, n) in enumerate((("a", 8192), ("b", 65536))):   # perplexity on another token budget: left out
+        (tmp_path / f"p{i}.json").write_text(json.dumps({"models": ["teacher", name], "rows": [
+            {"row": "ppl:wikitext2", "capability": "ppl", "context": 1024, "ppl_tokens": n,
+             "values": {"teacher": 20.0 + i, name: 21.0}}]}))
+    row = merge_reports([tmp_path / "p0.json", tmp_path / "p1.json"], tmp_path / "m.json")["rows"][0]
+    assert row["ppl_tokens"] == 8192 and row["values"] == {"teacher": 20.0, "a": 21.0}
 
 
 def test_teacher_rows_alone_then_a_model_reuses_them(tmp_path, tiny_model, tiny_tokenizer, noisy):
@@ -329,7 +335,7 @@ def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_m
     rows = {r["row"]: r for r in rep["rows"]}
     assert rows[niah]["samples"] == 2 and rows[niah]["values"]["teacher"] != 0.123
     assert all(r["values"]["teacher"] == 0.123 for k, r in rows.items() if k != niah and not r.get("skipped"))
-    assert any(niah in s and "holds 1 prompts" in s for s in logs)
+    assert any(niah in s and "samples 1, not samples 2" in s for s in logs)
     old = json.loads((tmp_path / "recovery.json").read_text())
     for r in old["rows"]:
         r.pop("samples", None)   # a report from before rows carried their prompt count
@@ -341,6 +347,14 @@ def test_rows_scored_on_another_prompt_count_are_computed_again(tmp_path, tiny_m
     assert any("arith:test" in s and "unknown" in s for s in logs)
     assert any("agree:chat" in s and "unknown" in s for s in logs)   # a chat row from before it scored 64 prompts
     assert not any("ppl:" in s and "computed again" in s for s in logs)
+    # a perplexity row scored on another token budget, or a report from before the rows carried theirs
+    logs.clear()
+    rep = run_recovery({"teacher": tiny_model, "m": tiny_model}, tiny_tokenizer,
+                       _cfg(niah_tasks=("s-niah-1",), needle_samples=2, ppl_tokens=192), tmp_path, log=logs.append)
+    row = next(r for r in rep["rows"] if r["row"] == "ppl:python-reference")
+    assert row["ppl_tokens"] == 192 and row["context"] == 64 and row["values"]["teacher"] != 0.123
+    assert any("ppl:python-reference" in s and "ppl_tokens 128" in s and "ppl_tokens 192" in s for s in logs)
+    assert not any(niah in s and "computed again" in s for s in logs)
 
 
 def test_cli_without_a_model_writes_the_teachers_rows(app, tmp_path, tiny_model_dir):
