@@ -16,9 +16,8 @@ Rows (each tagged with its capability):
   predictions on the PROMPT tokens of the 64 `HELDOUT_CHAT_PROMPTS` (chat template applied when the tokenizer has
   one; no generation, so the row is cheap and deterministic). The prefix every prompt shares (system prompt and
   template, 24 tokens for SmolLM2) gives the same predictions in every prompt, so it is scored once, on the first
-  prompt (`shared_prefix`): with it counted per prompt, three prompts' 112 predictions held the same 24 three
-  times, and two students 4 tokens apart read 0.875 against 0.911 (RESULTS.md, "(xiii)"). The rows record the
-  prompts (`samples`) and the predictions scored (`tokens`).
+  prompt (`shared_prefix`); counted per prompt, it was 72 of three prompts' 112 predictions (RESULTS.md,
+  "(xiii)"). The rows record the prompts (`samples`) and the predictions scored (`tokens`).
 - `kl:answers` and `agree:answers`: the same two measures on the ANSWER tokens: the teacher answers each
   held-out prompt greedily (`chat_answer_tokens` new tokens at most), and both models read prompt + that answer,
   teacher-forced; only the predictions of the answer's tokens count. This is what a user of the chat model
@@ -131,7 +130,6 @@ def run_order(cfg: RecoveryConfig) -> list[str]:
     return [r for r in ids if r not in late] + late
 
 
-@torch.no_grad()
 def shared_prefix(prompts: list[list[int]]) -> int:
     """How many leading tokens every prompt shares: the positions whose predictions are the same in all of them."""
     k = 0
@@ -140,6 +138,7 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return k
 
 
+@torch.no_grad()
 def chat_logprobs(model, tokenizer) -> list[torch.Tensor]:
     """Log-softmax of the next-token logits `[T_i, V]` (fp32, cpu) per held-out chat prompt: every position of the
     first prompt, and of each other prompt the positions after the prefix they all share (its predictions are the

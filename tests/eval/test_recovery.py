@@ -248,6 +248,7 @@ def test_chat_rows_score_the_shared_prefix_once(tmp_path, tiny_model, tiny_token
     k = shared_prefix(ids)
     assert k > 0   # the chat template's opening
     lp = chat_logprobs(tiny_model, tiny_tokenizer)
+    assert not any(t.requires_grad for t in lp)   # no autograd graph kept over 64 prompts
     assert [t.shape[0] for t in lp] == [len(ids[0])] + [len(p) - k for p in ids[1:]]
     with torch.no_grad():
         full = torch.log_softmax(tiny_model(input_ids=torch.tensor([ids[5]])).logits[0].float(), -1)
