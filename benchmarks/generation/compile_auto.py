@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation.rollouts import SHAPES, build_pair
+from hybridize.convert.cli import parse_settings
 from benchmarks.timing import free_memory, md_table, sync
 
 
@@ -40,6 +41,9 @@ def args_parser():
     ap.add_argument("--model", default="hybrid", choices=["hybrid", "teacher"])
     ap.add_argument("--plan", default="5:1")
     ap.add_argument("--mixer", default="sse")
+    ap.add_argument("--mixer-settings", action="append", default=None,
+                    help="the converter's mixer settings, as `hybridize convert --mixer-settings` takes them "
+                         "(repeatable; e.g. swa.window=512 swa.sinks=4 for a plan with windows)")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -103,7 +107,7 @@ def main(argv=None):
     if device.type == "cuda":
         from hybridize.ops import gpu
         gpu.activate()
-    teacher, hybrid = build_pair(args.shape, args.plan, args.mixer, dtype, device)
+    teacher, hybrid = build_pair(args.shape, args.plan, args.mixer, dtype, device, parse_settings(args.mixer_settings))
     model = hybrid if args.model == "hybrid" else teacher
     del teacher, hybrid
     free_memory(device)
@@ -113,7 +117,7 @@ def main(argv=None):
     mask = torch.ones_like(ids)
     mask[0, :T // 8] = 0   # one left-padded row, as in GRPO batches
     header = (f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} | torch {torch.__version__}"
-              f" | {args.shape} {args.model} (plan {args.plan} {args.mixer}) | {args.dtype} | prompt {T} x batch {B},"
+              f" | {args.shape} {args.model} (plan {args.plan} {args.mixer} {parse_settings(args.mixer_settings) or ''}) | {args.dtype} | prompt {T} x batch {B},"
               f" {args.new_tokens} new tokens x {args.calls} calls")
     print(header, flush=True)
     t0 = time.perf_counter()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation import rollouts
+from hybridize.convert.cli import parse_settings
 from hybridize.generation.profile import profile_model, report
 
 #: shapes for CPU runs, added to rollouts.SHAPES (qwen3 family: q/k norms, as the real target)
@@ -37,7 +38,8 @@ def build(args, device, dtype):
         saved = rollouts.SHAPES[args.shape]
         rollouts.SHAPES[args.shape] = (family, {**kw, "num_hidden_layers": args.layers})
     try:
-        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device)
+        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device,
+                                              parse_settings(args.mixer_settings))
     finally:
         if args.layers:
             rollouts.SHAPES[args.shape] = saved
@@ -52,6 +54,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's)")
     ap.add_argument("--plan", default="5:1")
     ap.add_argument("--mixer", default="sse")
+    ap.add_argument("--mixer-settings", action="append", default=None,
+                    help="the converter's mixer settings, as `hybridize convert --mixer-settings` takes them "
+                         "(repeatable; e.g. swa.window=512 swa.sinks=4 for a plan with windows)")
     ap.add_argument("--batch", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
     ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
@@ -80,7 +85,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
     model = build(args, device, dtype)
     header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
-              f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer}; "
+              f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer} "
+              f"{parse_settings(args.mixer_settings) or ''}; "
               f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
     res = profile_model(model, args, device)
     print(report(res, header))

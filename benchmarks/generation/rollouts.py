@@ -68,8 +68,9 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
-def build_pair(shape: str, plan: str, mixer: str, dtype, device):
-    """(teacher, hybrid) with random weights, built directly on `device` in `dtype`."""
+def build_pair(shape: str, plan: str, mixer: str, dtype, device, settings: dict | None = None):
+    """(teacher, hybrid) with random weights, built directly on `device` in `dtype`; `settings`: the converter's
+    mixer settings (`hybridize convert --mixer-settings`, e.g. {"swa.window": 512, "swa.sinks": 4})."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hybridize.convert.convert import build_hybrid_config
@@ -82,7 +83,7 @@ def build_pair(shape: str, plan: str, mixer: str, dtype, device):
     torch.manual_seed(0)
     with torch.device(device):
         teacher = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-        hcfg = build_hybrid_config(teacher.config, parse_plan(plan, cfg.num_hidden_layers, mixer), None)
+        hcfg = build_hybrid_config(teacher.config, parse_plan(plan, cfg.num_hidden_layers, mixer), settings)
         hybrid = HybridForCausalLM(hcfg).to(dtype).eval()
     return teacher, hybrid
 

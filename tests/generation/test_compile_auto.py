@@ -1,4 +1,5 @@
-"""The arithmetic of benchmarks/generation/compile_auto.py's table (the GPU run itself is in RESULTS.md)."""
+"""benchmarks/generation/compile_auto.py: the arithmetic of its table (the GPU run itself is in RESULTS.md), and the mixer
+settings its model builder takes."""
 from benchmarks.generation.compile_auto import add_regret, summarize
 
 
@@ -31,3 +32,21 @@ def test_regret_is_over_the_faster_of_off_and_on():
     rows.append({"mode": "on", "job_s": 32.0})
     add_regret(rows)
     assert [r["regret"] for r in rows] == [1.25, 1.562, 1.0]
+
+
+def test_pair_builder_takes_the_converters_mixer_settings():
+    """`--mixer-settings` of compile_auto / profile_decode reaches the hybrid's config (a window plan's speed needs
+    its window), parsed as `hybridize convert` parses it."""
+    import torch
+
+    from benchmarks.generation.compile_auto import args_parser
+    from benchmarks.generation.rollouts import build_pair
+    from hybridize.convert.cli import parse_settings
+
+    args = args_parser().parse_args(["--shape", "tiny", "--plan", "1:1", "--mixer", "swa",
+                                     "--mixer-settings", "swa.window=16", "--mixer-settings", "swa.sinks=2"])
+    settings = parse_settings(args.mixer_settings)
+    _, hybrid = build_pair("tiny", args.plan, args.mixer, torch.float32, "cpu", settings)
+    assert hybrid.config.mixer_settings["swa"]["window"] == 16 and hybrid.config.mixer_settings["swa"]["sinks"] == 2
+    _, plain = build_pair("tiny", "1:1", "swa", torch.float32, "cpu")
+    assert plain.config.mixer_settings["swa"]["window"] == 512
