@@ -9,7 +9,9 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
 
 - chunk mode (training, prefill): one `scaled_dot_product_attention` call with a banded causal
   boolean mask over `[buffer, new tokens]`; packed `cu_seqlens` without a state use a
-  block-diagonal band on the packed row (no state crosses a document boundary).
+  block-diagonal band on the packed row (no state crosses a document boundary). A prefill from no state
+  longer than `BAND_BLOCK` + window runs one sdpa call per block of `BAND_BLOCK` queries against the keys its
+  band reaches (`_band_blocks`): O(T x window) work and mask memory instead of the dense mask's O(T^2).
 - recurrent mode (decode, ground truth): one token at a time against the buffer, explicit softmax.
 - state (`SWAState`): a fixed-size ring of the last `window - 1` real keys (after RoPE) and values,
   right-aligned (oldest first), `[N, Hkv, window - 1, D]`, plus `count` `[N]` of valid slots, `seen` `[N]`
@@ -59,6 +61,11 @@ class SWAState(MixerState):
     seen: torch.Tensor | None = None     # [N] int64, real tokens so far (the global rank of the newest)
     sink_k: torch.Tensor | None = None   # [N, Hkv, sinks, D], the first `sinks` real keys (sinks > 0)
     sink_v: torch.Tensor | None = None   # [N, Hkv, sinks, D]
+
+
+#: queries per block of a long prefill's band (`_band_blocks`): each block reads at most `window - 1 + BAND_BLOCK`
+#: keys, plus the sinks
+BAND_BLOCK = 1024
 
 
 class SlidingWindowAttention(Mixer):
@@ -176,6 +183,16 @@ class SlidingWindowAttention(Mixer):
         """Banded causal attention over `[buffer, new tokens]`; real `[B, T]` marks non-padding."""
         B, T = real.shape
         W = self.config.window
+        if state is None and T > BAND_BLOCK + W:   # a long prefill from nothing: the band, a block at a time
+            o = self._band_blocks(q, k, v, real)
+            new = None
+            if output_state:
+                new = self._keep_last(k, v, real)
+                sk, sv, _, seen = self._sink_buffer(None, B, k)
+                new.seen = seen + real.long().sum(1)
+                if sk is not None:
+                    new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
+            return o, new
         if state is not None:
             bk, bv, bvalid = self._buffer(state, k)
             k_all, v_all = torch.cat([bk, k], 1), torch.cat([bv, v], 1)
@@ -212,6 +229,39 @@ class SlidingWindowAttention(Mixer):
             if sk is not None:
                 new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
         return o, new
+
+    def _band_blocks(self, q, k, v, real):
+        """`_chunk`'s output without a state, `BAND_BLOCK` queries at a time against the keys their band reaches
+        (and each row's first `sinks` real tokens in front): O(T x (window + block)) work and mask memory, where
+        one dense `[T, T]` mask costs O(T^2) (at 16k, 32x the work of a 512 window). Each block's key slice
+        starts at the first position any of its rows' bands reaches (one host sync per block)."""
+        B, T = real.shape
+        W, n_sink = self.config.window, self.config.sinks
+        rank = real.long().cumsum(1)                                              # [B, T]
+        pos = torch.arange(T, device=q.device)
+        if n_sink:   # each row's first `sinks` real tokens, as positions [B, sinks] (T: the row has fewer)
+            sink_pos = torch.where(real & (rank <= n_sink), pos, T).sort(1).values[:, :n_sink]
+            sink_real = sink_pos < T
+            sink_idx = sink_pos.clamp(max=T - 1)[:, :, None, None].expand(B, n_sink, *k.shape[2:])
+            sink_k, sink_v = k.gather(1, sink_idx), v.gather(1, sink_idx)
+        out = []
+        for a in range(0, T, BAND_BLOCK):
+            b = min(a + BAND_BLOCK, T)
+            q_rank = rank[:, a:b]
+            # rank is non-decreasing, so the block's lowest query rank is at a; keys ranked W or more below it are
+            # outside every band of the block (only sinks reach further back)
+            lo = int(torch.searchsorted(rank, (q_rank[:, :1] - W + 1).contiguous()).min())
+            key_pos, q_pos = pos[lo:b], pos[a:b]
+            allowed = (real[:, lo:b].unsqueeze(1) & (key_pos.view(1, 1, -1) <= q_pos.view(1, -1, 1))
+                       & ((q_rank.unsqueeze(2) - rank[:, lo:b].unsqueeze(1) < W)
+                          | (rank[:, lo:b] <= n_sink).unsqueeze(1)))
+            allowed = allowed | (key_pos.view(1, 1, -1) == q_pos.view(1, -1, 1))   # padded queries: self only
+            ks, vs = k[:, lo:b], v[:, lo:b]
+            if n_sink:   # sinks before the slice as extra keys in front (those inside it are in `allowed`)
+                early = (sink_real & (sink_pos < lo)).unsqueeze(1).expand(B, b - a, n_sink)
+                ks, vs, allowed = torch.cat([sink_k, ks], 1), torch.cat([sink_v, vs], 1), torch.cat([early, allowed], 2)
+            out.append(self._sdpa(q[:, a:b], ks, vs, allowed))
+        return torch.cat(out, 1)
 
     # ---- recurrent mode ---------------------------------------------------------------------
     def _recurrent(self, q, k, v, real, state, output_state):

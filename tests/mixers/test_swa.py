@@ -279,3 +279,26 @@ def test_sink_buffer_holds_the_first_keys():
         assert torch.allclose(st.sink_k[0, :, :n], k[0, :n].transpose(0, 1), atol=1e-6)
     with pytest.raises(ValueError, match="sinks"):
         make_mixer("swa", sinks=-1)
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_long_prefill_runs_the_band_a_block_at_a_time(monkeypatch, window, sinks):
+    """A prefill from no state longer than BAND_BLOCK + window runs the band one block of queries at a time
+    (O(T x window), not a dense [T, T] mask): the same outputs and state as the token-by-token ground truth and as
+    the dense band, with left padding of other lengths per row (each row's own window and sinks)."""
+    from hybridize.mixers import swa
+
+    m = make_mixer("swa", window=window, sinks=sinks)
+    x = random_hidden(3, 41, 16)
+    dense = call(m, x, output_state=True, mode="chunk")        # 41 <= BAND_BLOCK + window: the dense band
+    blocks = []
+    monkeypatch.setattr(swa, "BAND_BLOCK", 5)
+    original = SlidingWindowAttention._band_blocks
+    monkeypatch.setattr(SlidingWindowAttention, "_band_blocks",
+                        lambda self, *a: blocks.append(1) or original(self, *a))
+    check_chunk_equals_recurrent(m, x)
+    got = call(m, x, output_state=True, mode="chunk")
+    assert rel_err(got.hidden, dense.hidden) < FP32_TOL
+    check_left_padding(m, [41, 30, 12], mode="chunk")
+    assert blocks   # the blocked path ran, not the dense one
