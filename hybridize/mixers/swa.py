@@ -12,7 +12,9 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
   block-diagonal band on the packed row (no state crosses a document boundary). A prefill from no state
   longer than `BAND_BLOCK` + window runs one sdpa call per block of `BAND_BLOCK` queries against the keys its
   band reaches (`_band_blocks`): O(T x window) work and mask memory instead of the dense mask's O(T^2).
-- recurrent mode (decode, ground truth): one token at a time against the buffer, explicit softmax.
+- recurrent mode (ground truth): one token at a time against the buffer, explicit fp32 softmax. A single
+  token (decode) runs `_step` instead: the same attention as one sdpa call in the state's own layout, each KV
+  head's query heads as its query rows (no repeated or fp32 copies of the buffer; tested against `_recurrent`).
 - state (`SWAState`): a fixed-size ring of the last `window - 1` real keys (after RoPE) and values,
   right-aligned (oldest first), `[N, Hkv, window - 1, D]`, plus `count` `[N]` of valid slots, `seen` `[N]`
   real tokens so far and, with sinks, the first `sinks` keys/values `[N, Hkv, sinks, D]`; the cache does not
@@ -102,7 +104,7 @@ class SlidingWindowAttention(Mixer):
         else:
             real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
                     else attention_mask.bool())
-            run = self._chunk if mode == "chunk" else self._recurrent
+            run = self._chunk if mode == "chunk" else self._step if T == 1 else self._recurrent
             o, new = run(q, k, v, real, state, output_state)
         hidden = self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim).to(x.dtype))
         return MixerOutput(hidden=hidden, state=new if output_state else None)
@@ -304,6 +306,42 @@ class SlidingWindowAttention(Mixer):
             new = SWAState(k=bk.transpose(1, 2).contiguous(), v=bv.transpose(1, 2).contiguous(), count=count,
                            seen=seen, sink_k=None if sk is None else sk.transpose(1, 2).contiguous(),
                            sink_v=None if sv is None else sv.transpose(1, 2).contiguous())
+        return o, new
+
+    def _step(self, q, k, v, real, state, output_state):
+        """One token (decode), `_recurrent` for T = 1 in the state's own layout `[B, Hkv, slots, D]`: one sdpa call
+        with each KV head's query heads as its query rows (no repeated keys, no fp32 copy of the buffer), one
+        concatenation of [sinks, ring, new key] and one select for the ring's shift."""
+        B, _, H, D = q.shape
+        W, n_sink, P = self.config.window, self.config.sinks, self.slots
+        st = state if state is not None else self.empty_state(B, q.device, k.dtype)
+        if st.k.shape[0] != B or st.k.shape[2] != P:
+            raise ValueError(f"state buffer {tuple(st.k.shape)} does not fit batch {B} and window {W} "
+                             f"(expected [B, Hkv, {P}, D])")
+        count, seen, r = st.count.to(q.device), st.seen.to(q.device), real[:, 0]
+        slot = torch.arange(P, device=q.device)
+        ok = torch.cat([slot.unsqueeze(0) >= (P - count).unsqueeze(1), r.new_ones(B, 1)], 1)     # [B, P + 1]
+        kn, vn = k.transpose(1, 2).to(st.k.dtype), v.transpose(1, 2).to(st.v.dtype)              # [B, Hkv, 1, D]
+        keys, vals = [st.k, kn], [st.v, vn]
+        g = seen + r.long()                                                                     # this token's rank
+        s_rank = torch.arange(1, n_sink + 1, device=q.device)
+        if n_sink:
+            _, _, svalid, _ = self._sink_buffer(st, B, k)
+            ok = torch.cat([svalid & (g.unsqueeze(1) - s_rank.unsqueeze(0) >= W), ok], 1)
+            keys, vals = [st.sink_k] + keys, [st.sink_v] + vals
+        ks, vs = torch.cat(keys, 2).to(q.dtype), torch.cat(vals, 2).to(q.dtype)                 # [B, Hkv, S, D]
+        qg = q[:, 0].reshape(B, -1, self.n_rep, D)                                               # [B, Hkv, rep, D]
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ok[:, None, None, :], scale=self.scale)
+        o = o.reshape(B, 1, H, D)
+        if not output_state:
+            return o, None
+        keep = r.view(B, 1, 1, 1)
+        new = SWAState(k=torch.where(keep, ks[:, :, n_sink + 1:].to(st.k.dtype), st.k),
+                       v=torch.where(keep, vs[:, :, n_sink + 1:].to(st.v.dtype), st.v),
+                       count=(count + r.long()).clamp(max=P), seen=seen + r.long())
+        if n_sink:   # one of the first `sinks` real tokens takes its sink slot
+            hit = (r & (g <= n_sink)).view(B, 1, 1, 1) & (s_rank.view(1, 1, -1, 1) == g.view(B, 1, 1, 1))
+            new.sink_k, new.sink_v = torch.where(hit, kn, st.sink_k), torch.where(hit, vn, st.sink_v)
         return o, new
 
     # ---- packed documents -------------------------------------------------------------------

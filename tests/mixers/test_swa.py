@@ -10,7 +10,8 @@ from hybridize.mixers.swa import SlidingWindowAttention, SWAConfig
 
 from .helpers import (FP32_TOL, call, check_backward, check_chunk_equals_recurrent, check_left_padding,
                       check_padding_keeps_state, check_prefill_then_steps, check_runs_in_dtype,
-                      check_varlen_equals_separate, make_mixer, random_hidden, rel_err, rope_cos_sin)
+                      check_varlen_equals_separate, left_pad_mask, make_mixer, random_hidden, rel_err, rope_cos_sin,
+                      state_rel_err)
 
 
 def teacher(family: str):
@@ -318,3 +319,38 @@ def test_band_blocks_backward_equals_the_dense_band(monkeypatch):
         call(m, x, mode="chunk").hidden.square().sum().backward()
         grads.append((x.grad.clone(), m.q_proj.weight.grad.clone()))
     assert rel_err(grads[1][0], grads[0][0]) < FP32_TOL and rel_err(grads[1][1], grads[0][1]) < FP32_TOL
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("window", [1, 3, 6])
+@torch.no_grad()
+def test_one_token_step_equals_the_recurrent_reference(monkeypatch, window, sinks):
+    """Decode (T = 1) runs `_step` in the state's layout; token by token over left-padded rows of other lengths
+    (padding steps included), its outputs and states equal `_recurrent`'s, the ground truth."""
+    m = make_mixer("swa", window=window, sinks=sinks)
+    T = 14
+    x = random_hidden(3, T, 16, seed=2)
+    mask = left_pad_mask([14, 9, 3], T)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def run():
+        st, outs, states = None, [], []
+        for t in range(T):
+            o = call(m, x[:, t:t + 1], pos[:, t:t + 1], attention_mask=mask[:, t:t + 1], state=st,
+                     output_state=True, mode="recurrent")
+            outs.append(o.hidden)
+            states.append(o.state)
+            st = o.state
+        return torch.cat(outs, 1), states
+
+    steps = []
+    original = SlidingWindowAttention._step
+    monkeypatch.setattr(SlidingWindowAttention, "_step", lambda self, *a: steps.append(1) or original(self, *a))
+    got, got_states = run()
+    assert len(steps) == T
+    monkeypatch.setattr(SlidingWindowAttention, "_step", SlidingWindowAttention._recurrent)
+    ref, ref_states = run()
+    real = mask.unsqueeze(-1)
+    assert rel_err(got * real, ref * real) < FP32_TOL
+    for a, b in zip(got_states, ref_states):
+        assert state_rel_err(a, b) < FP32_TOL and torch.equal(a.count, b.count) and torch.equal(a.seen, b.seen)
