@@ -315,12 +315,9 @@ class SlidingWindowAttention(Mixer):
         B, _, H, D = q.shape
         W, n_sink, P = self.config.window, self.config.sinks, self.slots
         st = state if state is not None else self.empty_state(B, q.device, k.dtype)
-        if st.k.shape[0] != B or st.k.shape[2] != P:
-            raise ValueError(f"state buffer {tuple(st.k.shape)} does not fit batch {B} and window {W} "
-                             f"(expected [B, Hkv, {P}, D])")
+        _, _, bvalid = self._buffer(st, k)                       # checks the buffer's shape; valid slots [B, P]
         count, seen, r = st.count.to(q.device), st.seen.to(q.device), real[:, 0]
-        slot = torch.arange(P, device=q.device)
-        ok = torch.cat([slot.unsqueeze(0) >= (P - count).unsqueeze(1), r.new_ones(B, 1)], 1)     # [B, P + 1]
+        ok = torch.cat([bvalid, r.new_ones(B, 1)], 1)                                            # [B, P + 1]
         kn, vn = k.transpose(1, 2).to(st.k.dtype), v.transpose(1, 2).to(st.v.dtype)              # [B, Hkv, 1, D]
         keys, vals = [st.k, kn], [st.v, vn]
         g = seen + r.long()                                                                     # this token's rank
