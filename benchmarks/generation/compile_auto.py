@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation.rollouts import SHAPES, build_pair
-from hybridize.convert.cli import parse_settings
 from benchmarks.timing import free_memory, md_table, sync
+from hybridize.convert.cli import parse_settings
 
 
 def args_parser():
@@ -107,7 +107,8 @@ def main(argv=None):
     if device.type == "cuda":
         from hybridize.ops import gpu
         gpu.activate()
-    teacher, hybrid = build_pair(args.shape, args.plan, args.mixer, dtype, device, parse_settings(args.mixer_settings))
+    settings = parse_settings(args.mixer_settings)
+    teacher, hybrid = build_pair(args.shape, args.plan, args.mixer, dtype, device, settings)
     model = hybrid if args.model == "hybrid" else teacher
     del teacher, hybrid
     free_memory(device)
@@ -117,7 +118,7 @@ def main(argv=None):
     mask = torch.ones_like(ids)
     mask[0, :T // 8] = 0   # one left-padded row, as in GRPO batches
     header = (f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} | torch {torch.__version__}"
-              f" | {args.shape} {args.model} (plan {args.plan} {args.mixer} {parse_settings(args.mixer_settings) or ''}) | {args.dtype} | prompt {T} x batch {B},"
+              f" | {args.shape} {args.model} (plan {args.plan} {args.mixer} {settings or ''}) | {args.dtype} | prompt {T} x batch {B},"
               f" {args.new_tokens} new tokens x {args.calls} calls")
     print(header, flush=True)
     t0 = time.perf_counter()

@@ -30,7 +30,7 @@ EXTRA_SHAPES = {
 }
 
 
-def build(args, device, dtype):
+def build(args, device, dtype, settings: dict):
     for name, spec in EXTRA_SHAPES.items():
         rollouts.SHAPES.setdefault(name, spec)
     family, kw = rollouts.SHAPES[args.shape]
@@ -38,8 +38,7 @@ def build(args, device, dtype):
         saved = rollouts.SHAPES[args.shape]
         rollouts.SHAPES[args.shape] = (family, {**kw, "num_hidden_layers": args.layers})
     try:
-        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device,
-                                              parse_settings(args.mixer_settings))
+        teacher, hybrid = rollouts.build_pair(args.shape, args.plan, args.mixer, dtype, device, settings)
     finally:
         if args.layers:
             rollouts.SHAPES[args.shape] = saved
@@ -83,10 +82,11 @@ def main(argv=None):
     args.batch = args.batch or (8 if cuda else 2)
     args.prompt_len = args.prompt_len or (16384 if cuda else 32)
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
-    model = build(args, device, dtype)
+    settings = parse_settings(args.mixer_settings)
+    model = build(args, device, dtype, settings)
     header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
               f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer} "
-              f"{parse_settings(args.mixer_settings) or ''}; "
+              f"{settings or ''}; "
               f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
     res = profile_model(model, args, device)
     print(report(res, header))

@@ -187,14 +187,7 @@ class SlidingWindowAttention(Mixer):
         W = self.config.window
         if state is None and T > BAND_BLOCK + W:   # a long prefill from nothing: the band, a block at a time
             o = self._band_blocks(q, k, v, real)
-            new = None
-            if output_state:
-                new = self._keep_last(k, v, real)
-                sk, sv, _, seen = self._sink_buffer(None, B, k)
-                new.seen = seen + real.long().sum(1)
-                if sk is not None:
-                    new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
-            return o, new
+            return o, self._chunk_state(None, k, v, real, k, v, real) if output_state else None
         if state is not None:
             bk, bv, bvalid = self._buffer(state, k)
             k_all, v_all = torch.cat([bk, k], 1), torch.cat([bv, v], 1)
@@ -224,13 +217,17 @@ class SlidingWindowAttention(Mixer):
             o = self._sdpa(q, k_all, v_all, allowed)
         else:   # the sink buffer as extra keys in front
             o = self._sdpa(q, torch.cat([sk, k_all], 1), torch.cat([sv, v_all], 1), torch.cat([s_ok, allowed], 2))
-        new = None
-        if output_state:
-            new = self._keep_last(k_all, v_all, valid)
-            new.seen = seen + real.long().sum(1)
-            if sk is not None:
-                new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
-        return o, new
+        return o, self._chunk_state(state, k_all, v_all, valid, k, v, real) if output_state else None
+
+    def _chunk_state(self, state, k_all, v_all, valid, k, v, real) -> SWAState:
+        """The state after new tokens k, v `[B, T, Hkv, D]` (real `[B, T]`) followed `state`: the last `window - 1`
+        valid entries of `[buffer, new]` (k_all, v_all, valid), the real-token count, and the sinks filled."""
+        new = self._keep_last(k_all, v_all, valid)
+        sk, sv, _, seen = self._sink_buffer(state, real.shape[0], k)
+        new.seen = seen + real.long().sum(1)
+        if sk is not None:
+            new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
+        return new
 
     def _band_blocks(self, q, k, v, real):
         """`_chunk`'s output without a state, `BAND_BLOCK` queries at a time against the keys their band reaches
@@ -360,11 +357,7 @@ class SlidingWindowAttention(Mixer):
                 real = pack_to_padded(torch.ones(q.shape[:2], dtype=torch.bool, device=q.device),
                                       cu_seqlens, value=False)
                 pk, pv = pack_to_padded(k, cu_seqlens), pack_to_padded(v, cu_seqlens)
-                new = self._keep_last(pk, pv, real)
-                new.seen = real.long().sum(1)
-                if self.config.sinks:
-                    sk, sv, _, zero = self._sink_buffer(None, len(lens), pk)
-                    new.sink_k, new.sink_v = self._new_sinks(sk, sv, pk, pv, real, zero)
+                new = self._chunk_state(None, pk, pv, real, pk, pv, real)
             return o, new
         # with a per-document state: right-pad the documents into a batch (padding is not stored)
         real = pack_to_padded(torch.ones(q.shape[:2], dtype=torch.bool, device=q.device), cu_seqlens, value=False)
