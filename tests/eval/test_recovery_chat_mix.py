@@ -153,3 +153,17 @@ def test_teacher_eval_runs_without_a_model_and_seeds_the_variants(monkeypatch, t
     assert calls[0][0] == "recovery_teacher" and "--model" not in calls[0][1] and calls[0][2] == '{"old": 1}'
     rv.run_eval_one(a, work, {}, "pattern")
     assert calls[1][0] == "recovery_pattern" and "--model" in calls[1][1] and calls[1][2] == '{"teacher": 1}'
+
+
+def test_preset_expands_before_the_command_line(monkeypatch, tmp_path, data):
+    a = rv.parse_args(["train", "pattern", "--preset", "recovered", "--teacher", "T", "--data", str(data)])
+    assert (a.e2e_steps, a.long_steps, a.chat_traces, a.python_source, a.long_questions) == (400, 150, 2000, "4M", 240)
+    assert a.python_docs and a.long_mix and a.pattern.startswith("attn=16,17,18,20,21,22,23,24;swa=")
+    assert rv.parse_args(["train", "pattern", "--preset", "recovered", "--e2e-steps", "7"]).e2e_steps == 7
+    assert rv.parse_args(["train", "pattern"]).e2e_steps == 150   # no preset: the plain defaults
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: calls.append((name, args)))
+    calls = []
+    rv.run_train(a, tmp_path / "work", {}, "pattern")
+    convert = dict(calls)["pattern-convert"]
+    assert convert[convert.index("--layers") + 1] == rv.PRESETS["recovered"][-1]
+    assert "train.max_steps=400" in dict(calls)["pattern-e2e"]
