@@ -12,13 +12,16 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
   block-diagonal band on the packed row (no state crosses a document boundary). A prefill from no state
   longer than `BAND_BLOCK` + window runs one sdpa call per block of `BAND_BLOCK` queries against the keys its
   band reaches (`_band_blocks`): O(T x window) work and mask memory instead of the dense mask's O(T^2).
-- recurrent mode (ground truth): one token at a time against the buffer, explicit fp32 softmax. A single
-  token (decode) runs `_step` instead: the same attention as one sdpa call in the state's own layout, each KV
-  head's query heads as its query rows (no repeated or fp32 copies of the buffer; tested against `_recurrent`).
-- state (`SWAState`): a fixed-size ring of the last `window - 1` real keys (after RoPE) and values,
-  right-aligned (oldest first), `[N, Hkv, window - 1, D]`, plus `count` `[N]` of valid slots, `seen` `[N]`
-  real tokens so far and, with sinks, the first `sinks` keys/values `[N, Hkv, sinks, D]`; the cache does not
-  grow with the sequence.
+- recurrent mode (ground truth): one token at a time against the buffer in token order, explicit fp32
+  softmax. A single token (decode) runs `_step` instead: the new key and value are written into their ring
+  slot (in place when the state's owner marks it writable, as the fast engine does), then one sdpa call reads
+  the whole state tensor, each KV head's query heads as its query rows; no shift, no concatenation, no repeated
+  or fp32 copy of the buffer (tested against `_recurrent`).
+- state (`SWAState`): keys (after RoPE) and values `[N, Hkv, sinks + window, D]`, fixed-size, plus `seen` `[N]`
+  real tokens so far. Slot i < sinks holds the real token of rank i + 1 (the attention sinks); the other
+  `window` slots are a ring, the real token of rank r in slot sinks + (r - 1) % window. A new token overwrites
+  the one `window` ranks before it, which no later query's band reaches, so a decode step writes one slot and
+  reads the tensor as it stands; validity follows from `seen` alone. The cache does not grow with the sequence.
 
 Attention sinks (`sinks` > 0; "Efficient Streaming Language Models with Attention Sinks"): every query also
 attends to the sequence's first `sinks` real tokens, kept in a second fixed-size buffer once they leave the
@@ -55,14 +58,12 @@ class SWAConfig(MixerConfig):
 
 @dataclass
 class SWAState(MixerState):
-    """Last `window - 1` real keys/values, right-aligned: slot j is valid iff j >= window - 1 - count."""
+    """The sinks and a ring of the last real keys/values (module docstring): slot i < sinks holds rank i + 1,
+    slot sinks + (r - 1) % window rank r."""
 
-    k: torch.Tensor | None = None        # [N, Hkv, window - 1, D], after RoPE / k_norm
-    v: torch.Tensor | None = None        # [N, Hkv, window - 1, D]
-    count: torch.Tensor | None = None    # [N] int64, number of valid slots
+    k: torch.Tensor | None = None        # [N, Hkv, sinks + window, D], after RoPE / k_norm
+    v: torch.Tensor | None = None        # [N, Hkv, sinks + window, D]
     seen: torch.Tensor | None = None     # [N] int64, real tokens so far (the global rank of the newest)
-    sink_k: torch.Tensor | None = None   # [N, Hkv, sinks, D], the first `sinks` real keys (sinks > 0)
-    sink_v: torch.Tensor | None = None   # [N, Hkv, sinks, D]
 
 
 #: queries per block of a long prefill's band (`_band_blocks`): each block reads at most `window - 1 + BAND_BLOCK`
@@ -111,39 +112,50 @@ class SlidingWindowAttention(Mixer):
 
     def empty_state(self, batch: int, device=None, dtype=torch.float32) -> SWAState:
         c = self.config
-        z = torch.zeros(batch, c.num_kv_heads, self.slots, c.head_dim, device=device, dtype=dtype)
-        zs = torch.zeros(batch, c.num_kv_heads, c.sinks, c.head_dim, device=device, dtype=dtype) if c.sinks else None
-        return SWAState(k=z, v=z.clone(), count=torch.zeros(batch, dtype=torch.long, device=device),
-                        seen=torch.zeros(batch, dtype=torch.long, device=device),
-                        sink_k=zs, sink_v=None if zs is None else zs.clone())
+        z = torch.zeros(batch, c.num_kv_heads, c.sinks + c.window, c.head_dim, device=device, dtype=dtype)
+        return SWAState(k=z, v=z.clone(), seen=torch.zeros(batch, dtype=torch.long, device=device))
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _buffer(self, state: SWAState | None, k: torch.Tensor):
-        """State -> (keys, values `[B, P, Hkv, D]`, valid `[B, P]`) in the token layout of k."""
-        B = k.shape[0]
+    def _checked(self, state: SWAState | None, B: int, k: torch.Tensor) -> SWAState:
         st = state if state is not None else self.empty_state(B, k.device, k.dtype)
-        if st.k.shape[0] != B or st.k.shape[2] != self.slots:
-            raise ValueError(f"state buffer {tuple(st.k.shape)} does not fit batch {B} and window "
-                             f"{self.config.window} (expected [B, Hkv, {self.slots}, D])")
-        slot = torch.arange(self.slots, device=k.device)
-        valid = slot.unsqueeze(0) >= (self.slots - st.count.to(k.device)).unsqueeze(1)
-        return st.k.transpose(1, 2).to(k.dtype), st.v.transpose(1, 2).to(k.dtype), valid
+        c = self.config
+        if st.k.shape[0] != B or st.k.shape[2] != c.sinks + c.window:
+            raise ValueError(f"state buffer {tuple(st.k.shape)} does not fit batch {B}, window {c.window} and "
+                             f"{c.sinks} sinks (expected [B, Hkv, {c.sinks + c.window}, D]: it came from another "
+                             f"window or sink count)")
+        return st
+
+    def _ring_slots(self, seen: torch.Tensor) -> torch.Tensor:
+        """The ring slots of the last `window - 1` real ranks, oldest first, after `seen` `[B]`: `[B, window - 1]`
+        (ranks below 1 get the slots they would have; they are marked invalid by `_buffer`)."""
+        j = torch.arange(self.slots, device=seen.device)
+        return self.config.sinks + (seen.unsqueeze(1) - self.slots + j) % self.config.window
+
+    def _buffer(self, state: SWAState | None, k: torch.Tensor):
+        """State -> (the last `window - 1` real keys, values `[B, P, Hkv, D]` oldest first, right-aligned, in the
+        token layout and dtype of k; valid `[B, P]`)."""
+        B = k.shape[0]
+        st = self._checked(state, B, k)
+        seen = st.seen.to(k.device)
+        idx = self._ring_slots(seen)[:, None, :, None].expand(B, st.k.shape[1], self.slots, st.k.shape[3])
+        valid = torch.arange(self.slots, device=k.device).unsqueeze(0) >= (self.slots - seen).unsqueeze(1)
+        return (st.k.gather(2, idx).transpose(1, 2).to(k.dtype), st.v.gather(2, idx).transpose(1, 2).to(k.dtype),
+                valid)
 
     def _sink_buffer(self, state: SWAState | None, B: int, k: torch.Tensor):
         """(sink keys, values `[B, sinks, Hkv, D]` in the token layout, valid `[B, sinks]`, seen `[B]`)."""
-        st = state if state is not None else self.empty_state(B, k.device, k.dtype)
+        st = self._checked(state, B, k)
         seen = st.seen.to(k.device)
-        if not self.config.sinks:
+        n_sink = self.config.sinks
+        if not n_sink:
             return None, None, None, seen
-        if st.sink_k is None or st.sink_k.shape[2] != self.config.sinks:
-            raise ValueError(f"state has no buffer for {self.config.sinks} sink tokens (it came from another window)")
-        slot = torch.arange(self.config.sinks, device=k.device)
-        valid = slot.unsqueeze(0) < seen.unsqueeze(1)
-        return st.sink_k.transpose(1, 2).to(k.dtype), st.sink_v.transpose(1, 2).to(k.dtype), valid, seen
+        valid = torch.arange(n_sink, device=k.device).unsqueeze(0) < seen.unsqueeze(1)
+        return (st.k[:, :, :n_sink].transpose(1, 2).to(k.dtype), st.v[:, :, :n_sink].transpose(1, 2).to(k.dtype),
+                valid, seen)
 
     def _new_sinks(self, sk, sv, k, v, real, seen):
         """The sink buffer after new tokens k, v `[B, T, Hkv, D]` (real `[B, T]`) followed `seen` real tokens:
-        the ones whose global rank is at most `sinks` fill their slots. Returns `[B, Hkv, sinks, D]` twice."""
+        the ones whose global rank is at most `sinks` fill their slots. Returns `[B, sinks, Hkv, D]` twice."""
         grank = seen.unsqueeze(1) + real.long().cumsum(1)            # [B, T], 1-based
         sk, sv = sk.clone(), sv.clone()
         for i in range(self.config.sinks):
@@ -152,10 +164,25 @@ class SlidingWindowAttention(Mixer):
             row = hit.any(1)[:, None, None]
             sk[:, i] = torch.where(row, (k * w).sum(1), sk[:, i])
             sv[:, i] = torch.where(row, (v * w).sum(1), sv[:, i])
-        return sk.transpose(1, 2).contiguous(), sv.transpose(1, 2).contiguous()
+        return sk, sv
 
-    def _keep_last(self, k, v, valid) -> SWAState:
-        """Last `window - 1` valid entries of k, v `[B, S, Hkv, D]` (valid `[B, S]`) as a right-aligned state."""
+    def _state_from(self, bk, bv, seen, sk=None, sv=None) -> SWAState:
+        """A state from the last `window - 1` real keys / values `[B, P, Hkv, D]` (oldest first, right-aligned:
+        `_buffer`'s layout), the real-token count `seen` `[B]` and the sinks `[B, sinks, Hkv, D]` (token layout)."""
+        B, P, Hkv, D = bk.shape
+        st = self.empty_state(B, bk.device, bk.dtype)
+        idx = self._ring_slots(seen)[:, None, :, None].expand(B, Hkv, P, D)
+        st.k.scatter_(2, idx, bk.transpose(1, 2))
+        st.v.scatter_(2, idx, bv.transpose(1, 2))
+        if sk is not None:
+            st.k[:, :, :sk.shape[1]] = sk.transpose(1, 2)
+            st.v[:, :, :sv.shape[1]] = sv.transpose(1, 2)
+        st.seen = seen.clone()
+        return st
+
+    def _keep_last(self, k, v, valid):
+        """Last `window - 1` valid entries of k, v `[B, S, Hkv, D]` (valid `[B, S]`), right-aligned, oldest first:
+        `[B, window - 1, Hkv, D]` twice (empty slots zero)."""
         B, S = valid.shape
         P = self.slots
         if S < P:  # too short to fill the buffer: prepend empty slots
@@ -170,8 +197,7 @@ class SlidingWindowAttention(Mixer):
         keep = torch.arange(P, device=k.device).unsqueeze(0) >= (P - count).unsqueeze(1)
         gather = idx[:, :, None, None].expand(B, P, *k.shape[2:])
         zero = keep[:, :, None, None].to(k.dtype)
-        ks, vs = k.gather(1, gather) * zero, v.gather(1, gather) * zero
-        return SWAState(k=ks.transpose(1, 2).contiguous(), v=vs.transpose(1, 2).contiguous(), count=count)
+        return k.gather(1, gather) * zero, v.gather(1, gather) * zero
 
     def _sdpa(self, q, k, v, allowed):
         """q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, allowed `[B or 1, T, S]` bool -> `[B, T, H, D]`."""
@@ -222,12 +248,11 @@ class SlidingWindowAttention(Mixer):
     def _chunk_state(self, state, k_all, v_all, valid, k, v, real) -> SWAState:
         """The state after new tokens k, v `[B, T, Hkv, D]` (real `[B, T]`) followed `state`: the last `window - 1`
         valid entries of `[buffer, new]` (k_all, v_all, valid), the real-token count, and the sinks filled."""
-        new = self._keep_last(k_all, v_all, valid)
+        bk, bv = self._keep_last(k_all, v_all, valid)
         sk, sv, _, seen = self._sink_buffer(state, real.shape[0], k)
-        new.seen = seen + real.long().sum(1)
         if sk is not None:
-            new.sink_k, new.sink_v = self._new_sinks(sk, sv, k, v, real, seen)
-        return new
+            sk, sv = self._new_sinks(sk, sv, k, v, real, seen)
+        return self._state_from(bk, bv, seen + real.long().sum(1), sk, sv)
 
     def _band_blocks(self, q, k, v, real):
         """`_chunk`'s output without a state, `BAND_BLOCK` queries at a time against the keys their band reaches
@@ -270,7 +295,7 @@ class SlidingWindowAttention(Mixer):
         st = state if state is not None else self.empty_state(B, q.device, k.dtype)
         bk, bv, bvalid = self._buffer(st, k)              # [B, P, Hkv, D]
         sk, sv, svalid, seen = self._sink_buffer(st, B, k)
-        count = st.count.to(q.device)
+        count = seen.clamp(max=self.slots)
         s_rank = torch.arange(1, n_sink + 1, device=q.device)
         out = []
         for t in range(T):
@@ -298,45 +323,55 @@ class SlidingWindowAttention(Mixer):
                 svalid = s_rank.unsqueeze(0) <= (g.unsqueeze(1))
             seen = seen + real[:, t].long()
         o = torch.stack(out, 1)
-        new = None
-        if output_state:
-            new = SWAState(k=bk.transpose(1, 2).contiguous(), v=bv.transpose(1, 2).contiguous(), count=count,
-                           seen=seen, sink_k=None if sk is None else sk.transpose(1, 2).contiguous(),
-                           sink_v=None if sv is None else sv.transpose(1, 2).contiguous())
-        return o, new
+        return o, self._state_from(bk, bv, seen, sk, sv) if output_state else None
+
+    def _step_thresholds(self, device) -> torch.Tensor:
+        """`[sinks + window]`: the rank g a decode query needs to read each slot. Sink i (rank i + 1) once it has
+        left the window (g >= i + 1 + window; inside it the ring holds it); ring slot j once filled (g >= j + 1).
+        Built once per device and shape (the decode step's mask is then one compare)."""
+        key = (device, self.config.window, self.config.sinks)
+        if getattr(self, "_thresholds", (None,))[0] != key:
+            W, n_sink = self.config.window, self.config.sinks
+            t = torch.cat([torch.arange(1, n_sink + 1) + W, torch.arange(1, W + 1)]).to(device)
+            self._thresholds = (key, t)
+        return self._thresholds[1]
 
     def _step(self, q, k, v, real, state, output_state):
-        """One token (decode), `_recurrent` for T = 1 in the state's own layout `[B, Hkv, slots, D]`: one sdpa call
-        with each KV head's query heads as its query rows (no repeated keys, no fp32 copy of the buffer), one
-        concatenation of [sinks, ring, new key] and one select for the ring's shift."""
+        """One token (decode), `_recurrent` for T = 1 in the state's own layout: the new key and value go into the
+        ring slot of rank seen + 1 (and, while the sinks fill, into their sink slot), then one sdpa call reads the
+        whole state `[B, Hkv, sinks + window, D]`, each KV head's query heads as its query rows, under the mask
+        `seen` gives. In place when the state is writable (its owner holds it: the fast engine), else on a copy.
+        A padding row writes into the slot of rank seen + 1 - window, which no band reaches any more (and is
+        cleared after the call), and its count stays."""
         B, _, H, D = q.shape
-        W, n_sink, P = self.config.window, self.config.sinks, self.slots
-        st = state if state is not None else self.empty_state(B, q.device, k.dtype)
-        _, _, bvalid = self._buffer(st, k)                       # checks the buffer's shape; valid slots [B, P]
-        count, seen, r = st.count.to(q.device), st.seen.to(q.device), real[:, 0]
-        ok = torch.cat([bvalid, r.new_ones(B, 1)], 1)                                            # [B, P + 1]
-        kn, vn = k.transpose(1, 2).to(st.k.dtype), v.transpose(1, 2).to(st.v.dtype)              # [B, Hkv, 1, D]
-        keys, vals = [st.k, kn], [st.v, vn]
-        g = seen + r.long()                                                                     # this token's rank
-        s_rank = torch.arange(1, n_sink + 1, device=q.device)
-        if n_sink:
-            _, _, svalid, _ = self._sink_buffer(st, B, k)
-            ok = torch.cat([svalid & (g.unsqueeze(1) - s_rank.unsqueeze(0) >= W), ok], 1)
-            keys, vals = [st.sink_k] + keys, [st.sink_v] + vals
-        ks, vs = torch.cat(keys, 2).to(q.dtype), torch.cat(vals, 2).to(q.dtype)                 # [B, Hkv, S, D]
-        qg = q[:, 0].reshape(B, -1, self.n_rep, D)                                               # [B, Hkv, rep, D]
-        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ok[:, None, None, :], scale=self.scale)
+        W, n_sink = self.config.window, self.config.sinks
+        st = self._checked(state, B, k)
+        Hkv = st.k.shape[1]
+        seen, r = st.seen.to(q.device), real[:, 0]
+        g = seen + r.long()                                                   # this token's rank (padding: seen)
+        ring = n_sink + seen % W
+        slots = torch.stack([ring, torch.where(r & (g <= n_sink), g - 1, ring)], 1)   # [B, 2]: ring, sink slot
+        idx = slots[:, None, :, None].expand(B, Hkv, 2, D)
+        inplace = output_state and state is not None and state.writable
+        ks, vs = (st.k, st.v) if inplace else (st.k.clone(), st.v.clone())
+        ks.scatter_(2, idx, k.transpose(1, 2).to(ks.dtype).expand(B, Hkv, 2, D))
+        vs.scatter_(2, idx, v.transpose(1, 2).to(vs.dtype).expand(B, Hkv, 2, D))
+        ok = g.clamp(min=1).unsqueeze(1) >= self._step_thresholds(q.device)                  # [B, sinks + window]
+        qg = q[:, 0].reshape(B, Hkv, self.n_rep, D)                                               # [B, Hkv, rep, D]
+        o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=ok[:, None, None, :],
+                                           scale=self.scale)
         o = o.reshape(B, 1, H, D)
         if not output_state:
             return o, None
-        keep = r.view(B, 1, 1, 1)
-        new = SWAState(k=torch.where(keep, ks[:, :, n_sink + 1:].to(st.k.dtype), st.k),
-                       v=torch.where(keep, vs[:, :, n_sink + 1:].to(st.v.dtype), st.v),
-                       count=(count + r.long()).clamp(max=P), seen=seen + r.long())
-        if n_sink:   # one of the first `sinks` real tokens takes its sink slot
-            hit = (r & (g <= n_sink)).view(B, 1, 1, 1) & (s_rank.view(1, 1, -1, 1) == g.view(B, 1, 1, 1))
-            new.sink_k, new.sink_v = torch.where(hit, kn, st.sink_k), torch.where(hit, vn, st.sink_v)
-        return o, new
+        # the slot of rank g + 1 - window has just left every band: cleared, so the state equals the one a
+        # chunk call over the same tokens writes (a padding row clears what it wrote)
+        dead = (n_sink + g % W)[:, None, None, None].expand(B, Hkv, 1, D)
+        ks.scatter_(2, dead, 0.0)
+        vs.scatter_(2, dead, 0.0)
+        if inplace:
+            state.seen.add_(r.long().to(state.seen.device))
+            return o, state
+        return o, SWAState(k=ks, v=vs, seen=g)
 
     # ---- packed documents -------------------------------------------------------------------
     def _packed(self, q, k, v, cu_seqlens, state, mode, output_state):

@@ -349,11 +349,12 @@ def test_through_peft_wrapper():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compile_", ["off", "on"])
-@pytest.mark.parametrize("mixer", ["gla", "sse"])
-def test_cuda_graphs_same_tokens(mixer, compile_):
+@pytest.mark.parametrize("mixer,settings", [("gla", None), ("sse", None), ("swa", {"swa": {"window": 5, "sinks": 2}})])
+def test_cuda_graphs_same_tokens(mixer, settings, compile_):
     """On the GPU: the eager exact path equals HF generate; the CUDA-graph path equals the eager path
-    with the same (whole-buffer, masked) layout, token for token; graphs are reused across calls."""
-    model, _ = tiny_hybrid(mixer=mixer)
+    with the same (whole-buffer, masked) layout, token for token; graphs are reused across calls (the window's
+    decode step writes its ring in place inside the graph)."""
+    model, _ = tiny_hybrid(mixer=mixer, mixer_settings=settings)
     model = model.cuda()
     exact = FastGenerator(model, FastGenConfig(cuda_graphs="off"))
     masked = FastGenerator(model, FastGenConfig(cuda_graphs="off", exact_lengths=False, bucket=16))

@@ -82,7 +82,7 @@ def test_teacher_decode_with_buffer():
     hs, st = [out.hidden], out.state
     for t in range(split, T):
         o = m(x[:, t:t + 1], state=st, position_embeddings=rope(x, pos[:, t:t + 1]), output_state=True)
-        assert o.state.k.shape == (1, 2, window - 1, 8)        # buffer never grows
+        assert o.state.k.shape == (1, 2, window, 8)        # buffer never grows
         hs.append(o.hidden)
         st = o.state
     assert rel_err(torch.cat(hs, 1), ref) < FP32_TOL
@@ -125,23 +125,30 @@ def test_multi_token_continuation():
 
 
 def test_buffer_contents_and_size():
-    """The state holds exactly the last window-1 keys/values (after RoPE), oldest first."""
+    """The state is a ring of `window` slots holding exactly the last window-1 keys/values (after RoPE): the
+    token of rank r in slot (r - 1) % window, the slot a next token takes empty; `_buffer` reads them oldest
+    first."""
     window = 5
     m = make_mixer("swa", window=window)
     for T in (2, 4, 11):
         x = random_hidden(1, T, 16)
         st = call(m, x, output_state=True).state
-        assert st.k.shape == st.v.shape == (1, 1, window - 1, 8)
+        assert st.k.shape == st.v.shape == (1, 1, window, 8) and int(st.seen) == T
         n = min(T, window - 1)
-        assert int(st.count) == n
         # independent: the projected keys of the last n tokens
         k = m.k_proj(x).view(1, T, 1, 8)
         cos, sin = rope_cos_sin(torch.arange(T).unsqueeze(0), 8)
         k = apply_rope(k, cos, sin)
         v = m.v_proj(x).view(1, T, 1, 8)
-        assert torch.allclose(st.k[0, :, window - 1 - n:], k[0, T - n:].transpose(0, 1), atol=1e-6)
-        assert torch.allclose(st.v[0, :, window - 1 - n:], v[0, T - n:].transpose(0, 1), atol=1e-6)
-        assert (st.k[0, :, :window - 1 - n] == 0).all()
+        for r in range(T - n + 1, T + 1):
+            assert torch.allclose(st.k[0, :, (r - 1) % window], k[0, r - 1], atol=1e-6)
+            assert torch.allclose(st.v[0, :, (r - 1) % window], v[0, r - 1], atol=1e-6)
+        filled = {(r - 1) % window for r in range(T - n + 1, T + 1)}
+        assert all((st.k[0, :, j] == 0).all() for j in range(window) if j not in filled)
+        bk, bv, valid = m._buffer(st, k)
+        assert valid[0].tolist() == [False] * (window - 1 - n) + [True] * n
+        assert torch.allclose(bk[0, window - 1 - n:], k[0, T - n:], atol=1e-6)
+        assert torch.allclose(bv[0, window - 1 - n:], v[0, T - n:], atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
@@ -221,7 +228,7 @@ def test_sinks_equal_teacher_under_band_plus_sink_mask(window, sinks):
     hs, st = [o.hidden], o.state
     for t in range(split, T):
         o = m(x[:, t:t + 1], state=st, position_embeddings=rope(x, pos[:, t:t + 1]), output_state=True)
-        assert o.state.sink_k.shape == (2, 2, sinks, 8) and o.state.k.shape == (2, 2, window - 1, 8)
+        assert o.state.k.shape == o.state.v.shape == (2, 2, sinks + window, 8)
         hs.append(o.hidden)
         st = o.state
     assert rel_err(torch.cat(hs, 1), ref) < FP32_TOL
@@ -265,7 +272,7 @@ def test_sinks_varlen_padding_and_backward(mode):
     out = call(m, x, pos, attention_mask=mask, mode=mode, output_state=True)
     ref = call(m, x[:, real], output_state=True)
     assert rel_err(out.hidden[:, real], ref.hidden) < FP32_TOL
-    assert rel_err(out.state.sink_k, ref.state.sink_k) < FP32_TOL
+    assert rel_err(out.state.k[:, :, :2], ref.state.k[:, :, :2]) < FP32_TOL   # the sink slots
     check_backward(m, random_hidden(2, 20, 16), mode=mode)
 
 
@@ -276,8 +283,8 @@ def test_sink_buffer_holds_the_first_keys():
         st = call(m, x, output_state=True).state
         k = apply_rope(m.k_proj(x).view(1, T, 1, 8), *rope_cos_sin(torch.arange(T).unsqueeze(0), 8))
         n = min(T, 4)
-        assert st.sink_k.shape == (1, 1, 4, 8) and int(st.seen) == T
-        assert torch.allclose(st.sink_k[0, :, :n], k[0, :n].transpose(0, 1), atol=1e-6)
+        assert st.k.shape == (1, 1, 4 + 3, 8) and int(st.seen) == T
+        assert torch.allclose(st.k[0, :, :n], k[0, :n].transpose(0, 1), atol=1e-6)   # slots 0..sinks-1
     with pytest.raises(ValueError, match="sinks"):
         make_mixer("swa", sinks=-1)
 
@@ -353,4 +360,26 @@ def test_one_token_step_equals_the_recurrent_reference(monkeypatch, window, sink
     real = mask.unsqueeze(-1)
     assert rel_err(got * real, ref * real) < FP32_TOL
     for a, b in zip(got_states, ref_states):
-        assert state_rel_err(a, b) < FP32_TOL and torch.equal(a.count, b.count) and torch.equal(a.seen, b.seen)
+        assert state_rel_err(a, b) < FP32_TOL and torch.equal(a.seen, b.seen)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@torch.no_grad()
+def test_writable_state_is_updated_in_place(sinks):
+    """A state its owner marks writable (the fast engine) is written in place by a decode step: the same tensors
+    come back, with the values a step on a copy gives; an unmarked state is left as it was."""
+    m = make_mixer("swa", window=4, sinks=sinks)
+    x = random_hidden(2, 12, 16, seed=3)
+    pos = torch.arange(12).expand(2, 12)
+    st = call(m, x[:, :5], pos[:, :5], output_state=True).state
+    held = st.map(lambda t: t.clone())
+    held.writable = True
+    for t in range(5, 12):
+        before = st.map(lambda t: t.clone())
+        ref = call(m, x[:, t:t + 1], pos[:, t:t + 1], state=st, output_state=True)
+        assert all(torch.equal(a, b) for a, b in zip(st.tensors(), before.tensors()))   # not written
+        got = call(m, x[:, t:t + 1], pos[:, t:t + 1], state=held, output_state=True)
+        assert got.state is held and all(a.data_ptr() == b.data_ptr() for a, b in zip(got.state.tensors(),
+                                                                                   held.tensors()))
+        assert torch.equal(got.hidden, ref.hidden) and state_rel_err(got.state, ref.state) == 0
+        st = ref.state
