@@ -24,11 +24,11 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
   reads the tensor as it stands; validity follows from `seen` alone. The cache does not grow with the sequence.
 
 Attention sinks (`sinks` > 0; "Efficient Streaming Language Models with Attention Sinks"): every query also
-attends to the sequence's first `sinks` real tokens, kept in a second fixed-size buffer once they leave the
-window. A model trained with full attention parks much of its attention on the first tokens; a plain window
-takes them away once the sequence is longer than the window. Measured on the embedded default (30 layers, 5
-kept softmax layers at 16, 17, 18, 20, 23, the other 25 as windows of 512, no training): teacher-forced S-NIAH-1
-answer top-1 at 2k context 0.19 without sinks, 0.80 with 4 (the teacher 0.88).
+attends to the sequence's first `sinks` real tokens, kept in the state's first `sinks` slots (read from there
+once they have left the window). A model trained with full attention parks much of its attention on the first
+tokens; a plain window takes them away once the sequence is longer than the window. Measured on the embedded
+default (30 layers, 5 kept softmax layers at 16, 17, 18, 20, 23, the other 25 as windows of 512, no training):
+teacher-forced S-NIAH-1 answer top-1 at 2k context 0.19 without sinks, 0.80 with 4 (the teacher 0.88).
 
 Padding (`attention_mask` False) is neither attended to nor stored and does not count towards the
 window; outputs at padded positions are unspecified (they attend to themselves only, so no NaN).
