@@ -110,10 +110,12 @@ def test_masked_whole_buffer_path():
         assert torch.equal(out, ref), kw
 
 
-def test_compiled_decode_step_same_tokens():
+@pytest.mark.parametrize("mixer,settings", [("sse", None), ("swa", {"swa": {"window": 5, "sinks": 2}})])
+def test_compiled_decode_step_same_tokens(mixer, settings):
     """FastGenConfig.compile=on: the torch.compile'd step (the masked path a CUDA graph captures) gives the
-    tokens of the uncompiled step, greedy and seeded sampling; and it did run compiled (not silently eager)."""
-    model, _ = tiny_hybrid(mixer="sse", layers=2)
+    tokens of the uncompiled step, greedy and seeded sampling; and it did run compiled (not silently eager).
+    The window's step writes its ring in place, which the compiled step must keep."""
+    model, _ = tiny_hybrid(mixer=mixer, layers=2, mixer_settings=settings)
     plain = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="off"))
     compiled = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
     from torch._dynamo.utils import counters
