@@ -132,6 +132,9 @@ def args_parser():
     p.add_argument("--recall-reach", type=int, default=6000,
                    help="data.recall_reach of stages A and B in characters (about 1.5k tokens, inside stage B's "
                         "2048-token rows); the long stage, whose rows grow to 8192 tokens, gets 4x")
+    p.add_argument("--seed", type=int, default=0,
+                   help="train.seed of stages A, B and long (data order and init noise): another seed in its own "
+                        "--work replicates a variant")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock guard of each training step (a run stopped by it writes final/ at the step it reached)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="Unix time after which no new step starts (exit code 3), so a step never straddles the end "
@@ -207,7 +210,7 @@ def run_train(a, work: Path, env: dict, variant: str) -> None:
     text = "[" + ",".join(training_text(Path(a.data)) + extra_text(a, work, env)) + "]"
     common = [f"teacher={a.teacher}", f"data.train={text}", "data.txt_document=wikitext", "data.eval=python-reference",
               "train.progress=false", "train.save_every=0", f"train.max_minutes={a.minutes}",
-              "train.mixed_precision=bf16", *drills(a, a.recall_reach)]
+              "train.mixed_precision=bf16", f"train.seed={a.seed}", *drills(a, a.recall_reach)]
     v = work / variant
     step(work, env, f"{variant}-convert", v / "converted" / "config.json",
          ["convert", "--src", a.teacher, "--layers", plan_of(a, work, variant), "--mixer", "sse",
@@ -255,8 +258,8 @@ def run_long(a, work: Path, env: dict, variant: str) -> None:
           f"data.train=[{','.join(sources)}]",
           f"data.seq_len_schedule=[[0,2048],[{n // 3},4096],[{2 * n // 3},8192]]", f"data.batch_tokens={16384 // min(a.accum, 2)}",
           f"train.grad_accum={min(a.accum, 2)}", "gradient_checkpointing=true", "train.progress=false",
-          "train.save_every=0", f"train.max_minutes={a.minutes}", *drills(a, 4 * a.recall_reach),
-          "--overwrite"])
+          "train.save_every=0", f"train.max_minutes={a.minutes}", f"train.seed={a.seed}",
+          *drills(a, 4 * a.recall_reach), "--overwrite"])
 
 
 def final_dirs(work: Path) -> dict[str, Path]:

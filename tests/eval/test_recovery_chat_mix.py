@@ -167,3 +167,15 @@ def test_preset_expands_before_the_command_line(monkeypatch, tmp_path, data):
     convert = dict(calls)["pattern-convert"]
     assert convert[convert.index("--layers") + 1] == rv.PRESETS["recovered"][-1]
     assert "train.max_steps=400" in dict(calls)["pattern-e2e"]
+
+
+def test_seed_reaches_every_training_step(monkeypatch, tmp_path, data):
+    calls = dict(run(monkeypatch, tmp_path, data, "--seed", "3"))
+    assert all("train.seed=3" in calls[n] for n in ("pattern-align", "pattern-e2e"))
+    assert all("train.seed=0" in args for n, args in run(monkeypatch, tmp_path, data) if n != "pattern-convert")
+    (tmp_path / "work" / "pattern" / "e2e" / "final").mkdir(parents=True)
+    monkeypatch.setattr(rv, "step", lambda work, env, name, done, args: seen.append((name, args)))
+    seen = []
+    rv.run_long(rv.parse_args(["long", "pattern", "--teacher", "T", "--data", str(data), "--seed", "3"]),
+                tmp_path / "work", {}, "pattern")
+    assert "train.seed=3" in dict(seen)["pattern_long"]
