@@ -102,10 +102,12 @@ class SlidingWindowAttention(Mixer):
                 raise ValueError("give either cu_seqlens (packed) or attention_mask (padded), not both")
             check_cu_seqlens(x, cu_seqlens)
             o, new = self._packed(q, k, v, cu_seqlens, state, mode, output_state)
+        elif mode == "recurrent" and T == 1:   # decode: no padding mask is the common case, and costs no kernels
+            o, new = self._step(q, k, v, None if attention_mask is None else attention_mask.bool(), state, output_state)
         else:
             real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
                     else attention_mask.bool())
-            run = self._chunk if mode == "chunk" else self._step if T == 1 else self._recurrent
+            run = self._chunk if mode == "chunk" else self._recurrent
             o, new = run(q, k, v, real, state, output_state)
         hidden = self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim).to(x.dtype))
         return MixerOutput(hidden=hidden, state=new if output_state else None)
@@ -342,21 +344,27 @@ class SlidingWindowAttention(Mixer):
         whole state `[B, Hkv, sinks + window, D]`, each KV head's query heads as its query rows, under the mask
         `seen` gives. In place when the state is writable (its owner holds it: the fast engine), else on a copy.
         A padding row writes into the slot of rank seen + 1 - window, which no band reaches any more (and is
-        cleared after the call), and its count stays."""
+        cleared after the call), and its count stays. `real` `[B, 1]`, or None: no padding (the decode loops' case,
+        which then spends no kernels on it)."""
         B, _, H, D = q.shape
         W, n_sink = self.config.window, self.config.sinks
         st = self._checked(state, B, k)
         Hkv = st.k.shape[1]
-        seen, r = st.seen.to(q.device), real[:, 0]
-        g = seen + r.long()                                                   # this token's rank (padding: seen)
+        seen = st.seen.to(q.device)
+        r = None if real is None else real[:, 0].long()
+        g = seen + 1 if r is None else seen + r                               # this token's rank (padding: seen)
         ring = n_sink + seen % W
-        slots = torch.stack([ring, torch.where(r & (g <= n_sink), g - 1, ring)], 1)   # [B, 2]: ring, sink slot
-        idx = slots[:, None, :, None].expand(B, Hkv, 2, D)
+        slots = ring.unsqueeze(1)                                             # [B, 1]: the ring slot
+        if n_sink:   # and, while the sinks fill, the sink slot
+            hit = g <= n_sink if r is None else (g <= n_sink) & (r > 0)
+            slots = torch.stack([ring, torch.where(hit, g - 1, ring)], 1)
+        idx = slots[:, None, :, None].expand(B, Hkv, slots.shape[1], D)
         inplace = output_state and state is not None and state.writable
         ks, vs = (st.k, st.v) if inplace else (st.k.clone(), st.v.clone())
-        ks.scatter_(2, idx, k.transpose(1, 2).to(ks.dtype).expand(B, Hkv, 2, D))
-        vs.scatter_(2, idx, v.transpose(1, 2).to(vs.dtype).expand(B, Hkv, 2, D))
-        ok = g.clamp(min=1).unsqueeze(1) >= self._step_thresholds(q.device)                  # [B, sinks + window]
+        ks.scatter_(2, idx, k.transpose(1, 2).to(ks.dtype).expand(idx.shape))
+        vs.scatter_(2, idx, v.transpose(1, 2).to(vs.dtype).expand(idx.shape))
+        rank = g if r is None else g.clamp(min=1)                             # a padding row at 0 reads its own slot
+        ok = rank.unsqueeze(1) >= self._step_thresholds(q.device)                             # [B, sinks + window]
         qg = q[:, 0].reshape(B, Hkv, self.n_rep, D)                                               # [B, Hkv, rep, D]
         o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=ok[:, None, None, :],
                                            scale=self.scale)
@@ -369,7 +377,7 @@ class SlidingWindowAttention(Mixer):
         ks.scatter_(2, dead, 0.0)
         vs.scatter_(2, dead, 0.0)
         if inplace:
-            state.seen.add_(r.long().to(state.seen.device))
+            state.seen.add_(1 if r is None else r.to(state.seen.device))
             return o, state
         return o, SWAState(k=ks, v=vs, seen=g)
 
