@@ -30,20 +30,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.generation.rollouts import SHAPES, build_pair
+from benchmarks.generation.rollouts import SHAPES, add_plan_args, build_pair, plan_settings
 from benchmarks.timing import free_memory, md_table, sync
-from hybridize.convert.cli import parse_settings
 
 
 def args_parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     ap.add_argument("--model", default="hybrid", choices=["hybrid", "teacher"])
-    ap.add_argument("--plan", default="5:1")
-    ap.add_argument("--mixer", default="sse")
-    ap.add_argument("--mixer-settings", action="append", default=None,
-                    help="the converter's mixer settings, as `hybridize convert --mixer-settings` takes them "
-                         "(repeatable; e.g. swa.window=512 swa.sinks=4 for a plan with windows)")
+    add_plan_args(ap)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -107,7 +102,7 @@ def main(argv=None):
     if device.type == "cuda":
         from hybridize.ops import gpu
         gpu.activate()
-    settings = parse_settings(args.mixer_settings)
+    settings = plan_settings(args)
     teacher, hybrid = build_pair(args.shape, args.plan, args.mixer, dtype, device, settings)
     model = hybrid if args.model == "hybrid" else teacher
     del teacher, hybrid

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation import rollouts
-from hybridize.convert.cli import parse_settings
 from hybridize.generation.profile import profile_model, report
 
 #: shapes for CPU runs, added to rollouts.SHAPES (qwen3 family: q/k norms, as the real target)
@@ -51,11 +50,7 @@ def main(argv=None):
     ap.add_argument("--shape", default=None, help="a rollouts.py shape or qwen3-tiny (default: qwen3-1.7b on "
                                                   "CUDA, qwen3-tiny on CPU)")
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's)")
-    ap.add_argument("--plan", default="5:1")
-    ap.add_argument("--mixer", default="sse")
-    ap.add_argument("--mixer-settings", action="append", default=None,
-                    help="the converter's mixer settings, as `hybridize convert --mixer-settings` takes them "
-                         "(repeatable; e.g. swa.window=512 swa.sinks=4 for a plan with windows)")
+    rollouts.add_plan_args(ap)
     ap.add_argument("--batch", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
     ap.add_argument("--steps", type=int, default=8, help="profiled decode steps")
@@ -82,7 +77,7 @@ def main(argv=None):
     args.batch = args.batch or (8 if cuda else 2)
     args.prompt_len = args.prompt_len or (16384 if cuda else 32)
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
-    settings = parse_settings(args.mixer_settings)
+    settings = rollouts.plan_settings(args)
     model = build(args, device, dtype, settings)
     header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
               f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer} "

@@ -68,6 +68,21 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
+def add_plan_args(ap) -> None:
+    """--plan, --mixer and --mixer-settings of a benchmark that builds its hybrid with `build_pair` (pass
+    `plan_settings(args)` as its `settings`)."""
+    ap.add_argument("--plan", default="5:1")
+    ap.add_argument("--mixer", default="sse")
+    ap.add_argument("--mixer-settings", action="append", default=None,
+                    help="the converter's mixer settings, as `hybridize convert --mixer-settings` takes them "
+                         "(repeatable; e.g. swa.window=512 swa.sinks=4 for a plan with windows)")
+
+
+def plan_settings(args) -> dict:
+    from hybridize.convert.cli import parse_settings
+    return parse_settings(args.mixer_settings)
+
+
 def build_pair(shape: str, plan: str, mixer: str, dtype, device, settings: dict | None = None):
     """(teacher, hybrid) with random weights, built directly on `device` in `dtype`; `settings`: the converter's
     mixer settings (`hybridize convert --mixer-settings`, e.g. {"swa.window": 512, "swa.sinks": 4})."""
