@@ -331,7 +331,6 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                 if "teacher_lp" not in cache:
                     cache["teacher_lp"] = chat_logprobs(models["teacher"], tokenizer)
                 cache[name] = kl_agreement(cache["teacher_lp"], chat_logprobs(m, tokenizer))
-                cache["tokens", "chat"] = cache[name][2]
             return cache[name][0 if row_id == "kl:chat" else 1]
         if row_id in ("kl:answers", "agree:answers"):
             key = ("answers", name)
@@ -341,7 +340,6 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                                                        cfg.generation)
                     cache["teacher_alp"] = answer_logprobs(models["teacher"], cache["answers"])
                 cache[key] = kl_agreement(cache["teacher_alp"], answer_logprobs(m, cache["answers"]))
-                cache["tokens", "answers"] = cache[key][2]
             return cache[key][0 if row_id == "kl:answers" else 1]
         if row_id.startswith("niah:"):
             _, task, L = row_id.split(":")
@@ -384,8 +382,10 @@ def run_recovery(models: dict, tokenizer, cfg: RecoveryConfig, out_dir: str | Pa
                 _, task, L = row_id.split(":")
                 row["prompt_tokens"] = niah_config(task, int(L), models["teacher"], cfg).lengths[0]
             row.update(scored_on(row_id, cfg))
-            if capability in ("kl", "agree") and ("tokens", row_id.split(":")[1]) in cache:
-                row["tokens"] = cache["tokens", row_id.split(":")[1]]
+            teacher_lp = cache.get({"kl:chat": "teacher_lp", "agree:chat": "teacher_lp", "kl:answers": "teacher_alp",
+                                    "agree:answers": "teacher_alp"}.get(row_id))
+            if teacher_lp is not None:   # the predictions scored: the teacher's positions
+                row["tokens"] = sum(t.shape[0] for t in teacher_lp)
             row.update(compare(row))
         rows[row_id] = row
         log(f"recovery: {row_id} done")
