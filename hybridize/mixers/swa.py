@@ -133,6 +133,10 @@ class SlidingWindowAttention(Mixer):
         j = torch.arange(self.slots, device=seen.device)
         return self.config.sinks + (seen.unsqueeze(1) - self.slots + j) % self.config.window
 
+    def _valid(self, seen: torch.Tensor) -> torch.Tensor:
+        """`[B, window - 1]`: which of the last `window - 1` ranks (oldest first) exist after `seen` real tokens."""
+        return torch.arange(self.slots, device=seen.device).unsqueeze(0) >= (self.slots - seen).unsqueeze(1)
+
     def _buffer(self, state: SWAState | None, k: torch.Tensor):
         """State -> (the last `window - 1` real keys, values `[B, P, Hkv, D]` oldest first, right-aligned, in the
         token layout and dtype of k; valid `[B, P]`)."""
@@ -140,7 +144,7 @@ class SlidingWindowAttention(Mixer):
         st = self._checked(state, B, k)
         seen = st.seen.to(k.device)
         idx = self._ring_slots(seen)[:, None, :, None].expand(B, st.k.shape[1], self.slots, st.k.shape[3])
-        valid = torch.arange(self.slots, device=k.device).unsqueeze(0) >= (self.slots - seen).unsqueeze(1)
+        valid = self._valid(seen)
         return (st.k.gather(2, idx).transpose(1, 2).to(k.dtype), st.v.gather(2, idx).transpose(1, 2).to(k.dtype),
                 valid)
 
@@ -297,7 +301,6 @@ class SlidingWindowAttention(Mixer):
         st = state if state is not None else self.empty_state(B, q.device, k.dtype)
         bk, bv, bvalid = self._buffer(st, k)              # [B, P, Hkv, D]
         sk, sv, svalid, seen = self._sink_buffer(st, B, k)
-        count = seen.clamp(max=self.slots)
         s_rank = torch.arange(1, n_sink + 1, device=q.device)
         out = []
         for t in range(T):
@@ -316,14 +319,13 @@ class SlidingWindowAttention(Mixer):
             ring_k, ring_v = ks[:, n_sink:], vs[:, n_sink:]
             bk = torch.where(r, ring_k[:, 1:], bk)
             bv = torch.where(r, ring_v[:, 1:], bv)
-            count = (count + real[:, t].long()).clamp(max=self.slots)
-            bvalid = torch.arange(self.slots, device=q.device).unsqueeze(0) >= (self.slots - count).unsqueeze(1)
             if n_sink:   # one of the first `sinks` real tokens takes its sink slot
                 hit = (real[:, t] & (g <= n_sink)).view(B, 1, 1, 1) & (s_rank.view(1, -1, 1, 1) == g.view(B, 1, 1, 1))
                 sk = torch.where(hit, k[:, t:t + 1], sk)
                 sv = torch.where(hit, v[:, t:t + 1], sv)
                 svalid = s_rank.unsqueeze(0) <= (g.unsqueeze(1))
             seen = seen + real[:, t].long()
+            bvalid = self._valid(seen)
         o = torch.stack(out, 1)
         return o, self._state_from(bk, bv, seen, sk, sv) if output_state else None
 
