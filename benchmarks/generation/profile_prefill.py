@@ -11,7 +11,9 @@ so the table splits the time into the layer types and "other" (embedding, norms,
     python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-len 8192 --batch 1 --json out.json
 
 On the GPU "time" is the device time of the kernels each scope launched; on the CPU it is the CPU time of the
-outermost aten ops that do work (a proxy). Rows with full masks (no padding), as the speed table's prompts.
+outermost aten ops that do work (a proxy). The prompt is the speed table's (`rollouts.bench_model`): one row left-padded
+by an eighth, so the teacher's attention takes its masked path; `--no-pad` gives every row all its tokens.
+Kernels the profiler does not tie to a launching CPU op (Triton launches) are the row "unattributed".
 """
 from __future__ import annotations
 
@@ -26,14 +28,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.generation import rollouts
 from hybridize.generation.fast import FastGenConfig, FastGenerator
-from hybridize.generation.profile import layer_kind, scopes, summarize_eager, table, top_ops, work_items
+from hybridize.generation.profile import (device_items, layer_kind, scopes, summarize_eager, table, top_ops,
+                                          work_items)
 
 
-def prefill_profile(model, ids, warmup: int, top: int) -> dict:
-    """Profile of one prefill of `ids` `[B, T]` after `warmup` untimed ones: per layer type and top kernels."""
+def prefill_profile(model, ids, mask, warmup: int, top: int) -> dict:
+    """Profile of one prefill of `ids` `[B, T]` (prompt mask `mask`) after `warmup` untimed ones: device (CPU) time
+    per layer type and top kernels."""
     cuda = ids.device.type == "cuda"
     gen = FastGenerator(model, FastGenConfig(fallback=False))
-    pos, am = gen._positions(ids, torch.ones_like(ids))
+    pos, am = gen._positions(ids, mask)
 
     def once():
         with torch.no_grad():
@@ -53,6 +57,11 @@ def prefill_profile(model, ids, warmup: int, top: int) -> dict:
     kinds = Counter(layer_kind(layer) for layer in model.model.layers)
     res = summarize_eager(items, 1, kinds)
     total = sum(t for *_, t in items)
+    if cuda:   # every device event, attributed or not (Triton launches have no launching aten op)
+        rest = sum(t for _, t in device_items(prof.events())) - total
+        res["by_layer_type"].append({"layer_type": "unattributed", "layers": "-", "time_us_per_layer": rest,
+                                     "time_us_per_step": rest, "kernels_per_layer": 0})
+        total += rest
     return {"wall_s_last_warmup": walls[-1], "profiled_total_ms": total / 1e3,
             "tokens_per_s_wall": ids.numel() / walls[-1],
             "by_layer_type": [{"layer_type": r["layer_type"], "layers": r["layers"],
@@ -71,6 +80,8 @@ def main(argv=None):
     ap.add_argument("--models", default="teacher,hybrid", help="which of the pair to profile, in this order")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=None, help="default 8192 on CUDA, 256 on CPU")
+    ap.add_argument("--no-pad", dest="pad", action="store_false",
+                    help="every row all its tokens (default: row 0 left-padded by T/8, as the speed table's prompts)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed prefills before the profiled one")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--top", type=int, default=12)
@@ -89,11 +100,15 @@ def main(argv=None):
     pair = {"teacher": teacher, "hybrid": hybrid}
     torch.manual_seed(1)
     ids = torch.randint(10, teacher.config.vocab_size - 10, (args.batch, T), device=device)
-    out = {"shape": shape, "plan": args.plan, "mixer": args.mixer, "batch": args.batch, "prompt_len": T,
+    mask = torch.ones_like(ids)
+    if args.pad:
+        mask[0, :T // 8] = 0
+    out = {"shape": shape, "plan": args.plan, "mixer": args.mixer, "batch": args.batch, "prompt_len": T, "pad": args.pad,
            "dtype": str(dtype), "device": torch.cuda.get_device_name() if cuda else "cpu", "models": {}}
-    print(f"prefill profile: {shape}, {args.batch} x {T}, {dtype}, {out['device']}, plan {args.plan} ({args.mixer})")
+    print(f"prefill profile: {shape}, {args.batch} x {T} ({'row 0 left-padded by T/8' if args.pad else 'no padding'}), "
+          f"{dtype}, {out['device']}, plan {args.plan} ({args.mixer})")
     for name in models:
-        res = prefill_profile(pair[name], ids, args.warmup, args.top)
+        res = prefill_profile(pair[name], ids, mask, args.warmup, args.top)
         out["models"][name] = res
         print(f"\n## {name}: {res['tokens_per_s_wall']:,.0f} tokens/s (wall, last warm-up), "
               f"{res['profiled_total_ms']:.1f} ms profiled {'device' if cuda else 'CPU'} time")

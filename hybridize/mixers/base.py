@@ -135,12 +135,14 @@ class RMSNorm(nn.Module):
         return self.weight + self.offset if self.offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's rms_norm: one fused kernel each way on CUDA, where the HF form's cast / pow / mean / rsqrt / mul /
+        # cast / mul were seven passes over the tensor (a converted layer's prefill spent more on its q/k norms than
+        # on its op). Same math, accumulated in fp32: identical in fp32; in 16 bits the gain multiplies before the
+        # one rounding, not after (within one ulp of HF's). The gain in the input's dtype and the result cast back:
+        # an fp32 gain beside a bf16 input (autocast training) would otherwise give fp32 q/k beside bf16 v, which
+        # the fused kernels refuse
         dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # back in the input's dtype: an fp32 gain times a bf16 input (autocast training) would otherwise give fp32
-        # q/k beside bf16 v, which the fused kernels refuse; the teacher's attention casts them the same way
-        return (self.gain() * x.to(dtype)).to(dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.gain().to(dtype), self.eps).to(dtype)
 
 
 class FlatRMSNorm(RMSNorm):

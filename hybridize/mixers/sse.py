@@ -139,8 +139,8 @@ class LowRank(nn.Module):
 def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     if name == "silu":
         return F.silu(x)
-    if name == "softmax":  # over the head dim, in fp32
-        return torch.softmax(x.float(), dim=-1).to(x.dtype)
+    if name == "softmax":  # over the head dim; torch's softmax accumulates 16-bit inputs in fp32 and rounds once,
+        return torch.softmax(x, dim=-1).to(x.dtype)   # so one pass gives the fp32 softmax's rounding (autocast: fp32)
     return x
 
 

@@ -22,7 +22,7 @@ def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
     soft = lambda r: next(row for row in r["by_layer_type"] if row["layer_type"] == "softmax")  # noqa: E731
     assert soft(teacher)["kernels_per_layer"] == soft(hybrid)["kernels_per_layer"]   # the same module, counted alike
     assert {p["piece"] for p in hybrid["sse_pieces"]} >= {"sse.features", "sse.finish"}
-    assert res["hybrid_over_teacher_wall"] > 0
+    assert res["hybrid_over_teacher_wall"] > 0 and res["pad"] is True   # the speed table's prompt by default
 
 
 def test_prefill_profile_rejects_an_unknown_model():
