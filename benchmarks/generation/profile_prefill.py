@@ -3,12 +3,14 @@
 Issue 24 item 4 asks the hybrid to prefill at least as fast as its teacher from 8k; this says which part of the
 forward costs the difference. Builds a (teacher, hybrid) pair with `rollouts.build_pair` (random weights), runs the
 fast engine's prefill (`FastGenerator._prefill`: the model's own forward with the prompt mask, a fresh cache and
-`logits_to_keep=1`, as HF generate's first call) `--warmup` times, then profiles one more with `torch.profiler`.
-Each decoder layer's attention (softmax or mixer) runs in a profiler scope (`hybridize.generation.profile.scopes`),
-so the table splits the time into the layer types and "other" (embedding, norms, MLPs, head).
+`logits_to_keep=1`, as HF generate's first call) `--warmup` times, times `--repeats` more (median wall, the two
+models alternating per cell), then profiles one with `torch.profiler`. Each decoder layer's attention (softmax or
+mixer) runs in a profiler scope (`hybridize.generation.profile.scopes`), so the profile splits the time into the
+layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appended to `--jsonl` as it finishes.
 
     python -m benchmarks.generation.profile_prefill                    # CPU smoke run: tiny shape, 256 tokens
-    python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-len 8192 --batch 1 --json out.json
+    python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-lens 4096,8192,16384 \
+        --batches 1,8 --jsonl out.jsonl
 
 On the GPU "time" is the device time of the kernels each scope launched; on the CPU it is the CPU time of the
 outermost aten ops that do work (a proxy). The prompt is the speed table's (`rollouts.bench_model`): one row left-padded
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,9 +35,7 @@ from hybridize.generation.profile import (device_items, layer_kind, scopes, summ
                                           work_items)
 
 
-def prefill_profile(model, ids, mask, warmup: int, top: int) -> dict:
-    """Profile of one prefill of `ids` `[B, T]` (prompt mask `mask`) after `warmup` untimed ones: device (CPU) time
-    per layer type and top kernels."""
+def _prefill_fn(model, ids, mask):
     cuda = ids.device.type == "cuda"
     gen = FastGenerator(model, FastGenConfig(fallback=False))
     pos, am = gen._positions(ids, mask)
@@ -44,12 +45,20 @@ def prefill_profile(model, ids, mask, warmup: int, top: int) -> dict:
             gen._prefill(ids, am, pos)
         if cuda:
             torch.cuda.synchronize()
+    return once
 
-    walls = []
-    for _ in range(max(1, warmup)):
-        t0 = time.perf_counter()
-        once()
-        walls.append(time.perf_counter() - t0)
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def prefill_profile(model, ids, mask, top: int) -> dict:
+    """Profile of one prefill of `ids` `[B, T]` (prompt mask `mask`), the model already warm: device (CPU) time per
+    layer type and top kernels."""
+    cuda = ids.device.type == "cuda"
+    once = _prefill_fn(model, ids, mask)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with scopes(model), profile(activities=acts) as prof:
         once()
@@ -62,8 +71,7 @@ def prefill_profile(model, ids, mask, warmup: int, top: int) -> dict:
         res["by_layer_type"].append({"layer_type": "unattributed", "layers": "-", "time_us_per_layer": rest,
                                      "time_us_per_step": rest, "kernels_per_layer": 0})
         total += rest
-    return {"wall_s_last_warmup": walls[-1], "profiled_total_ms": total / 1e3,
-            "tokens_per_s_wall": ids.numel() / walls[-1],
+    return {"profiled_total_ms": total / 1e3,
             "by_layer_type": [{"layer_type": r["layer_type"], "layers": r["layers"],
                                "ms_per_layer": r["time_us_per_layer"] / 1e3, "ms_all": r["time_us_per_step"] / 1e3,
                                "kernels_per_layer": r["kernels_per_layer"]} for r in res["by_layer_type"]],
@@ -73,56 +81,96 @@ def prefill_profile(model, ids, mask, warmup: int, top: int) -> dict:
                             for r in top_ops(items, 1, top, "time")]}
 
 
+def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: int) -> dict:
+    """One (prompt length, batch) cell: every model's median wall prefill (models alternating), then a profile."""
+    device = next(iter(pair.values())).device
+    torch.manual_seed(1)
+    vocab = next(iter(pair.values())).config.vocab_size
+    ids = torch.randint(10, vocab - 10, (B, T), device=device)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[0, :T // 8] = 0
+    fns = {name: _prefill_fn(m, ids, mask) for name, m in pair.items()}
+    for fn in fns.values():
+        for _ in range(max(1, warmup)):
+            fn()
+    walls = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            walls[name].append(_timed(fn))
+    row = {"prompt_len": T, "batch": B, "pad": pad, "models": {}}
+    for name, m in pair.items():
+        med = statistics.median(walls[name])
+        row["models"][name] = {"wall_s": med, "walls_s": walls[name], "tokens_per_s": B * T / med,
+                               **prefill_profile(m, ids, mask, top)}
+    if len(pair) == 2:
+        t, h = row["models"]["teacher"], row["models"]["hybrid"]
+        row["hybrid_speedup_wall"] = t["wall_s"] / h["wall_s"]
+        row["hybrid_speedup_device"] = t["profiled_total_ms"] / h["profiled_total_ms"]
+    return row
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v.strip()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default=None, help="a rollouts.py shape (default: qwen3-1.7b on CUDA, tiny on CPU)")
     rollouts.add_plan_args(ap)
-    ap.add_argument("--models", default="teacher,hybrid", help="which of the pair to profile, in this order")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=None, help="default 8192 on CUDA, 256 on CPU")
+    ap.add_argument("--models", default="teacher,hybrid", help="which of the pair to run, in this order")
+    ap.add_argument("--batches", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-lens", default=None, help="comma-separated prompt lengths (default 8192 on CUDA, 256 "
+                                                        "on CPU)")
     ap.add_argument("--no-pad", dest="pad", action="store_false",
                     help="every row all its tokens (default: row 0 left-padded by T/8, as the speed table's prompts)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed prefills before the profiled one")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed prefills per model and cell")
+    ap.add_argument("--repeats", type=int, default=3, help="timed prefills per model and cell (median)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--json", default="", help="also write the numbers here")
+    ap.add_argument("--jsonl", default="", help="also append each cell's row here")
+    ap.add_argument("--quiet", action="store_true", help="print the summary table only, not each cell's profile")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
     shape = args.shape or ("qwen3-1.7b" if cuda else "tiny")
-    T = args.prompt_len or (8192 if cuda else 256)
+    lens = _ints(args.prompt_lens or ("8192" if cuda else "256"))
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in ("teacher", "hybrid")]
     if bad:
         ap.error(f"--models takes teacher and/or hybrid, got {bad}")
     teacher, hybrid = rollouts.build_pair(shape, args.plan, args.mixer, dtype, device, rollouts.plan_settings(args))
-    pair = {"teacher": teacher, "hybrid": hybrid}
-    torch.manual_seed(1)
-    ids = torch.randint(10, teacher.config.vocab_size - 10, (args.batch, T), device=device)
-    mask = torch.ones_like(ids)
-    if args.pad:
-        mask[0, :T // 8] = 0
-    out = {"shape": shape, "plan": args.plan, "mixer": args.mixer, "batch": args.batch, "prompt_len": T, "pad": args.pad,
-           "dtype": str(dtype), "device": torch.cuda.get_device_name() if cuda else "cpu", "models": {}}
-    print(f"prefill profile: {shape}, {args.batch} x {T} ({'row 0 left-padded by T/8' if args.pad else 'no padding'}), "
-          f"{dtype}, {out['device']}, plan {args.plan} ({args.mixer})")
-    for name in models:
-        res = prefill_profile(pair[name], ids, mask, args.warmup, args.top)
-        out["models"][name] = res
-        print(f"\n## {name}: {res['tokens_per_s_wall']:,.0f} tokens/s (wall, last warm-up), "
-              f"{res['profiled_total_ms']:.1f} ms profiled {'device' if cuda else 'CPU'} time")
-        print(table(res["by_layer_type"]))
-        if res["sse_pieces"]:
-            print(table(res["sse_pieces"]))
-        print(table(res["top_by_time"]))
-    if len(out["models"]) == 2:
-        a, b = (out["models"][m] for m in ("teacher", "hybrid"))
-        out["hybrid_over_teacher_wall"] = a["wall_s_last_warmup"] and b["wall_s_last_warmup"] / a["wall_s_last_warmup"]
-        print(f"\nhybrid / teacher prefill time (wall): {out['hybrid_over_teacher_wall']:.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    pair = {name: {"teacher": teacher, "hybrid": hybrid}[name] for name in models}
+    meta = {"shape": shape, "plan": args.plan, "mixer": args.mixer, "dtype": str(dtype),
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    print(f"prefill: {shape}, {dtype}, {meta['device']}, plan {args.plan} ({args.mixer}), "
+          f"{'row 0 left-padded by T/8' if args.pad else 'no padding'}, median of {args.repeats} after {args.warmup}")
+    rows = []
+    for B in _ints(args.batches):
+        for T in lens:
+            row = {**meta, **cell(pair, T, B, args.pad, args.warmup, args.repeats, args.top)}
+            rows.append(row)
+            if args.jsonl:
+                Path(args.jsonl).parent.mkdir(parents=True, exist_ok=True)
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if not args.quiet:
+                unit = "device" if cuda else "CPU"
+                for name, r in row["models"].items():
+                    print(f"\n## {T} x {B}, {name}: {r['tokens_per_s']:,.0f} tokens/s (wall), "
+                          f"{r['profiled_total_ms']:.1f} ms profiled {unit} time")
+                    print(table(r["by_layer_type"]))
+                    if r["sse_pieces"]:
+                        print(table(r["sse_pieces"]))
+                    print(table(r["top_by_time"]))
+    summary = [{"batch": r["batch"], "prompt": r["prompt_len"],
+                **{f"{n} tok/s": round(m["tokens_per_s"]) for n, m in r["models"].items()},
+                **({"hybrid / teacher (wall)": round(r["hybrid_speedup_wall"], 3),
+                    "(profiled time)": round(r["hybrid_speedup_device"], 3)} if "hybrid_speedup_wall" in r else {})}
+               for r in rows]
+    print("\n" + table(summary))
+    return rows
 
 
 if __name__ == "__main__":

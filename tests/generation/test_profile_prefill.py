@@ -1,5 +1,5 @@
-"""benchmarks/generation/profile_prefill.py on the CPU: the profile splits one prefill into the plan's layer types,
-and its parts add up to the whole."""
+"""benchmarks/generation/profile_prefill.py on the CPU: each cell times both models and splits one prefill into the
+plan's layer types, and the parts add up to the whole."""
 import json
 
 import pytest
@@ -8,10 +8,14 @@ import pytest
 def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
     from benchmarks.generation import profile_prefill
 
-    out = tmp_path / "pp.json"
-    profile_prefill.main(["--shape", "tiny", "--plan", "5:1", "--prompt-len", "48", "--warmup", "1",
-                          "--json", str(out)])
-    res = json.loads(out.read_text())
+    out = tmp_path / "pp.jsonl"
+    rows = profile_prefill.main(["--shape", "tiny", "--plan", "5:1", "--prompt-lens", "48,33", "--batches", "2",
+                                 "--warmup", "1", "--repeats", "2", "--jsonl", str(out), "--quiet"])
+    saved = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt_len"], r["batch"]) for r in saved] == [(48, 2), (33, 2)] == [
+        (r["prompt_len"], r["batch"]) for r in rows]
+    res = saved[0]
+    assert res["pad"] is True   # the speed table's prompt by default
     teacher, hybrid = res["models"]["teacher"], res["models"]["hybrid"]
     layers = lambda r: {row["layer_type"]: row["layers"] for row in r["by_layer_type"]}  # noqa: E731
     assert layers(teacher) == {"softmax": 6, "other": "-"}
@@ -19,10 +23,11 @@ def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
     for r in (teacher, hybrid):
         assert sum(row["ms_all"] for row in r["by_layer_type"]) == pytest.approx(r["profiled_total_ms"], rel=1e-6)
         assert all(row["ms_all"] > 0 for row in r["by_layer_type"])
+        assert len(r["walls_s"]) == 2 and r["tokens_per_s"] == pytest.approx(2 * 48 / r["wall_s"])
     soft = lambda r: next(row for row in r["by_layer_type"] if row["layer_type"] == "softmax")  # noqa: E731
     assert soft(teacher)["kernels_per_layer"] == soft(hybrid)["kernels_per_layer"]   # the same module, counted alike
     assert {p["piece"] for p in hybrid["sse_pieces"]} >= {"sse.features", "sse.finish"}
-    assert res["hybrid_over_teacher_wall"] > 0 and res["pad"] is True   # the speed table's prompt by default
+    assert res["hybrid_speedup_wall"] == pytest.approx(teacher["wall_s"] / hybrid["wall_s"])
 
 
 def test_prefill_profile_rejects_an_unknown_model():
