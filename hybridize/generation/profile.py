@@ -246,7 +246,8 @@ def work_items(events, cuda: bool):
             continue
         if cuda:
             for k in e.kernels:
-                items.append((k.name, _scope_path(e), k.duration))
+                if not k.name.startswith(SCOPE):   # a scope's own GPU-side span (user annotation), not a kernel
+                    items.append((k.name, _scope_path(e), k.duration))
             continue
         path = _scope_path(e)
         if e.name.startswith(SCOPE + KERNEL):        # an emulated kernel: one item
@@ -261,8 +262,10 @@ def host_syncs(events) -> Counter:
 
 
 def device_items(events):
-    """(name, time us) of every device event (kernel, memcpy, memset), graph replays included."""
-    return [(e.name, e.device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+    """(name, time us) of every device event (kernel, memcpy, memset), graph replays included; not the GPU-side
+    spans of this module's scopes (user annotations), which cover kernels already counted."""
+    return [(e.name, e.device_time_total) for e in events
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
 
 
 def summarize_eager(items, steps: int, kinds: Counter) -> dict:

@@ -35,3 +35,27 @@ def test_prefill_profile_rejects_an_unknown_model():
 
     with pytest.raises(SystemExit):
         profile_prefill.main(["--shape", "tiny", "--models", "student"])
+
+
+def test_cuda_profiles_count_kernels_not_the_scopes_gpu_spans():
+    """On CUDA a profiler scope (`pd::...`) also appears as a GPU-side span covering the kernels launched inside it,
+    linked to the scope as if it were a kernel and listed among the device events. Counting it doubled the time of
+    every scoped layer (the prefill profile's first GPU run: the teacher's 8k x 8 attributed time exceeded its wall
+    time). Only real kernels count."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from hybridize.generation.profile import SCOPE, device_items, work_items
+
+    Kernel = namedtuple("Kernel", "name device duration")
+    scope = SimpleNamespace(name=SCOPE + "softmax", device_type=DeviceType.CPU, is_async=False, cpu_parent=None,
+                            kernels=[Kernel(SCOPE + "softmax", 0, 30.0)])
+    op = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, is_async=False, cpu_parent=scope,
+                         kernels=[Kernel("gemm", 0, 20.0), Kernel("splitk_reduce", 0, 5.0)])
+    gpu = [SimpleNamespace(name=n, device_type=DeviceType.CUDA, device_time_total=t)
+           for n, t in ((SCOPE + "softmax", 30.0), ("gemm", 20.0), ("splitk_reduce", 5.0))]
+    items = work_items([scope, op] + gpu, cuda=True)
+    assert items == [("gemm", ["softmax"], 20.0), ("splitk_reduce", ["softmax"], 5.0)]
+    assert device_items([scope, op] + gpu) == [("gemm", 20.0), ("splitk_reduce", 5.0)]
