@@ -245,8 +245,12 @@ def work_items(events, cuda: bool):
         if e.device_type != DeviceType.CPU or e.is_async:
             continue
         if cuda:
+            # a kernel listed by this op and by one of its children is the child's (counted there, once)
+            inner = Counter((k.name, k.duration) for c in e.cpu_children for k in c.kernels)
             for k in e.kernels:
-                if not k.name.startswith(SCOPE):   # a scope's own GPU-side span (user annotation), not a kernel
+                if inner[(k.name, k.duration)] > 0:
+                    inner[(k.name, k.duration)] -= 1
+                elif not k.name.startswith(SCOPE):   # a scope's own GPU-side span (user annotation), not a kernel
                     items.append((k.name, _scope_path(e), k.duration))
             continue
         path = _scope_path(e)

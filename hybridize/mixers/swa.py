@@ -107,8 +107,10 @@ class SlidingWindowAttention(Mixer):
         else:
             real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
                     else attention_mask.bool())
-            run = self._chunk if mode == "chunk" else self._recurrent
-            o, new = run(q, k, v, real, state, output_state)
+            if mode == "chunk":
+                o, new = self._chunk(q, k, v, real, state, output_state, dense=attention_mask is None)
+            else:
+                o, new = self._recurrent(q, k, v, real, state, output_state)
         hidden = self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim).to(x.dtype))
         return MixerOutput(hidden=hidden, state=new if output_state else None)
 
@@ -213,12 +215,13 @@ class SlidingWindowAttention(Mixer):
         return o.transpose(1, 2)
 
     # ---- chunk mode -------------------------------------------------------------------------
-    def _chunk(self, q, k, v, real, state, output_state):
-        """Banded causal attention over `[buffer, new tokens]`; real `[B, T]` marks non-padding."""
+    def _chunk(self, q, k, v, real, state, output_state, dense: bool = False):
+        """Banded causal attention over `[buffer, new tokens]`; real `[B, T]` marks non-padding (`dense`: known on the
+        host to be all True)."""
         B, T = real.shape
         W = self.config.window
         if state is None and T > BAND_BLOCK + W:   # a long prefill from nothing: the band, a block at a time
-            o = self._band_blocks(q, k, v, real)
+            o = self._band_blocks(q, k, v, real, dense)
             return o, self._chunk_state(None, k, v, real, k, v, real) if output_state else None
         if state is not None:
             bk, bv, bvalid = self._buffer(state, k)
@@ -260,11 +263,24 @@ class SlidingWindowAttention(Mixer):
             sk, sv = self._new_sinks(sk, sv, k, v, real, seen)
         return self._state_from(bk, bv, seen + real.long().sum(1), sk, sv)
 
-    def _band_blocks(self, q, k, v, real):
+    def _block_starts(self, rank, T: int, dense: bool) -> list[int]:
+        """The first key position each `BAND_BLOCK` block of queries reaches in any row (rank `[B, T]`). Without
+        padding (`dense`) the band of query t starts at t - window + 1, known on the host; with padding a band can
+        reach further back, so the starts are searched on the device and read in one host sync for all blocks (one
+        per block before: at 8k on the 135M shape, batch 1, the prefill waited on the host for 3x its GPU time)."""
+        W = self.config.window
+        if dense:
+            return [max(0, a - W + 1) for a in range(0, T, BAND_BLOCK)]
+        # rank is non-decreasing, so a block's lowest query rank is at its first query; keys ranked W or more below
+        # it are outside every band of the block (only sinks reach further back)
+        first = (rank[:, ::BAND_BLOCK] - W + 1).contiguous()                      # [B, blocks]
+        return torch.searchsorted(rank, first).amin(0).tolist()
+
+    def _band_blocks(self, q, k, v, real, dense: bool = False):
         """`_chunk`'s output without a state, `BAND_BLOCK` queries at a time against the keys their band reaches
         (and each row's first `sinks` real tokens in front): O(T x (window + block)) work and mask memory, where
         one dense `[T, T]` mask costs O(T^2) (at 16k, 32x the work of a 512 window). Each block's key slice
-        starts at the first position any of its rows' bands reaches (one host sync per block)."""
+        starts at the first position any of its rows' bands reaches (`_block_starts`)."""
         B, T = real.shape
         W, n_sink = self.config.window, self.config.sinks
         rank = real.long().cumsum(1)                                              # [B, T]
@@ -275,12 +291,9 @@ class SlidingWindowAttention(Mixer):
             sink_idx = sink_pos.clamp(max=T - 1)[:, :, None, None].expand(B, n_sink, *k.shape[2:])
             sink_k, sink_v = k.gather(1, sink_idx), v.gather(1, sink_idx)
         out = []
-        for a in range(0, T, BAND_BLOCK):
+        for a, lo in zip(range(0, T, BAND_BLOCK), self._block_starts(rank, T, dense)):
             b = min(a + BAND_BLOCK, T)
             q_rank = rank[:, a:b]
-            # rank is non-decreasing, so the block's lowest query rank is at a; keys ranked W or more below it are
-            # outside every band of the block (only sinks reach further back)
-            lo = int(torch.searchsorted(rank, (q_rank[:, :1] - W + 1).contiguous()).min())
             key_pos, q_pos = pos[lo:b], pos[a:b]
             allowed = (real[:, lo:b].unsqueeze(1) & (key_pos.view(1, 1, -1) <= q_pos.view(1, -1, 1))
                        & ((q_rank.unsqueeze(2) - rank[:, lo:b].unsqueeze(1) < W)

@@ -51,11 +51,18 @@ def test_cuda_profiles_count_kernels_not_the_scopes_gpu_spans():
 
     Kernel = namedtuple("Kernel", "name device duration")
     scope = SimpleNamespace(name=SCOPE + "softmax", device_type=DeviceType.CPU, is_async=False, cpu_parent=None,
-                            kernels=[Kernel(SCOPE + "softmax", 0, 30.0)])
+                            kernels=[Kernel(SCOPE + "softmax", 0, 30.0)], cpu_children=[])
     op = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, is_async=False, cpu_parent=scope,
-                         kernels=[Kernel("gemm", 0, 20.0), Kernel("splitk_reduce", 0, 5.0)])
+                         kernels=[Kernel("gemm", 0, 20.0), Kernel("splitk_reduce", 0, 5.0)], cpu_children=[])
+    scope.cpu_children = [op]
     gpu = [SimpleNamespace(name=n, device_type=DeviceType.CUDA, device_time_total=t)
            for n, t in ((SCOPE + "softmax", 30.0), ("gemm", 20.0), ("splitk_reduce", 5.0))]
     items = work_items([scope, op] + gpu, cuda=True)
     assert items == [("gemm", ["softmax"], 20.0), ("splitk_reduce", ["softmax"], 5.0)]
+    # a parent op that also lists its child's kernel (aten::linear over aten::addmm) does not count it again
+    linear = SimpleNamespace(name="aten::linear", device_type=DeviceType.CPU, is_async=False, cpu_parent=scope,
+                             kernels=[Kernel("gemm", 0, 20.0), Kernel("gemm", 0, 20.0)], cpu_children=[op])
+    op.cpu_parent, scope.cpu_children = linear, [linear]
+    assert work_items([scope, linear, op], cuda=True) == [("gemm", ["softmax"], 20.0), ("gemm", ["softmax"], 20.0),
+                                                          ("splitk_reduce", ["softmax"], 5.0)]
     assert device_items([scope, op] + gpu) == [("gemm", 20.0), ("splitk_reduce", 5.0)]

@@ -304,12 +304,37 @@ def test_long_prefill_runs_the_band_a_block_at_a_time(monkeypatch, window, sinks
     monkeypatch.setattr(swa, "BAND_BLOCK", 5)
     original = SlidingWindowAttention._band_blocks
     monkeypatch.setattr(SlidingWindowAttention, "_band_blocks",
-                        lambda self, *a: blocks.append(1) or original(self, *a))
+                        lambda self, *a, **kw: blocks.append(1) or original(self, *a, **kw))
     check_chunk_equals_recurrent(m, x)
     got = call(m, x, output_state=True, mode="chunk")
     assert rel_err(got.hidden, dense.hidden) < FP32_TOL
     check_left_padding(m, [41, 30, 12], mode="chunk")
     assert blocks   # the blocked path ran, not the dense one
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@torch.no_grad()
+def test_band_blocks_with_padding_inside_rows_reach_as_far_back_as_the_band(monkeypatch, sinks):
+    """Padding inside a row (not only in front) stretches a band over more positions than the window: the blocks'
+    key slices start where the band does (searched on the device), so the blocked band equals the dense one at every
+    real position, and without a mask (starts known on the host) equals the all-True mask."""
+    from hybridize.mixers import swa
+
+    m = make_mixer("swa", window=4, sinks=sinks)
+    T = 37
+    x = random_hidden(2, T, 16, seed=3)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, 6:19] = 0          # a hole longer than a block and than the window
+    mask[1, :5] = 0
+    mask[1, 25:28] = 0
+    outs = {}
+    for block in (10**6, 4):   # the dense band, then blocks of 4 queries
+        monkeypatch.setattr(swa, "BAND_BLOCK", block)
+        outs[block] = (call(m, x, attention_mask=mask, mode="chunk").hidden, call(m, x, mode="chunk").hidden,
+                       call(m, x, attention_mask=torch.ones_like(mask), mode="chunk").hidden)
+    real = mask.bool()
+    assert rel_err(outs[4][0][real], outs[10**6][0][real]) < FP32_TOL
+    assert rel_err(outs[4][1], outs[10**6][1]) < FP32_TOL and rel_err(outs[4][1], outs[4][2]) < FP32_TOL
 
 
 def test_band_blocks_backward_equals_the_dense_band(monkeypatch):
