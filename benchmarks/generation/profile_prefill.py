@@ -15,7 +15,11 @@ layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appen
 On the GPU "time" is the device time of the kernels each scope launched; on the CPU it is the CPU time of the
 outermost aten ops that do work (a proxy). The prompt is the speed table's (`rollouts.bench_model`): one row left-padded
 by an eighth, so the teacher's attention takes its masked path; `--no-pad` gives every row all its tokens.
-Kernels the profiler does not tie to a launching CPU op (Triton launches) are the row "unattributed".
+On CUDA the device total (every kernel, memcpy and memset of the prefill) matches the wall time at batch 8 on an
+H100; the split by layer type is the kernels the profiler ties to an op inside each scope, and "unattributed" is the
+total minus that split: Triton launches, which have no launching aten op, when positive. It came out negative on the
+H100 (the teacher's attention scopes listed about twice their share), so read the split as a guide and the totals and
+wall times as the measurement.
 """
 from __future__ import annotations
 

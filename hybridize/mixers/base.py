@@ -136,11 +136,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's rms_norm: one fused kernel each way on CUDA, where the HF form's cast / pow / mean / rsqrt / mul /
-        # cast / mul were seven passes over the tensor (a converted layer's prefill spent more on its q/k norms than
-        # on its op). Same math, accumulated in fp32: identical in fp32; in 16 bits the gain multiplies before the
-        # one rounding, not after (within one ulp of HF's). The gain in the input's dtype and the result cast back:
-        # an fp32 gain beside a bf16 input (autocast training) would otherwise give fp32 q/k beside bf16 v, which
-        # the fused kernels refuse
+        # cast / mul were seven passes over the tensor (with the one-pass softmax feature map, SSE's prefill at 8k x 8
+        # on an H100 went from 61k to 75k tokens/s; benchmarks/RESULTS.md, "Prefill: the mixers' norms in one pass").
+        # Same math, accumulated in fp32: identical in fp32; in 16 bits the gain multiplies before the one rounding,
+        # not after (within one ulp of HF's). The gain in the input's dtype and the result cast back: an fp32 gain
+        # beside a bf16 input (autocast training) would otherwise give fp32 q/k beside bf16 v, which the fused
+        # kernels refuse
         dtype = x.dtype
         return F.rms_norm(x, (x.shape[-1],), self.gain().to(dtype), self.eps).to(dtype)
 
