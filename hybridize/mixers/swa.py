@@ -69,6 +69,9 @@ class SWAState(MixerState):
 #: queries per block of a long prefill's band (`_band_blocks`): each block reads at most `window - 1 + BAND_BLOCK`
 #: keys, plus the sinks
 BAND_BLOCK = 1024
+#: the most elements one batched call of the band's blocks holds (`_band_windows`): its boolean mask x 2 on CUDA (the
+#: memory-efficient kernel reads the mask), its fp32 scores (mask x heads) on the CPU's math path
+BAND_GROUP_ELEMENTS = 2 ** 28
 
 
 class SlidingWindowAttention(Mixer):
@@ -263,48 +266,100 @@ class SlidingWindowAttention(Mixer):
             sk, sv = self._new_sinks(sk, sv, k, v, real, seen)
         return self._state_from(bk, bv, seen + real.long().sum(1), sk, sv)
 
-    def _block_starts(self, rank, T: int, dense: bool) -> list[int]:
-        """The first key position each `BAND_BLOCK` block of queries reaches in any row (rank `[B, T]`). Without
-        padding (`dense`) the band of query t starts at t - window + 1, known on the host; with padding a band can
-        reach further back, so the starts are searched on the device and read in one host sync for all blocks (one
-        per block before: at 8k on the 135M shape, batch 1, the prefill waited on the host for 3x its GPU time)."""
+    def _block_starts(self, rank, T: int, dense: bool) -> tuple[list[int], bool]:
+        """(starts, contiguous): the first key position each `BAND_BLOCK` block of queries reaches in any row (rank
+        `[B, T]`), and whether every block's band lies within `[a - window + 1, a + BAND_BLOCK)` for its first query a
+        (true without padding, and with padding only in front or behind each row's real tokens). Without padding
+        (`dense`) both are known on the host; otherwise they are computed on the device and read in one host sync for
+        the layer (it was one per block: at 8k on the 135M shape, batch 1, the prefill waited on the host for 3x its
+        GPU time)."""
         W = self.config.window
+        uniform = [max(0, a - W + 1) for a in range(0, T, BAND_BLOCK)]
         if dense:
-            return [max(0, a - W + 1) for a in range(0, T, BAND_BLOCK)]
+            return uniform, True
         # rank is non-decreasing, so a block's lowest query rank is at its first query; keys ranked W or more below
         # it are outside every band of the block (only sinks reach further back)
         first = (rank[:, ::BAND_BLOCK] - W + 1).contiguous()                      # [B, blocks]
-        return torch.searchsorted(rank, first).amin(0).tolist()
+        starts = torch.searchsorted(rank, first).amin(0)
+        # the band stays within the uniform slice when the real keys before it are W ranks below the block's first
+        # real query: rank(a - W) = 0 (none) or rank(a - 1) + 1 - rank(a - W) >= W
+        a = torch.arange(0, T, BAND_BLOCK, device=rank.device)
+        r0 = F.pad(rank, (W + 1, 0))                                             # r0[:, p + W + 1] = rank(p), 0 before
+        before, q_first = r0[:, a + 1], r0[:, a + W] + 1
+        contiguous = ((before == 0) | (q_first - before >= W)).all()
+        out = torch.cat([starts, contiguous.long().view(1)]).tolist()
+        return out[:-1], bool(out[-1])
 
     def _band_blocks(self, q, k, v, real, dense: bool = False):
         """`_chunk`'s output without a state, `BAND_BLOCK` queries at a time against the keys their band reaches
         (and each row's first `sinks` real tokens in front): O(T x (window + block)) work and mask memory, where
-        one dense `[T, T]` mask costs O(T^2) (at 16k, 32x the work of a 512 window). Each block's key slice
-        starts at the first position any of its rows' bands reaches (`_block_starts`)."""
+        one dense `[T, T]` mask costs O(T^2) (at 16k, 32x the work of a 512 window). When every band lies within its
+        block's uniform slice (`_block_starts`), the blocks run as few batched sdpa calls on overlapping windows of
+        the keys (`_band_windows`); otherwise one call per block from its searched start."""
         B, T = real.shape
-        W, n_sink = self.config.window, self.config.sinks
+        n_sink = self.config.sinks
         rank = real.long().cumsum(1)                                              # [B, T]
         pos = torch.arange(T, device=q.device)
+        sinks = None
         if n_sink:   # each row's first `sinks` real tokens, as positions [B, sinks] (T: the row has fewer)
             sink_pos = torch.where(real & (rank <= n_sink), pos, T).sort(1).values[:, :n_sink]
-            sink_real = sink_pos < T
             sink_idx = sink_pos.clamp(max=T - 1)[:, :, None, None].expand(B, n_sink, *k.shape[2:])
-            sink_k, sink_v = k.gather(1, sink_idx), v.gather(1, sink_idx)
+            sinks = (sink_pos, sink_pos < T, k.gather(1, sink_idx), v.gather(1, sink_idx))
+        starts, contiguous = self._block_starts(rank, T, dense)
+        if contiguous:
+            return self._band_windows(q, k, v, real, rank, sinks)
         out = []
-        for a, lo in zip(range(0, T, BAND_BLOCK), self._block_starts(rank, T, dense)):
+        for a, lo in zip(range(0, T, BAND_BLOCK), starts):
             b = min(a + BAND_BLOCK, T)
-            q_rank = rank[:, a:b]
-            key_pos, q_pos = pos[lo:b], pos[a:b]
-            allowed = (real[:, lo:b].unsqueeze(1) & (key_pos.view(1, 1, -1) <= q_pos.view(1, -1, 1))
-                       & ((q_rank.unsqueeze(2) - rank[:, lo:b].unsqueeze(1) < W)
-                          | (rank[:, lo:b] <= n_sink).unsqueeze(1)))
-            allowed = allowed | (key_pos.view(1, 1, -1) == q_pos.view(1, -1, 1))   # padded queries: self only
+            allowed = self._band_mask(rank[:, a:b], pos[a:b], rank[:, lo:b], real[:, lo:b], pos[lo:b])
             ks, vs = k[:, lo:b], v[:, lo:b]
-            if n_sink:   # sinks before the slice as extra keys in front (those inside it are in `allowed`)
+            if sinks is not None:   # sinks before the slice as extra keys in front (those inside it are in `allowed`)
+                sink_pos, sink_real, sink_k, sink_v = sinks
                 early = (sink_real & (sink_pos < lo)).unsqueeze(1).expand(B, b - a, n_sink)
                 ks, vs, allowed = torch.cat([sink_k, ks], 1), torch.cat([sink_v, vs], 1), torch.cat([early, allowed], 2)
             out.append(self._sdpa(q[:, a:b], ks, vs, allowed))
         return torch.cat(out, 1)
+
+    def _band_mask(self, q_rank, q_pos, k_rank, k_real, k_pos):
+        """Which keys each query attends to, `[..., Tq, Tk]` from q_rank `[..., Tq]`, k_rank / k_real `[..., Tk]` and
+        positions q_pos `[Tq]` / k_pos `[Tk]` (or with the same leading dims): real, causal, in the window or among
+        the sinks; a padded query attends to itself only."""
+        causal = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+        near = (q_rank.unsqueeze(-1) - k_rank.unsqueeze(-2) < self.config.window) | (
+            k_rank <= self.config.sinks).unsqueeze(-2)
+        return (k_real.unsqueeze(-2) & causal & near) | (k_pos.unsqueeze(-2) == q_pos.unsqueeze(-1))
+
+    def _band_windows(self, q, k, v, real, rank, sinks):
+        """`_band_blocks` when every block's keys lie in `[a - window + 1, a + BAND_BLOCK)`: the keys padded by
+        `window - 1` in front and the queries to whole blocks, each block's keys an overlapping window of them
+        (`unfold`, a view), and the blocks run in groups as batched sdpa calls, a few per layer instead of one per
+        block (the 135M shape's prefill was bound by these launches), in groups of blocks within
+        `BAND_GROUP_ELEMENTS`."""
+        B, T, H, D = q.shape
+        W, Bk, n_sink = self.config.window, BAND_BLOCK, self.config.sinks
+        n = -(-T // Bk)
+        S, tail = Bk + W - 1, n * Bk - T
+        win = lambda t, fill=0: F.pad(t, (0, 0) * (t.dim() - 2) + (W - 1, tail), value=fill).unfold(1, S, Bk)  # noqa: E731
+        kw, vw = (win(t).movedim(-1, 2) for t in (k, v))                           # [B, n, S, Hkv, D]
+        k_real, k_rank = win(real, False), win(rank)                               # [B, n, S]
+        k_pos = torch.arange(-(W - 1), n * Bk, device=q.device).unfold(0, S, Bk)  # [n, S]
+        q_pos = torch.arange(n * Bk, device=q.device).view(n, Bk)
+        q_rank = F.pad(rank, (0, tail)).view(B, n, Bk)
+        qb = F.pad(q, (0, 0, 0, 0, 0, tail)).view(B, n, Bk, H, D)
+        allowed = self._band_mask(q_rank, q_pos, k_rank, k_real, k_pos)           # [B, n, Bk, S]
+        if sinks is not None:   # each row's sinks before a block's slice, as extra keys in front
+            sink_pos, sink_real, sink_k, sink_v = sinks
+            early = sink_real.unsqueeze(1) & (sink_pos.unsqueeze(1) < k_pos[:, :1].unsqueeze(0))   # [B, n, sinks]
+            allowed = torch.cat([early.unsqueeze(2).expand(B, n, Bk, n_sink), allowed], 3)
+            kw = torch.cat([sink_k.unsqueeze(1).expand(B, n, *sink_k.shape[1:]), kw], 2)
+            vw = torch.cat([sink_v.unsqueeze(1).expand(B, n, *sink_v.shape[1:]), vw], 2)
+        group = max(1, BAND_GROUP_ELEMENTS // (B * Bk * allowed.shape[-1] * (2 if q.is_cuda else H)))
+        out = []
+        for j in range(0, n, group):
+            g = slice(j, min(j + group, n))
+            flat = lambda t: t[:, g].flatten(0, 1)                                  # noqa: E731
+            out.append(self._sdpa(flat(qb), flat(kw), flat(vw), flat(allowed)).view(B, -1, H, D))
+        return torch.cat(out, 1)[:, :T]
 
     # ---- recurrent mode ---------------------------------------------------------------------
     def _recurrent(self, q, k, v, real, state, output_state):

@@ -300,16 +300,19 @@ def test_long_prefill_runs_the_band_a_block_at_a_time(monkeypatch, window, sinks
     m = make_mixer("swa", window=window, sinks=sinks)
     x = random_hidden(3, 41, 16)
     dense = call(m, x, output_state=True, mode="chunk")        # 41 <= BAND_BLOCK + window: the dense band
-    blocks = []
+    blocks, windows = [], []
     monkeypatch.setattr(swa, "BAND_BLOCK", 5)
-    original = SlidingWindowAttention._band_blocks
+    monkeypatch.setattr(swa, "BAND_GROUP_ELEMENTS", 3 * 5 * (5 + window - 1 + sinks) * 4 * 3)  # 6 of 9 blocks per call (2 heads)
+    original, batched = SlidingWindowAttention._band_blocks, SlidingWindowAttention._band_windows
     monkeypatch.setattr(SlidingWindowAttention, "_band_blocks",
                         lambda self, *a, **kw: blocks.append(1) or original(self, *a, **kw))
+    monkeypatch.setattr(SlidingWindowAttention, "_band_windows",
+                        lambda self, *a, **kw: windows.append(1) or batched(self, *a, **kw))
     check_chunk_equals_recurrent(m, x)
     got = call(m, x, output_state=True, mode="chunk")
     assert rel_err(got.hidden, dense.hidden) < FP32_TOL
     check_left_padding(m, [41, 30, 12], mode="chunk")
-    assert blocks   # the blocked path ran, not the dense one
+    assert blocks and len(windows) == len(blocks)   # the blocked path ran, batched: left padding keeps bands uniform
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
@@ -327,11 +330,15 @@ def test_band_blocks_with_padding_inside_rows_reach_as_far_back_as_the_band(monk
     mask[0, 6:19] = 0          # a hole longer than a block and than the window
     mask[1, :5] = 0
     mask[1, 25:28] = 0
-    outs = {}
+    outs, windows = {}, []
+    batched = SlidingWindowAttention._band_windows
+    monkeypatch.setattr(SlidingWindowAttention, "_band_windows",
+                        lambda self, *a, **kw: windows.append(1) or batched(self, *a, **kw))
     for block in (10**6, 4):   # the dense band, then blocks of 4 queries
         monkeypatch.setattr(swa, "BAND_BLOCK", block)
         outs[block] = (call(m, x, attention_mask=mask, mode="chunk").hidden, call(m, x, mode="chunk").hidden,
                        call(m, x, attention_mask=torch.ones_like(mask), mode="chunk").hidden)
+    assert len(windows) == 2   # batched without a mask and with the all-True one; the holes took one call per block
     real = mask.bool()
     assert rel_err(outs[4][0][real], outs[10**6][0][real]) < FP32_TOL
     assert rel_err(outs[4][1], outs[10**6][1]) < FP32_TOL and rel_err(outs[4][1], outs[4][2]) < FP32_TOL
