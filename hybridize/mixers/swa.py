@@ -167,15 +167,15 @@ class SlidingWindowAttention(Mixer):
     def _new_sinks(self, sk, sv, k, v, real, seen):
         """The sink buffer after new tokens k, v `[B, T, Hkv, D]` (real `[B, T]`) followed `seen` real tokens:
         the ones whose global rank is at most `sinks` fill their slots. Returns `[B, sinks, Hkv, D]` twice."""
-        grank = seen.unsqueeze(1) + real.long().cumsum(1)            # [B, T], 1-based
-        sk, sv = sk.clone(), sv.clone()
-        for i in range(self.config.sinks):
-            hit = real & (grank == i + 1)                               # at most one token per row
-            w = hit[:, :, None, None].to(k.dtype)
-            row = hit.any(1)[:, None, None]
-            sk[:, i] = torch.where(row, (k * w).sum(1), sk[:, i])
-            sv[:, i] = torch.where(row, (v * w).sum(1), sv[:, i])
-        return sk, sv
+        B, T = real.shape
+        grank = seen.unsqueeze(1) + real.long().cumsum(1)            # [B, T], 1-based, non-decreasing
+        ranks = torch.arange(1, self.config.sinks + 1, device=k.device).expand(B, -1).contiguous()
+        # rank r is taken by the first token whose global rank reaches r (the count steps up at real tokens only);
+        # it is new here when seen < r <= the row's count after these tokens
+        at = torch.searchsorted(grank, ranks).clamp(max=T - 1)             # [B, sinks]
+        hit = ((ranks > seen.unsqueeze(1)) & (ranks <= grank[:, -1:]))[:, :, None, None]
+        idx = at[:, :, None, None].expand(B, ranks.shape[1], *k.shape[2:])
+        return torch.where(hit, k.gather(1, idx), sk), torch.where(hit, v.gather(1, idx), sv)
 
     def _state_from(self, bk, bv, seen, sk=None, sv=None) -> SWAState:
         """A state from the last `window - 1` real keys / values `[B, P, Hkv, D]` (oldest first, right-aligned:
