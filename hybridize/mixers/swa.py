@@ -10,8 +10,9 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
 - chunk mode (training, prefill): one `scaled_dot_product_attention` call with a banded causal
   boolean mask over `[buffer, new tokens]`; packed `cu_seqlens` without a state use a
   block-diagonal band on the packed row (no state crosses a document boundary). A prefill from no state
-  longer than `BAND_BLOCK` + window runs one sdpa call per block of `BAND_BLOCK` queries against the keys its
-  band reaches (`_band_blocks`): O(T x window) work and mask memory instead of the dense mask's O(T^2).
+  longer than `BAND_BLOCK` + window runs blocks of `BAND_BLOCK` queries against the keys their band reaches
+  (`_band_blocks`): O(T x window) work and mask memory instead of the dense mask's O(T^2); the blocks go to sdpa
+  together, as overlapping windows of the keys, unless padding inside a row stretches a band.
 - recurrent mode (ground truth): one token at a time against the buffer in token order, explicit fp32
   softmax. A single token (decode) runs `_step` instead: the new key and value are written into their ring
   slot (in place when the state's owner marks it writable, as the fast engine does), then one sdpa call reads
