@@ -14,8 +14,7 @@ Two profiles:
   embedding + head + sampling = "other"), the SSE layer split into its pieces (features, routing, the
   recurrent state step, output, state write-back), top ops by count and by time.
 
-"kernels": on CUDA the device kernels, memcpys and memsets, each in the scopes whose GPU-side spans contain it (by
-time on the device); on CPU (no device) the outermost aten ops that
+"kernels": on CUDA the device kernels, memcpys and memsets; on CPU (no device) the outermost aten ops that
 do work - an op that is not a view / allocation / cast wrapper (`NO_KERNEL`) with no such op above it - the
 proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launch several kernels on CUDA,
 e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
@@ -239,44 +238,26 @@ def _counted(evt) -> bool:
 
 
 def work_items(events, cuda: bool):
-    """(name, scope path, time us) of every kernel-like item: on CUDA the device events, each in the scopes whose
-    GPU-side spans contain it (`_device_work_items`); on CPU the outermost aten ops that do work."""
-    if cuda:
-        return _device_work_items(events)
+    """(name, scope path, time us) of every kernel-like item: on CUDA the device kernels (by the CPU op that
+    launched them), on CPU the outermost aten ops that do work."""
     items = []
     for e in events:
         if e.device_type != DeviceType.CPU or e.is_async:
+            continue
+        if cuda:
+            # a kernel listed by this op and by one of its children is the child's (counted there, once)
+            inner = Counter((k.name, k.duration) for c in e.cpu_children for k in c.kernels)
+            for k in e.kernels:
+                if inner[(k.name, k.duration)] > 0:
+                    inner[(k.name, k.duration)] -= 1
+                elif not k.name.startswith(SCOPE):   # a scope's own GPU-side span (user annotation), not a kernel
+                    items.append((k.name, _scope_path(e), k.duration))
             continue
         path = _scope_path(e)
         if e.name.startswith(SCOPE + KERNEL):        # an emulated kernel: one item
             items.append((e.name[len(SCOPE):], path[:-1], e.cpu_time_total))
         elif _counted(e) and not any(p.startswith(KERNEL) for p in path):
             items.append((e.name, path, e.cpu_time_total))
-    return items
-
-
-def _device_work_items(events):
-    """Every device event (kernel, memcpy, memset) with the path of this module's scopes whose GPU-side spans (the
-    profiler's user annotations of the scopes, nested as the scopes are) contain its start. By time on the device, not
-    by launching op: Triton launches have no aten op, and ops listed the kernels of their children again (the first
-    CUDA prefill profiles counted the teacher's attention twice)."""
-    spans, work = [], []
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            (spans if e.name.startswith(SCOPE) else work).append(e)
-    spans.sort(key=lambda e: (e.time_range.start, -e.time_range.end))     # outer first at equal starts
-    work.sort(key=lambda e: e.time_range.start)
-    items, stack, i = [], [], 0
-    for e in work:
-        t = e.time_range.start
-        while i < len(spans) and spans[i].time_range.start <= t:
-            while stack and stack[-1].time_range.end <= spans[i].time_range.start:
-                stack.pop()
-            stack.append(spans[i])
-            i += 1
-        while stack and stack[-1].time_range.end <= t:
-            stack.pop()
-        items.append((e.name, [s.name[len(SCOPE):] for s in stack], e.device_time_total))
     return items
 
 
@@ -406,7 +387,7 @@ def profile_model(model, args, device) -> dict:
                     "host_syncs_per_step": {"/".join(k) or "(top)": v / steps for k, v in host_syncs(ev).items()},
                     "graphs": stats["graphs"], "attention": stats["attention"],
                     "wall_decode_ms_per_step": stats["wall_decode_ms_per_step"]}
-    if cuda:   # the same events, unplaced: equals total_kernels_per_step
+    if cuda:   # kernels the profiler could not tie to a launching CPU op show as a gap here
         out["eager"]["all_device_events_per_step"] = len(device_items(ev)) / steps
     if cuda and args.graphs:
         prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device,
