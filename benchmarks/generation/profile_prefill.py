@@ -12,14 +12,12 @@ layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appen
     python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-lens 4096,8192,16384 \
         --batches 1,8 --jsonl out.jsonl
 
-On the GPU "time" is the device time of the kernels each scope launched; on the CPU it is the CPU time of the
-outermost aten ops that do work (a proxy). The prompt is the speed table's (`rollouts.bench_model`): one row left-padded
-by an eighth, so the teacher's attention takes its masked path; `--no-pad` gives every row all its tokens.
-On CUDA the device total (every kernel, memcpy and memset of the prefill) matches the wall time at batch 8 on an
-H100; the split by layer type is the kernels the profiler ties to an op inside each scope, and "unattributed" is the
-total minus that split: Triton launches, which have no launching aten op, when positive. It came out negative on the
-H100 (the teacher's attention scopes listed about twice their share), so read the split as a guide and the totals and
-wall times as the measurement.
+On the GPU the split is device time between CUDA events recorded around each layer's attention (and an SSE
+layer's `features` / `finish`), "other" the rest of the prefill's events; a profiled prefill gives the top kernels and
+the device total (every kernel, memcpy and memset; it matched the wall time at batch 8 on an H100). On the CPU the
+split is the CPU time of the outermost aten ops that do work in each profiler scope (a proxy). The prompt is the speed
+table's (`rollouts.bench_model`): one row left-padded by an eighth, so the teacher's attention takes its masked path;
+`--no-pad` gives every row all its tokens.
 """
 from __future__ import annotations
 
@@ -28,12 +26,14 @@ import json
 import statistics
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.generation import rollouts
+import hybridize.mixers.sse as sse_mod
 from hybridize.generation.fast import FastGenConfig, FastGenerator
 from hybridize.generation.profile import (device_items, layer_kind, scopes, summarize_eager, table, top_ops,
                                           work_items)
@@ -58,23 +58,101 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+@contextmanager
+def event_scopes(model, spans: list):
+    """On CUDA: a pair of CUDA events around every decoder layer's attention (softmax or mixer), appended to `spans`
+    as (kind, start, end), and around an SSE layer's `features` and `finish` ("sse.features", "sse.finish"). Events
+    are recorded in stream order, so each pair times exactly the kernels between them. Removed on exit."""
+    handles, wrapped = [], []
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*a, **kw)
+            end.record()
+            spans.append((name, start, end))
+            return out
+        return run
+
+    for layer in model.model.layers:
+        mod, kind = layer.self_attn, layer_kind(layer)
+        opened: list = []
+
+        def pre(m, args, kw, opened=opened):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            opened.append(ev)
+
+        def post(m, args, kw, out, kind=kind, opened=opened):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            spans.append((kind, opened.pop(), ev))
+
+        handles += [mod.register_forward_pre_hook(pre, with_kwargs=True),
+                    mod.register_forward_hook(post, with_kwargs=True)]
+        if isinstance(mod, sse_mod.SSE):
+            for piece in ("features", "finish"):
+                setattr(mod, piece, timed(f"sse.{piece}", getattr(mod, piece)))
+                wrapped.append((mod, piece))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, piece in wrapped:
+            delattr(mod, piece)
+
+
+def _event_split(model, once) -> tuple[list[dict], list[dict], float]:
+    """(per layer type rows, SSE piece rows, total ms) of one prefill timed with CUDA events."""
+    spans: list = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with event_scopes(model, spans):
+        start.record()
+        once()
+        end.record()
+    torch.cuda.synchronize()
+    total = start.elapsed_time(end)
+    kinds = Counter(layer_kind(layer) for layer in model.model.layers)
+    ms = Counter()
+    for name, a, b in spans:
+        ms[name] += a.elapsed_time(b)
+    rows = [{"layer_type": k, "layers": n, "ms_per_layer": ms[k] / n, "ms_all": ms[k]} for k, n in kinds.items()]
+    rows.append({"layer_type": "other", "layers": "-", "ms_per_layer": total - sum(ms[k] for k in kinds),
+                 "ms_all": total - sum(ms[k] for k in kinds)})
+    pieces = []
+    if kinds.get("sse"):
+        n = kinds["sse"]
+        named = {p: ms[p] for p in ("sse.features", "sse.finish")}
+        pieces = [{"piece": p, "ms_per_layer": t / n} for p, t in named.items()]
+        pieces.append({"piece": "sse.(rest)", "ms_per_layer": (ms["sse"] - sum(named.values())) / n})
+    return rows, pieces, total
+
+
 def prefill_profile(model, ids, mask, top: int) -> dict:
-    """Profile of one prefill of `ids` `[B, T]` (prompt mask `mask`), the model already warm: device (CPU) time per
-    layer type and top kernels."""
+    """Where one prefill of `ids` `[B, T]` (prompt mask `mask`) spends its time, the model already warm. On CUDA:
+    device time per layer type from CUDA events around each layer (`event_scopes`; the profiler's tie of kernels to
+    scopes by launching op listed the teacher's attention twice, and Triton launches nowhere), then one profiled
+    prefill for the top kernels and the device total. On the CPU: CPU time of the outermost aten ops per scope."""
     cuda = ids.device.type == "cuda"
     once = _prefill_fn(model, ids, mask)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        rows, pieces, event_total = _event_split(model, once)
+        with profile(activities=acts) as prof:
+            once()
+        dev = device_items(prof.events())
+        return {"profiled_total_ms": sum(t for _, t in dev) / 1e3, "event_total_ms": event_total,
+                "kernels": len(dev), "by_layer_type": rows, "sse_pieces": pieces,
+                "top_by_time": [{"op": r["op"], "per_call": r["per_step"], "ms": r["time_us_per_step"] / 1e3}
+                                for r in top_ops(dev, 1, top, "time")]}
     with scopes(model), profile(activities=acts) as prof:
         once()
     items = work_items(prof.events(), cuda)
     kinds = Counter(layer_kind(layer) for layer in model.model.layers)
     res = summarize_eager(items, 1, kinds)
     total = sum(t for *_, t in items)
-    if cuda:   # every device event, attributed or not (Triton launches have no launching aten op)
-        rest = sum(t for _, t in device_items(prof.events())) - total
-        res["by_layer_type"].append({"layer_type": "unattributed", "layers": "-", "time_us_per_layer": rest,
-                                     "time_us_per_step": rest, "kernels_per_layer": 0})
-        total += rest
     return {"profiled_total_ms": total / 1e3,
             "by_layer_type": [{"layer_type": r["layer_type"], "layers": r["layers"],
                                "ms_per_layer": r["time_us_per_layer"] / 1e3, "ms_all": r["time_us_per_step"] / 1e3,

@@ -66,3 +66,21 @@ def test_cuda_profiles_count_kernels_not_the_scopes_gpu_spans():
     assert work_items([scope, linear, op], cuda=True) == [("gemm", ["softmax"], 20.0), ("gemm", ["softmax"], 20.0),
                                                           ("splitk_reduce", ["softmax"], 5.0)]
     assert device_items([scope, op] + gpu) == [("gemm", 20.0), ("splitk_reduce", 5.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefill_split_is_timed_with_events_around_each_layer(tmp_path):
+    """On CUDA the split comes from CUDA events around each layer's attention and SSE's pieces: every part is
+    non-negative (the rest, "other", included), the pieces fit inside their layers, and the device total is there."""
+    from benchmarks.generation import profile_prefill
+
+    rows = profile_prefill.main(["--shape", "tiny", "--plan", "5:1", "--prompt-lens", "300", "--batches", "2",
+                                 "--warmup", "1", "--repeats", "1", "--quiet", "--dtype", "float32"])
+    hybrid = rows[0]["models"]["hybrid"]
+    parts = {r["layer_type"]: r for r in hybrid["by_layer_type"]}
+    assert set(parts) == {"sse", "softmax", "other"} and all(r["ms_all"] >= 0 for r in parts.values())
+    assert sum(r["ms_all"] for r in parts.values()) == pytest.approx(hybrid["event_total_ms"], rel=1e-6)
+    pieces = {p["piece"]: p["ms_per_layer"] for p in hybrid["sse_pieces"]}
+    assert pieces["sse.features"] > 0 and pieces["sse.finish"] > 0 and pieces["sse.(rest)"] >= 0
+    assert hybrid["profiled_total_ms"] > 0 and hybrid["kernels"] > 0
