@@ -84,3 +84,40 @@ def test_cuda_prefill_split_is_timed_with_events_around_each_layer(tmp_path):
     pieces = {p["piece"]: p["ms_per_layer"] for p in hybrid["sse_pieces"]}
     assert pieces["sse.features"] > 0 and pieces["sse.finish"] > 0 and pieces["sse.(rest)"] >= 0
     assert hybrid["profiled_total_ms"] > 0 and hybrid["kernels"] > 0
+
+
+def test_event_split_times_each_layer_and_sse_piece(monkeypatch):
+    """The CUDA split's logic on the CPU, with a stand-in for `torch.cuda.Event` that reads a clock each layer
+    advances: every layer type gets its layers' time, SSE's features / finish their own, "other" the rest, and the
+    hooks and wrappers are gone afterwards."""
+    import torch
+
+    from benchmarks.generation import profile_prefill, rollouts
+
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            clock[0] += 1.0            # each recorded event: one millisecond of "work" since the last
+            self.t = clock[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    _, hybrid = rollouts.build_pair("tiny", "5:1", "sse", torch.float32, "cpu")
+    ids = torch.randint(10, 500, (1, 24))
+    once = profile_prefill._prefill_fn(hybrid, ids, torch.ones_like(ids))
+    rows, pieces, total = profile_prefill._event_split(hybrid, once)
+    parts = {r["layer_type"]: r for r in rows}
+    # per SSE layer: start, features (2 events), finish (2 events), end -> 5 ms; per softmax layer: start, end -> 1 ms
+    assert parts["sse"]["ms_per_layer"] == 5 and parts["softmax"]["ms_per_layer"] == 1
+    assert {p["piece"]: p["ms_per_layer"] for p in pieces} == {"sse.features": 1, "sse.finish": 1, "sse.(rest)": 3}
+    # the clock steps before each layer's first event (6 layers) and before the closing event: 7 ms outside layers
+    assert total == 5 * 5 + 1 * 1 + 7 and parts["other"]["ms_all"] == 7
+    layer = hybrid.model.layers[0].self_attn
+    assert not layer._forward_hooks and not layer._forward_pre_hooks and "features" not in vars(layer)
