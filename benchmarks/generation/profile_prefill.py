@@ -12,9 +12,9 @@ layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appen
     python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-lens 4096,8192,16384 \
         --batches 1,8 --jsonl out.jsonl
 
-On the GPU the split is device time between CUDA events recorded around each layer's attention (and an SSE
-layer's `features` / `finish`), "other" the rest of the prefill's events; a profiled prefill gives the top kernels and
-the device total (every kernel, memcpy and memset; it matched the wall time at batch 8 on an H100). On the CPU the
+On the GPU the split is device time between CUDA events recorded around each layer's attention (and an SSE layer's
+pieces: features, route, finish), "other" the rest of the prefill; a profiled prefill gives the top kernels and the
+device total (every kernel, memcpy and memset; it matched the wall time at batch 8 on an H100). On the CPU the
 split is the CPU time of the outermost aten ops that do work in each profiler scope (a proxy). The prompt is the speed
 table's (`rollouts.bench_model`): one row left-padded by an eighth, so the teacher's attention takes its masked path;
 `--no-pad` gives every row all its tokens.
@@ -26,17 +26,15 @@ import json
 import statistics
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.generation import rollouts
-import hybridize.mixers.sse as sse_mod
 from hybridize.generation.fast import FastGenConfig, FastGenerator
-from hybridize.generation.profile import (device_items, layer_kind, scopes, summarize_eager, table, top_ops,
-                                          work_items)
+from hybridize.generation.profile import (SCOPE, device_items, layer_kind, scopes, summarize_eager, table,
+                                          top_ops, work_items)
 
 
 def _prefill_fn(model, ids, mask):
@@ -58,57 +56,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-@contextmanager
-def event_scopes(model, spans: list):
-    """On CUDA: a pair of CUDA events around every decoder layer's attention (softmax or mixer), appended to `spans`
-    as (kind, start, end), and around an SSE layer's `features` and `finish` ("sse.features", "sse.finish"). Events
-    are recorded in stream order, so each pair times exactly the kernels between them. Removed on exit."""
-    handles, wrapped = [], []
+class EventSpan:
+    """A scope timed by a pair of CUDA events, appended to `spans` as (name, start, end) on exit: events are recorded
+    in stream order, so the pair times exactly the kernels launched between them."""
 
-    def timed(name, fn):
-        def run(*a, **kw):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(*a, **kw)
-            end.record()
-            spans.append((name, start, end))
-            return out
-        return run
+    def __init__(self, name: str, spans: list):
+        self.name, self.spans = name, spans
 
-    for layer in model.model.layers:
-        mod, kind = layer.self_attn, layer_kind(layer)
-        opened: list = []
+    def __enter__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+        return self
 
-        def pre(m, args, kw, opened=opened):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            opened.append(ev)
-
-        def post(m, args, kw, out, kind=kind, opened=opened):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            spans.append((kind, opened.pop(), ev))
-
-        handles += [mod.register_forward_pre_hook(pre, with_kwargs=True),
-                    mod.register_forward_hook(post, with_kwargs=True)]
-        if isinstance(mod, sse_mod.SSE):
-            for piece in ("features", "finish"):
-                setattr(mod, piece, timed(f"sse.{piece}", getattr(mod, piece)))
-                wrapped.append((mod, piece))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for mod, piece in wrapped:
-            delattr(mod, piece)
+    def __exit__(self, *exc):
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.spans.append((self.name[len(SCOPE):], self.start, end))
 
 
 def _event_split(model, once) -> tuple[list[dict], list[dict], float]:
-    """(per layer type rows, SSE piece rows, total ms) of one prefill timed with CUDA events."""
+    """(per layer type rows, SSE piece rows, total ms) of one prefill, each layer's attention and SSE's pieces timed
+    with CUDA events (`scopes` with `EventSpan`); "other" is the rest of the prefill."""
     spans: list = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with event_scopes(model, spans):
+    with scopes(model, span=lambda name: EventSpan(name, spans)):
         start.record()
         once()
         end.record()
@@ -119,12 +90,12 @@ def _event_split(model, once) -> tuple[list[dict], list[dict], float]:
     for name, a, b in spans:
         ms[name] += a.elapsed_time(b)
     rows = [{"layer_type": k, "layers": n, "ms_per_layer": ms[k] / n, "ms_all": ms[k]} for k, n in kinds.items()]
-    rows.append({"layer_type": "other", "layers": "-", "ms_per_layer": total - sum(ms[k] for k in kinds),
-                 "ms_all": total - sum(ms[k] for k in kinds)})
+    rest = total - sum(ms[k] for k in kinds)
+    rows.append({"layer_type": "other", "layers": "-", "ms_per_layer": rest, "ms_all": rest})
     pieces = []
     if kinds.get("sse"):
         n = kinds["sse"]
-        named = {p: ms[p] for p in ("sse.features", "sse.finish")}
+        named = {p: t for p, t in sorted(ms.items()) if p.startswith("sse.")}
         pieces = [{"piece": p, "ms_per_layer": t / n} for p, t in named.items()]
         pieces.append({"piece": "sse.(rest)", "ms_per_layer": (ms["sse"] - sum(named.values())) / n})
     return rows, pieces, total
@@ -132,7 +103,7 @@ def _event_split(model, once) -> tuple[list[dict], list[dict], float]:
 
 def prefill_profile(model, ids, mask, top: int) -> dict:
     """Where one prefill of `ids` `[B, T]` (prompt mask `mask`) spends its time, the model already warm. On CUDA:
-    device time per layer type from CUDA events around each layer (`event_scopes`; the profiler's tie of kernels to
+    device time per layer type from CUDA events around each layer (`EventSpan`; the profiler's tie of kernels to
     scopes by launching op listed the teacher's attention twice, and Triton launches nowhere), then one profiled
     prefill for the top kernels and the device total. On the CPU: CPU time of the outermost aten ops per scope."""
     cuda = ids.device.type == "cuda"

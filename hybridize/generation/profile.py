@@ -70,17 +70,18 @@ def layer_kind(layer) -> str:
     return "softmax"
 
 
-def _scoped(name: str, fn):
+def _scoped(name: str, fn, span=record_function):
     def wrapped(*a, **kw):
-        with record_function(SCOPE + name):
+        with span(SCOPE + name):
             return fn(*a, **kw)
     return wrapped
 
 
 @contextmanager
-def scopes(model):
+def scopes(model, span=record_function):
     """Every decoder layer's attention (mixer or softmax) runs in scope `pd::<kind>`; SSE mixers' pieces in
-    `pd::sse.<piece>`. Removed on exit."""
+    `pd::sse.<piece>`. `span(name)`: the context manager a scope runs in (a profiler range by default; a pair of CUDA
+    events in `benchmarks/generation/profile_prefill.py`). Removed on exit."""
     handles, saved_funcs, saved_attrs = [], {}, []
     for layer in model.model.layers:
         mod = layer.self_attn
@@ -88,7 +89,7 @@ def scopes(model):
         stack: list = []
 
         def pre(m, args, kwargs, name=name, stack=stack):
-            rf = record_function(name)
+            rf = span(name)
             rf.__enter__()
             stack.append(rf)
 
@@ -99,11 +100,11 @@ def scopes(model):
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
         if isinstance(mod, sse_mod.SSE):
             for piece in (pc for pc in SSE_PIECES if hasattr(mod, pc)):
-                setattr(mod, piece, _scoped(f"sse.{piece}", getattr(mod, piece)))
+                setattr(mod, piece, _scoped(f"sse.{piece}", getattr(mod, piece), span))
                 saved_attrs.append((mod, piece))
     for fn in SSE_FUNCS:
         saved_funcs[fn] = getattr(sse_mod, fn)
-        setattr(sse_mod, fn, _scoped(f"sse.{fn}", saved_funcs[fn]))
+        setattr(sse_mod, fn, _scoped(f"sse.{fn}", saved_funcs[fn], span))
     try:
         yield
     finally:

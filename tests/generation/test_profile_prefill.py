@@ -114,10 +114,11 @@ def test_event_split_times_each_layer_and_sse_piece(monkeypatch):
     once = profile_prefill._prefill_fn(hybrid, ids, torch.ones_like(ids))
     rows, pieces, total = profile_prefill._event_split(hybrid, once)
     parts = {r["layer_type"]: r for r in rows}
-    # per SSE layer: start, features (2 events), finish (2 events), end -> 5 ms; per softmax layer: start, end -> 1 ms
-    assert parts["sse"]["ms_per_layer"] == 5 and parts["softmax"]["ms_per_layer"] == 1
-    assert {p["piece"]: p["ms_per_layer"] for p in pieces} == {"sse.features": 1, "sse.finish": 1, "sse.(rest)": 3}
+    # per SSE layer: start, features, route and finish (2 events each), end -> 7 ms; per softmax layer: 1 ms
+    assert parts["sse"]["ms_per_layer"] == 7 and parts["softmax"]["ms_per_layer"] == 1
+    assert {p["piece"]: p["ms_per_layer"] for p in pieces} == {"sse.features": 1, "sse.finish": 1, "sse.route": 1,
+                                                               "sse.(rest)": 4}
     # the clock steps before each layer's first event (6 layers) and before the closing event: 7 ms outside layers
-    assert total == 5 * 5 + 1 * 1 + 7 and parts["other"]["ms_all"] == 7
+    assert total == 5 * 7 + 1 * 1 + 7 and parts["other"]["ms_all"] == 7
     layer = hybrid.model.layers[0].self_attn
     assert not layer._forward_hooks and not layer._forward_pre_hooks and "features" not in vars(layer)
