@@ -101,13 +101,12 @@ def _event_split(model, once) -> tuple[list[dict], list[dict], float]:
     return rows, pieces, total
 
 
-def prefill_profile(model, ids, mask, top: int) -> dict:
-    """Where one prefill of `ids` `[B, T]` (prompt mask `mask`) spends its time, the model already warm. On CUDA:
+def prefill_profile(model, once, top: int) -> dict:
+    """Where one prefill (`once`, from `_prefill_fn`) of `model` spends its time, the model already warm. On CUDA:
     device time per layer type from CUDA events around each layer (`EventSpan`; the profiler's tie of kernels to
     scopes by launching op listed the teacher's attention twice, and Triton launches nowhere), then one profiled
     prefill for the top kernels and the device total. On the CPU: CPU time of the outermost aten ops per scope."""
-    cuda = ids.device.type == "cuda"
-    once = _prefill_fn(model, ids, mask)
+    cuda = next(model.parameters()).device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         rows, pieces, event_total = _event_split(model, once)
@@ -155,7 +154,7 @@ def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: 
     for name, m in pair.items():
         med = statistics.median(walls[name])
         row["models"][name] = {"wall_s": med, "walls_s": walls[name], "tokens_per_s": B * T / med,
-                               **prefill_profile(m, ids, mask, top)}
+                               **prefill_profile(m, fns[name], top)}
     if len(pair) == 2:
         t, h = row["models"]["teacher"], row["models"]["hybrid"]
         row["hybrid_speedup_wall"] = t["wall_s"] / h["wall_s"]

@@ -275,9 +275,8 @@ class SlidingWindowAttention(Mixer):
         the layer (it was one per block: at 8k on the 135M shape, batch 1, the prefill waited on the host for 3x its
         GPU time)."""
         W = self.config.window
-        uniform = [max(0, a - W + 1) for a in range(0, T, BAND_BLOCK)]
         if dense:
-            return uniform, True
+            return [max(0, a - W + 1) for a in range(0, T, BAND_BLOCK)], True
         # rank is non-decreasing, so a block's lowest query rank is at its first query; keys ranked W or more below
         # it are outside every band of the block (only sinks reach further back)
         first = (rank[:, ::BAND_BLOCK] - W + 1).contiguous()                      # [B, blocks]
