@@ -179,11 +179,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed prefills per model and cell")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefills per model and cell (median)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                    help="auto: CUDA when there is one (the split from CUDA events), else the CPU (the profiler's)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--jsonl", default="", help="also append each cell's row here")
     ap.add_argument("--quiet", action="store_true", help="print the summary table only, not each cell's profile")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
     shape = args.shape or ("qwen3-1.7b" if cuda else "tiny")

@@ -51,7 +51,9 @@ memory; SSEGDN beta = `beta_init`; output gate exactly 1 (weight 0, bias silu^-1
 Layouts (`layout`, ops/sse/reference.py): "masking" (partitions folded into heads, one op call),
 "varlen" (tokens reordered by partition, new cu_seqlens, one op call) or "auto" (varlen once the
 mean sequence length reaches `varlen_min_len`). `mode="recurrent"` gathers only the selected
-partitions per token (decode); unselected partitions stay bit-identical.
+partitions per token (decode); unselected partitions stay bit-identical. On the GPU a decode token of SSE (GLA
+backbone, top-1, shared partition) with a writable state (the fast engine's cache) runs everything between the
+two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`).
 
 State: `SSEState(sparse [N_seq, P, H, K, V], shared [N_seq, H, K, V] | None, conv)`.
 """
@@ -66,7 +68,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.ops.decode_gemm.route import decode_linear
-from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, naive_recurrent_sse, pick_layout, route
+from hybridize.ops.sse.reference import (LAYOUTS, PathInputs, balance_loss, fused_step_applies, naive_recurrent_sse,
+                                          pick_layout, route)
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
                    repeat_kv)
@@ -166,6 +169,8 @@ class SSE(Mixer):
     op: ClassVar[str] = "gla"
     #: decode steps (T == 1, no gradient) run every projection of x as one cached, concatenated matmul
     fuse_decode: ClassVar[bool] = True
+    #: ... and, on the GPU, everything after those matmuls up to the output norm as one kernel (GLA backbone)
+    fused_step_kernel: ClassVar[bool] = True
 
     def __init__(self, config: SSECommonConfig):
         super().__init__(config)
@@ -343,6 +348,10 @@ class SSE(Mixer):
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
         gate = None
+        if mode == "recurrent" and T == 1 and cu_seqlens is None and self.fused_step_ok(x, state, attention_mask,
+                                                                                         position_embeddings):
+            o, gate = self.fused_step(x, state, position_embeddings)
+            return MixerOutput(hidden=self.finish(o, x, gate), state=state if output_state else None)
         if mode == "recurrent" and T == 1 and cu_seqlens is None and self._fused_ok():
             shared, sparse, routing, gate = self.decode_inputs(x, attention_mask, position_embeddings)
             conv = None
@@ -465,6 +474,34 @@ class SSE(Mixer):
         if self._fused_ok():
             self._fused_weights()
 
+    def _decode_columns(self) -> dict[str, tuple[int, int]]:
+        """(first column, width) of each block of the stage-1 output: q|k heads, v heads, the output gate,
+        the low-rank inputs (the stage-2 matmul's), the router logits, SSEGDN's direct gates."""
+        cols = self.__dict__.get("_decode_cols")
+        if cols is not None:
+            return cols
+        c = self.config
+        H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim
+        blocks = [("qk", (H + Hk) * D), ("v", Hk * D)] + ([("gate", H * D)] if c.output_gate else []) + [
+            ("low", sum(m.in_features for m in self._stage2())), ("router", c.num_partitions)] + [
+            (f"direct{i}", m.out_features) for i, m in enumerate(self.direct_gate_linears())]
+        cols, start = {}, 0
+        for name, width in blocks:
+            cols[name], start = (start, width), start + width
+        self.__dict__["_decode_cols"] = cols
+        return cols
+
+    def _decode_projections(self, x):
+        """x `[B, T, hidden]` -> (y `[B, T, n1]` every projection of x in one matmul, u `[B, T, 2n + gate widths]`
+        the LoRA and gate up-projections in a second (the first n columns zero: the shared q/k get + 0),
+        the q/k norm weights `[H + Hk, D]` or None, the columns of y)."""
+        W1, b1, W2, b2, wn = self._fused_weights()
+        cols = self._decode_columns()
+        y = decode_linear(x, W1, b1)                                              # [B, T, n1]
+        lo, width = cols["low"]
+        u = decode_linear(y[..., lo:lo + width], W2, b2)                          # [B, T, 2n + gate widths]
+        return y, u, wn, cols
+
     def decode_inputs(self, x, attention_mask=None, position_embeddings=None):
         """The T == 1 no-gradient front end: x `[B, 1, hidden]` -> (shared PathInputs | None, sparse
         PathInputs, Routing, output-gate pre-activation `[B, 1, H * D]`), the same values as `features` +
@@ -475,17 +512,11 @@ class SSE(Mixer):
         B, T, _ = x.shape
         H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim
         n = (H + Hk) * D
-        W1, b1, W2, b2, wn = self._fused_weights()
-        y = decode_linear(x, W1, b1)                                              # [B, T, n1]
-        widths = [n, Hk * D] + ([H * D] if c.output_gate else []) + [W2.shape[1], c.num_partitions] + [
-            m.out_features for m in self.direct_gate_linears()]                # W2.shape[1]: low-rank inputs
-        widths.append(y.shape[-1] - sum(widths))                               # alignment padding
-        cols = iter(torch.split(y, widths, dim=-1))
-        qk, v = next(cols), next(cols)
-        gate = next(cols) if c.output_gate else None
-        u = decode_linear(next(cols), W2, b2)                                     # [B, T, 2n + gate widths]
-        logits = next(cols)
-        direct = [next(cols) for _ in self.direct_gate_linears()]
+        y, u, wn, cols = self._decode_projections(x)
+        col = lambda name: y[..., cols[name][0]:sum(cols[name])]  # noqa: E731
+        qk, v, logits = col("qk"), col("v"), col("router")
+        gate = col("gate") if c.output_gate else None
+        direct = [col(f"direct{i}") for i in range(len(self.direct_gate_linears()))]
         both = torch.empty(2, B, T, n, dtype=y.dtype, device=y.device)        # [shared, sparse] q|k
         torch.add(qk.unsqueeze(0), u[..., :2 * n].view(B, T, 2, n).movedim(2, 0), out=both)
         both = both.view(2, B, T, H + Hk, D)
@@ -508,6 +539,47 @@ class SSE(Mixer):
                                 beta=mask_tokens(b_sh, m))
         return shared, sparse, route(logits, c.top_k, attention_mask), gate
 
+    def fused_step_ok(self, x, state: SSEState | None, attention_mask, position_embeddings) -> bool:
+        """The whole decode step after the projection matmuls runs as one kernel (`ops/sse/triton_fused_step.py`):
+        the fused projections apply, GLA backbone, top-1 routing with a shared partition, no padding mask, a
+        writable fp32 state (the fast engine's cache), power-of-two heads, full rotary; and the kernel options
+        allow it (CUDA, option `sse_fused_step`)."""
+        c = self.config
+        D = c.head_dim
+        if (not self.fused_step_kernel or c.top_k != 1 or not c.shared_partition or attention_mask is not None
+                or state is None or not state.writable or state.shared is None or D & (D - 1)):
+            return False
+        if c.use_rope and (position_embeddings is None or position_embeddings[0].shape[-1] != D):
+            return False
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (state.shared, state.sparse)):
+            return False
+        return fused_step_applies(x) and self._fused_ok()
+
+    def step_layout(self):
+        """The fused step's `StepLayout`: where its kernel finds each input, and this mixer's settings."""
+        from hybridize.ops.sse.triton_fused_step import StepLayout  # deferred: imports triton (GPU only)
+        c = self.config
+        cols = self._decode_columns()
+        return StepLayout(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                          partitions=c.num_partitions, v_col=cols["v"][0], router_col=cols["router"][0],
+                          gate_col=2 * cols["qk"][1], q_map=c.q_map, k_map=c.k_map, v_map=c.v_map,
+                          gate_normalizer=c.gate_normalizer, norm_eps=self.q_norm.eps if c.qk_norm else None,
+                          emulq=c.emulq, emulk=c.emulk)
+
+    def fused_step(self, x, state: SSEState, position_embeddings=None):
+        """One decode token through the one-kernel step: x `[B, 1, hidden]` -> (o `[B, 1, H, D]`, output-gate
+        pre-activation `[B, 1, H * D]` or None); `state` is updated in place."""
+        # deferred: imports triton (optional, GPU only)
+        from hybridize.ops.sse.triton_fused_step import sse_gla_step
+        y, u, wn, cols = self._decode_projections(x)
+        layout = self.__dict__.get("_step_layout")
+        if layout is None:
+            layout = self.__dict__["_step_layout"] = self.step_layout()
+        cos, sin = position_embeddings if self.config.use_rope else (None, None)
+        o = sse_gla_step(y, u, state.shared, state.sparse, layout, wn, cos, sin)
+        lo, width = cols["gate"] if self.config.output_gate else (0, 0)
+        return o, (y[..., lo:lo + width] if width else None)
+
     def decode_gates(self, z, direct, B: int, T: int):
         """((g, beta) shared, (g, beta) sparse) from the fused projections: z `[B, T, P * H * D]` the gate
         up-projections (shared first), as `path_gates` computes them (fp32 logsigmoid / normalizer)."""
@@ -529,6 +601,8 @@ class SSEGDN(SSE):
     name: ClassVar[str] = "sse_gdn"
     config_class: ClassVar[type[MixerConfig]] = SSEGDNConfig
     op: ClassVar[str] = "delta"
+    #: the one-kernel decode step is GLA's; the delta rule keeps the separate kernels
+    fused_step_kernel: ClassVar[bool] = False
 
     def _validate(self) -> None:
         super()._validate()

@@ -1,5 +1,6 @@
-"""benchmarks/generation/profile_prefill.py on the CPU: each cell times both models and splits one prefill into the
-plan's layer types, and the parts add up to the whole."""
+"""benchmarks/generation/profile_prefill.py: on the CPU (`--device cpu`, also on a machine with a GPU) each cell times
+both models and splits one prefill into the plan's layer types, and the parts add up to the whole; on CUDA the split
+comes from CUDA events (GPU test below)."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
 
     out = tmp_path / "pp.jsonl"
     rows = profile_prefill.main(["--shape", "tiny", "--plan", "5:1", "--prompt-lens", "48,33", "--batches", "2",
-                                 "--warmup", "1", "--repeats", "2", "--jsonl", str(out), "--quiet"])
+                                 "--warmup", "1", "--repeats", "2", "--jsonl", str(out), "--quiet", "--device", "cpu"])
     saved = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_len"], r["batch"]) for r in saved] == [(48, 2), (33, 2)] == [
         (r["prompt_len"], r["batch"]) for r in rows]

@@ -78,6 +78,9 @@ class KernelOptions:
                                       "fla's chunk_gla)", "HYBRIDIZE_SSE_GLA_PIECES")
     sse_triton: bool = _opt(True, "SSE: our Triton row movers and decode step on CUDA tensors (false: the PyTorch "
                                   "forms on CUDA too, for benchmarks); was `sse.USE_TRITON`")
+    sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "
+                                      "paths' state updates in one Triton kernel (false: the separate kernels, for "
+                                      "benchmarks)", "HYBRIDIZE_SSE_FUSED_STEP")
     force_triton: bool = _opt(False, "SSE: run our Triton kernels on CPU tensors too (tests under "
                                      "TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 

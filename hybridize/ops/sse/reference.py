@@ -369,6 +369,12 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return (x.is_cuda or opts.force_triton) and importlib.util.find_spec("triton") is not None
 
 
+def fused_step_applies(x: torch.Tensor) -> bool:
+    """The one-kernel SSE-on-GLA decode step (`triton_fused_step.py`) may run on x: our Triton kernels apply
+    and option `sse_fused_step` is on (the mixer checks its own settings: `SSE.fused_step_ok`)."""
+    return current_kernel_options().sse_fused_step and _triton_ok(x)
+
+
 def _row_movers(x: torch.Tensor):
     if _triton_ok(x):
         # deferred: imports triton (optional, GPU only)

@@ -1,0 +1,94 @@
+"""One SSE layer's decode step: the one-kernel step (`ops/sse/triton_fused_step.py`) against the separate kernels.
+
+    python -m benchmarks.ops.sse_step --out $OUT/sse_step.json          # Qwen3-1.7B and SmolLM2-135M layer shapes
+
+Per shape and batch, microseconds per decode token of one SSE mixer (random weights, bf16, fp32 states, the fused
+projection matmuls through the decode GEMM as in the fast engine), each the mean over a CUDA graph of back-to-back
+steps (launch overhead out, as in the engine's graph replays): the whole mixer step with the separate path
+(`sse_fused_step=False`: front-end kernels + two decode-kernel calls + sum) and with the fused step, then the fused
+kernel alone at each value-block width (`--bv`; "auto" is `block_v`'s choice). The output norm, gate and o_proj are
+in both whole-step columns. Prints a markdown table and writes `--out` JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.timing import graph_time_us, md_table
+
+# (hidden, heads, kv heads, head dim, q/k norm): the SSE layers of the two benchmark shapes
+SHAPES = {"qwen3-1.7b": (2048, 16, 8, 128, True), "smollm2-135m": (576, 9, 3, 64, False)}
+
+
+def build(shape: str, device, dtype):
+    from hybridize.mixers.sse import SSE, SSEConfig
+    hidden, H, Hk, D, norm = SHAPES[shape]
+    cfg = SSEConfig(hidden_size=hidden, num_heads=H, num_kv_heads=Hk, head_dim=D, qk_norm=norm, use_rope=True)
+    m = SSE(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():   # spread the identity-like inits so routing and gates vary
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return m.to(device=device, dtype=dtype)
+
+
+def step_fn(m, B: int, device, dtype):
+    from hybridize.mixers.sse import SSEState
+    c = m.config
+    st = SSEState(sparse=torch.zeros(B, c.num_partitions, c.num_heads, c.head_dim, c.head_dim, device=device),
+                  shared=torch.zeros(B, c.num_heads, c.head_dim, c.head_dim, device=device))
+    st.writable = True
+    x = torch.randn(B, 1, c.hidden_size, device=device, dtype=dtype)
+    ang = torch.rand(B, 1, c.head_dim, device=device) * 6.28
+    pe = (ang.cos().to(dtype), ang.sin().to(dtype))
+    return (lambda: m(x, state=st, position_embeddings=pe, output_state=True)), (x, st, pe)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--bv", default="auto,16,32,64", help="value-block widths of the kernel-alone columns")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/ops/sse_step.py needs a CUDA device")
+    from hybridize.ops.common.options import use_kernel_options
+    from hybridize.ops.decode_gemm.route import linears_routed
+    from hybridize.ops.sse.triton_fused_step import block_v, sse_gla_step
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    bvs = args.bv.split(",")
+    cols = ["shape", "batch", "separate us", "fused us", "fused / separate"] + [f"kernel bv={b} us" for b in bvs]
+    rows, out = [], []
+    for shape in args.shapes.split(","):
+        m = build(shape, device, dtype)
+        layout = m.step_layout()
+        for B in (int(b) for b in args.batches.split(",")):
+            fn, (x, st, pe) = step_fn(m, B, device, dtype)
+            times = {}
+            with torch.no_grad(), linears_routed(m, "auto"):
+                for name, fused in (("separate", False), ("fused", True)):
+                    with use_kernel_options(sse_fused_step=fused):
+                        assert m.fused_step_ok(x, st, None, pe) == fused
+                        times[name] = graph_time_us([fn], reps=50)
+                y, u, wn, _ = m._decode_projections(x)
+                for b in bvs:
+                    bv = block_v(B, layout.heads, layout.head_dim) if b == "auto" else int(b)
+                    times[f"bv={b}"] = graph_time_us(
+                        [lambda bv=bv: sse_gla_step(y, u, st.shared, st.sparse, layout, wn, *pe, bv=bv)], reps=50)
+            rec = dict(shape=shape, batch=B, **{k: round(v, 2) for k, v in times.items()})
+            out.append(rec)
+            rows.append([shape, B, f"{times['separate']:.1f}", f"{times['fused']:.1f}",
+                         f"{times['fused'] / times['separate']:.2f}x"] + [f"{times[f'bv={b}']:.1f}" for b in bvs])
+            print(rows[-1], flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out}, indent=1))
+    print(f"device: {torch.cuda.get_device_name()} | bf16, fp32 states, one SSE mixer's decode step, CUDA graph")
+    print(md_table(cols, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""SSE on GLA, one decode token in one Triton kernel: from the fused projections' outputs to the summed
+output of the shared and the selected partition ("Scaling Linear Attention with Sparse State Expansion").
+
+`SSE.decode_inputs` + `ops.sse.reference.naive_recurrent_sse` take a decode token through about a dozen small
+kernels per layer (q/k add, norms, RoPE, feature maps, gates, router softmax and max, two decode-kernel calls,
+the sum); at batch 1 they cost more than the state update itself (an H100 profile of the 1.7B shape:
+about 17.5 us per SSE layer against 4.6 us for a softmax layer's front end; benchmarks/RESULTS.md). Here one
+program per (value block, row, query head) does all of it in registers:
+
+    router:  p = softmax(y[router]), i = argmax p, w = max p         (top-1, recomputed by every program)
+    path:    x = y[q or k head] (+ u[LoRA delta] on the sparse path)
+             x = RMSNorm(x) * weight   (optional), then RoPE (optional, full rotary), then the feature map
+    gates:   g = logsigmoid(u[gate]) / normalizer       (per key channel, fp32)
+    shared:  S = exp(g_sh) S + k_sh v^T,                 o  = scale S^T q_sh
+    sparse:  S_i = exp(g_sp) S_i + (w k_sp) v^T,         o += scale S_i^T (w q_sp)     (emulk / emulq)
+
+and writes o `[B, 1, H, D]` in the inputs' dtype; the output norm, gate and o_proj stay with the caller.
+States are updated in place; partitions nobody selected are never touched. The math is that of the
+separate kernels, in fp32 from the loaded 16-bit projections on (the separate path rounds q/k to 16 bits
+between its kernels), so in fp32 the two agree to rounding and in bf16 to the inputs' rounding.
+
+Contract (`StepLayout` names the columns): y `[B, 1, n1]` the stage-1 projections of x (q heads, k heads,
+v heads, ..., router logits at `router_col`); u `[B, 1, n2]` the stage-2 projections (a zero block of
+(H + Hk) D columns, the sparse q|k LoRA delta, then the shared and the sparse gate pre-activations at
+`gate_col`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
+`[H + Hk, D]` (q rows, then k rows); cos / sin `[B, 1, D]`. Departures from the separate path: top-1
+routing only, no padding mask, full rotary only, head dim a power of two, value width = key width: the
+caller (`SSE.fused_step_ok`) keeps the separate kernels otherwise. No host sync, no data-dependent shape:
+the step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: feature-map codes (constexpr in the kernel)
+MAPS = {"identity": 0, "silu": 1, "softmax": 2}
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where the kernel finds its inputs, and the mixer's settings it applies."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    partitions: int
+    v_col: int          # first v column in y
+    router_col: int     # first router logit in y
+    gate_col: int       # first gate pre-activation in u (shared path, then sparse)
+    q_map: str
+    k_map: str
+    v_map: str
+    gate_normalizer: float
+    norm_eps: float | None   # None: no q/k norm
+    emulq: bool
+    emulk: bool
+
+
+@triton.jit
+def _feature(x, MAP: tl.constexpr):
+    if MAP == 1:
+        x = x / (1.0 + tl.exp(-x))                     # silu
+    if MAP == 2:
+        x = tl.exp(x - tl.max(x, 0))                   # softmax over the head dim
+        x = x / tl.sum(x, 0)
+    return x
+
+
+@triton.jit
+def _qk(y_row, u_row, w_row, c, s, eps, d, partner, sign, ADD_U: tl.constexpr, NORM: tl.constexpr,
+        ROPE: tl.constexpr, MAP: tl.constexpr, D: tl.constexpr):
+    """One q or k head row `[D]` fp32: (+ LoRA delta), RMSNorm, RoPE, feature map."""
+    x = tl.load(y_row + d).to(tl.float32)
+    xp = x
+    if ADD_U:
+        x += tl.load(u_row + d).to(tl.float32)
+    if ROPE:                                           # rotate_half's partner channel, through the same norm
+        xp = tl.load(y_row + partner).to(tl.float32)
+        if ADD_U:
+            xp += tl.load(u_row + partner).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        x = x * r * tl.load(w_row + d).to(tl.float32)
+        if ROPE:
+            xp = xp * r * tl.load(w_row + partner).to(tl.float32)
+    if ROPE:
+        x = x * c + sign * xp * s
+    return _feature(x, MAP)
+
+
+@triton.jit
+def _logsigmoid(z):
+    return tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))
+
+
+@triton.jit
+def _update(state, q, k, v, g, d, ov, scale, D: tl.constexpr):
+    """S = exp(g) S + k v^T on the `[D, BV]` block at `state` (in place); returns scale S^T q `[BV]`."""
+    p = state + d[:, None] * D + ov[None, :]
+    b_s = tl.load(p)
+    b_s = b_s * tl.exp(g)[:, None] + k[:, None] * v[None, :]
+    tl.store(p, b_s)
+    return tl.sum(b_s * q[:, None], 0) * scale
+
+
+@triton.jit
+def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_delta, v_col, r_col, g_col,
+                         eps, inv_gn, scale, H, NREP, P,
+                         D: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
+                         ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
+                         EMULQ: tl.constexpr, EMULK: tl.constexpr):
+    i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_kh = i_h // NREP
+    d = tl.arange(0, D)
+    ov = i_v * BV + tl.arange(0, BV)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    y_row, u_row = y + i_b * sy, u + i_b * su
+    c = tl.zeros([D], dtype=tl.float32)
+    s = tl.zeros([D], dtype=tl.float32)
+    if ROPE:
+        c = tl.load(cos + i_b * spe + d).to(tl.float32)
+        s = tl.load(sin + i_b * spe + d).to(tl.float32)
+    # router: top-1 of the softmax (every program of the row computes the same choice)
+    n = tl.arange(0, BN)
+    lg = tl.load(y_row + r_col + n, mask=n < P, other=-float("inf")).to(tl.float32)
+    e = tl.exp(lg - tl.max(lg, 0))
+    prob = e / tl.sum(e, 0)
+    w = tl.max(prob, 0)
+    part = tl.argmax(prob, 0).to(tl.int64)
+
+    v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP)
+    q_col, k_col = i_h * D, (H + i_kh) * D
+    wq_row, wk_row = wn + i_h * D, wn + (H + i_kh) * D
+    # shared partition: the base projections
+    q = _qk(y_row + q_col, u_row, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, u_row, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
+    g = _logsigmoid(tl.load(u_row + g_col + i_h * D + d).to(tl.float32)) * inv_gn
+    o_sum = _update(st_sh + (i_b * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
+    # the selected partition: base + LoRA, scaled by the router probability
+    q = _qk(y_row + q_col, u_row + u_delta + q_col, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, u_row + u_delta + k_col, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
+    if EMULQ:
+        q = q * w
+    if EMULK:
+        k = k * w
+    g = _logsigmoid(tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)) * inv_gn
+    o_sum += _update(st_sp + ((i_b * P + part) * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
+    tl.store(o + (i_b * H + i_h) * D + ov, o_sum.to(o.dtype.element_ty))
+
+
+def block_v(rows: int, heads: int, dim: int) -> int:
+    """Value columns per program: narrow blocks when rows x heads are few, so more programs share the
+    state traffic (the step is latency-bound at batch 1); wide ones otherwise (fewer repeated front ends)."""
+    programs_per_block = rows * heads
+    bv = 16 if programs_per_block <= 64 else (32 if programs_per_block <= 256 else 64)
+    return min(dim, bv)
+
+
+@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
+def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
+                 norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None) -> torch.Tensor:
+    """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`."""
+    L = layout
+    B, H, D = y.shape[0], L.heads, L.head_dim
+    if y.shape[1] != 1 or u.shape[:2] != (B, 1):
+        raise ValueError(f"sse_gla_step takes one token per row: y {tuple(y.shape)}, u {tuple(u.shape)}")
+    if D & (D - 1) or H % L.kv_heads:
+        raise ValueError(f"sse_gla_step needs a power-of-two head dim and whole query groups, got D={D}, "
+                         f"H={H}, Hk={L.kv_heads}")
+    for name, t, shape in (("shared", shared, (B, H, D, D)), ("sparse", sparse, (B, L.partitions, H, D, D))):
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+            raise ValueError(f"sse_gla_step updates the {name} state in place: give a contiguous fp32 tensor "
+                             f"{shape}, got {t.dtype} {tuple(t.shape)}")
+    if y.stride(-1) != 1 or u.stride(-1) != 1:
+        raise ValueError("sse_gla_step needs y and u with unit column stride")
+    rope = cos is not None
+    if rope:
+        if cos.shape[-1] != D or sin.shape != cos.shape:
+            raise ValueError(f"sse_gla_step applies full rotary only: cos/sin [B, 1, {D}], got {tuple(cos.shape)}")
+        cos, sin = cos.expand(B, 1, D).contiguous(), sin.expand(B, 1, D).contiguous()
+    norm = L.norm_eps is not None
+    if norm and (norm_weight is None or tuple(norm_weight.shape) != (H + L.kv_heads, D)):
+        raise ValueError(f"sse_gla_step's q/k norm needs a weight [H + Hk, D] = {(H + L.kv_heads, D)}")
+    o = torch.empty(B, 1, H, D, dtype=y.dtype, device=y.device)
+    bv = block_v(B, H, D) if bv is None else bv
+    dummy = y   # never read: constexpr branches skip absent inputs
+    grid = (triton.cdiv(D, bv), B, H)
+    _sse_gla_step_kernel[grid](
+        y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
+        y.stride(0), u.stride(0), cos.stride(0) if rope else 0, (H + L.kv_heads) * D, L.v_col, L.router_col,
+        L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
+        H, H // L.kv_heads, L.partitions, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
+        ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk)
+    return o

@@ -1,0 +1,114 @@
+"""The one-kernel SSE-on-GLA decode step (`ops/sse/triton_fused_step.py`) against the separate path.
+
+The mixer decodes a few tokens after a prefill twice: through the fused kernel (writable state, the fast
+engine's case) and through the separate path (`decode_inputs` + the PyTorch recurrent reference). Outputs
+and both states must agree (fp32: rel. error < 1e-5), the states are written in place, and partitions no
+token selected stay bit-identical. Needs triton and CUDA, or TRITON_INTERPRET=1 on the CPU:
+
+    TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/sse/test_fused_step.py
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from hybridize.mixers.sse import SSE, SSEGDN, SSEState
+from hybridize.ops.common.options import use_kernel_options
+from tests.rl.test_decode_ops import _mixer, _rope, rel
+
+cuda = torch.cuda.is_available()
+triton_ok = importlib.util.find_spec("triton") is not None
+runs = triton_ok and (cuda or os.environ.get("TRITON_INTERPRET") == "1")
+needs_kernel = pytest.mark.skipif(not runs, reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+DEVICE = "cuda" if cuda else "cpu"
+
+
+def _opts(fused: bool):
+    return use_kernel_options(force_triton=fused and not cuda, sse_fused_step=fused)
+
+
+def _decode(m, x, fused: bool, steps: int = 3):
+    """Prefill 5 tokens (separate path), then `steps` decode tokens with a writable state; returns the
+    outputs `[B, steps, hidden]`, the final state and the states after the prefill."""
+    B = x.shape[0]
+    rope = m.config.use_rope
+
+    def pe(t, T=1):
+        return None if not rope else tuple(a.expand(B, T, -1).to(x.device) for a in _rope(B, m.config.head_dim, t))
+    with torch.no_grad():
+        st = m(x[:, :5], position_embeddings=pe(0, 5), output_state=True).state
+        st = SSEState(sparse=st.sparse.float().contiguous(), shared=st.shared.float().contiguous())
+        st.writable = True
+        first = SSEState(sparse=st.sparse.clone(), shared=st.shared.clone())
+        outs, given = [], (st.sparse, st.shared)
+        with _opts(fused):
+            for t in range(5, 5 + steps):
+                assert m.fused_step_ok(x[:, t:t + 1], st, None, pe(t)) == fused
+                out = m(x[:, t:t + 1], state=st, position_embeddings=pe(t), output_state=True)
+                if fused:   # written in place: the cache's own tensors come back
+                    assert out.state.sparse.data_ptr() == given[0].data_ptr()
+                    assert out.state.shared.data_ptr() == given[1].data_ptr()
+                st = out.state
+                st.writable = True
+                outs.append(out.hidden)
+    return torch.cat(outs, 1), st, first
+
+
+CASES = [
+    {},
+    dict(qk_norm=True, use_rope=True, qkv_bias=True),                     # Qwen3-like: norms, RoPE, GQA
+    dict(q_map="softmax", v_map="identity", k_map="silu"),
+    dict(output_gate=False, emulq=False),
+    dict(emulk=False, num_partitions=4, use_rope=True),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kw", CASES)
+def test_fused_step_equals_separate_path(kw):
+    m = _mixer(SSE, **kw).to(DEVICE)
+    x = torch.randn(3, 9, 24, device=DEVICE)
+    o_f, s_f, first = _decode(m, x, True, steps=4)
+    o_g, s_g, _ = _decode(m, x, False, steps=4)
+    assert rel(o_f, o_g) < 1e-5
+    assert rel(s_f.shared, s_g.shared) < 1e-5 and rel(s_f.sparse, s_g.sparse) < 1e-5
+    # partitions no decode token selected: bit-identical to the prefill's (never read or written)
+    touched = (s_g.sparse - first.sparse).abs().flatten(2).amax(-1) > 0                # [B, P]
+    assert (~touched).any(), "every partition was selected: pick other seeds"
+    assert torch.equal(s_f.sparse[~touched], first.sparse[~touched])
+
+
+@needs_kernel
+def test_fused_step_bf16_within_rounding():
+    m = _mixer(SSE, qk_norm=True, use_rope=True).to(DEVICE)
+    x = torch.randn(2, 8, 24, device=DEVICE)
+    o_ref, _, _ = _decode(m, x, False)
+    m = m.to(torch.bfloat16)
+    o_f, _, _ = _decode(m, x.bfloat16(), True)
+    o_g, _, _ = _decode(m, x.bfloat16(), False)
+    # the fused step rounds once at its output; the separate path rounds q/k between its kernels
+    assert rel(o_f, o_ref) < 3e-2 and rel(o_g, o_ref) < 3e-2
+    assert rel(o_f, o_g) < 3e-2
+
+
+def test_fused_step_taken_only_where_it_applies():
+    """Settings the kernel does not cover keep the separate path (checked without running a kernel)."""
+    x = torch.randn(2, 1, 24)
+    st = lambda m, P=3: SSEState(sparse=torch.zeros(2, P, 4, 8, 8), shared=torch.zeros(2, 4, 8, 8))  # noqa: E731
+    m = _mixer(SSE)
+    s = st(m)
+    s.writable = True
+    with torch.no_grad(), use_kernel_options(force_triton=triton_ok):
+        assert m.fused_step_ok(x, s, None, None) == triton_ok
+        assert not m.fused_step_ok(x, st(m), None, None)                              # a state nobody owns
+        assert not m.fused_step_ok(x, s, torch.ones(2, 1, dtype=torch.bool), None)    # a padding mask
+        assert not _mixer(SSE, top_k=2).fused_step_ok(x, s, None, None)
+        assert not _mixer(SSEGDN).fused_step_ok(x, s, None, None)
+        assert not _mixer(SSE, use_rope=True).fused_step_ok(x, s, None, None)         # no cos / sin given
+        with use_kernel_options(sse_fused_step=False):
+            assert not m.fused_step_ok(x, s, None, None)
+    with use_kernel_options(force_triton=triton_ok):
+        assert not m.fused_step_ok(x, s, None, None)                                  # gradients on
