@@ -18,9 +18,9 @@ Two profiles:
 do work - an op that is not a view / allocation / cast wrapper (`NO_KERNEL`) with no such op above it - the
 proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launch several kernels on CUDA,
 e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
-(`ops.sse.reference._recurrent_loop_triton`) with a PyTorch stand-in for the Triton `sse_decode` kernel
-(`emulated_decode_kernel`), counted as one kernel per call (`decode_kernel="torch"`: the CPU reference path,
-gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
+(`SSE.fused_step`, or `ops.sse.reference._recurrent_loop_triton` where the one-kernel step does not apply) with
+PyTorch stand-ins for the Triton kernels (`emulated_decode_kernel`), counted as one kernel per call
+(`decode_kernel="torch"`: the CPU reference path, gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
 listed. The decode step's op budget test (`test_decode_ops.py`) counts with it.
 
 The command line (random-weight models at real shapes): `python -m benchmarks.generation.profile_decode`.
@@ -39,7 +39,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hybridize.generation import fast as fg
 from hybridize.generation.fast import FastGenConfig, FastGenerator, _is_mixer_layer
 import hybridize.mixers.sse as sse_mod
+from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.sse import reference as ks
+from hybridize.ops.sse.fused_step import sse_gla_step_reference
 
 #: leaf aten ops that launch no kernel (views, metadata, allocation)
 NO_KERNEL = {
@@ -56,7 +58,7 @@ NO_KERNEL = {
 }
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
 #: SSE methods / functions shown as pieces of an SSE layer's step (sub-scopes)
-SSE_PIECES = ("features", "decode_inputs", "finish")
+SSE_PIECES = ("features", "decode_inputs", "fused_step", "finish")
 SSE_FUNCS = ("route", "naive_recurrent_sse")
 SCOPE = "pd::"   # prefix of this script's profiler scopes
 
@@ -191,26 +193,39 @@ def _emulated_sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, 
         return o
 
 
+def _emulated_sse_gla_step(*args, **kwargs):
+    """`hybridize/ops/sse/triton_fused_step.py`'s one-kernel step, as its PyTorch reference in one `kernel:` scope."""
+    with record_function(SCOPE + KERNEL + "sse_gla_step"):
+        return sse_gla_step_reference(*args, **kwargs)
+
+
 @contextmanager
 def emulated_decode_kernel():
-    """On CPU: the SSE decode step takes its GPU path (`_recurrent_loop_triton`) with the stand-in kernel."""
+    """On CPU: the SSE decode step takes its GPU paths with stand-in kernels: the one-kernel step (`SSE.fused_step`,
+    when option `sse_fused_step` is on and the mixer qualifies) or the separate path (`_recurrent_loop_triton`)."""
     import types
 
-    name = "hybridize.ops.sse.triton_decode"
-    saved_mod, saved_ok = sys.modules.get(name), ks._decode_kernel_ok
-    stub = types.ModuleType(name)
-    stub.sse_decode_step = _emulated_sse_decode_step
-    sys.modules[name] = stub
-    ks._decode_kernel_ok = lambda shared, sparse, routing, state: not (
-        sparse.q.dtype == torch.float64 or torch.is_grad_enabled())
+    names = {"hybridize.ops.sse.triton_decode": {"sse_decode_step": _emulated_sse_decode_step},
+             "hybridize.ops.sse.triton_fused_step": {"sse_gla_step": _emulated_sse_gla_step}}
+    saved_mods = {name: sys.modules.get(name) for name in names}
+    saved_ok, saved_applies = ks._decode_kernel_ok, ks.fused_step_applies
+    for name, attrs in names.items():
+        stub = types.ModuleType(name)
+        for attr, fn in attrs.items():
+            setattr(stub, attr, fn)
+        sys.modules[name] = stub
+    on_gpu_path = lambda x: not (x.dtype == torch.float64 or torch.is_grad_enabled())  # noqa: E731
+    ks._decode_kernel_ok = lambda shared, sparse, routing, state: on_gpu_path(sparse.q)
+    ks.fused_step_applies = lambda x: current_kernel_options().sse_fused_step and on_gpu_path(x)
     try:
         yield
     finally:
-        ks._decode_kernel_ok = saved_ok
-        if saved_mod is None:
-            del sys.modules[name]
-        else:
-            sys.modules[name] = saved_mod
+        ks._decode_kernel_ok, ks.fused_step_applies = saved_ok, saved_applies
+        for name, mod in saved_mods.items():
+            if mod is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = mod
 
 
 def _scope_path(evt) -> list[str]:

@@ -68,8 +68,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.ops.decode_gemm.route import decode_linear
-from hybridize.ops.sse.reference import (LAYOUTS, PathInputs, balance_loss, fused_step_applies, naive_recurrent_sse,
-                                          pick_layout, route)
+from hybridize.ops.sse import reference as sse_ops
+from hybridize.ops.sse.fused_step import StepLayout
+from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, naive_recurrent_sse, pick_layout, route
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
                    repeat_kv)
@@ -553,11 +554,10 @@ class SSE(Mixer):
             return False
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (state.shared, state.sparse)):
             return False
-        return fused_step_applies(x) and self._fused_ok()
+        return sse_ops.fused_step_applies(x) and self._fused_ok()   # looked up per call: the CPU profile stands in
 
-    def step_layout(self):
+    def step_layout(self) -> StepLayout:
         """The fused step's `StepLayout`: where its kernel finds each input, and this mixer's settings."""
-        from hybridize.ops.sse.triton_fused_step import StepLayout  # deferred: imports triton (GPU only)
         c = self.config
         cols = self._decode_columns()
         return StepLayout(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,

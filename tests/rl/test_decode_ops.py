@@ -22,6 +22,8 @@ from hybridize.mixers.sse import SSE, SSEGDN, SSEConfig, SSEGDNConfig, SSEState
 
 #: ops per SSE layer per decode step (measured after the change: 30 at qwen3-tiny, fp32 CPU)
 MAX_SSE_OPS = 32
+#: ... with the one-kernel step (`ops/sse/triton_fused_step.py`) emulated: 7 measured (25 on the separate path)
+MAX_FUSED_SSE_OPS = 8
 
 
 def rel(a, b):
@@ -167,17 +169,36 @@ def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str):
     return HybridForCausalLM(hcfg).float().eval()
 
 
-def test_decode_step_op_budget():
+def _op_budget_profile(fused: bool):
+    from hybridize.ops.common.options import use_kernel_options
+
     torch.set_num_threads(1)
     args = SimpleNamespace(shape="qwen3-tiny", layers=6, plan="5:1", mixer="sse", batch=2, prompt_len=16,
                            steps=3, attention="auto", top=5, graphs=False, decode_kernel="emulate",
                            compile="off", gemm="auto")
     model = _tiny_qwen3_hybrid(args.layers, args.plan, args.mixer)
-    res = pd.profile_model(model, args, torch.device("cpu"))
+    with use_kernel_options(sse_fused_step=fused):
+        res = pd.profile_model(model, args, torch.device("cpu"))
     rows = {r["layer_type"]: r for r in res["eager"]["by_layer_type"]}
     pieces = {r["piece"]: r["kernels_per_layer"] for r in res["eager"]["sse_pieces"]}
     assert rows["sse"]["layers"] == 5
-    assert rows["sse"]["kernels_per_layer"] <= MAX_SSE_OPS, (rows["sse"], pieces)
     assert pieces.get("sse.state_update", 0) == 0, pieces       # states updated in place: no copy back
-    assert pieces["sse.naive_recurrent_sse"] <= 3.5, pieces          # 2 kernel calls + 1 sum (+ a cached index once)
     assert not res["eager"]["host_syncs_per_step"]
+    return rows["sse"]["kernels_per_layer"], pieces
+
+
+def test_decode_step_op_budget():
+    """The separate path (`sse_fused_step=False`): the fused projections, front-end ops, two decode-kernel calls."""
+    n, pieces = _op_budget_profile(fused=False)
+    assert n <= MAX_SSE_OPS, pieces
+    assert "sse.fused_step" not in pieces
+    assert pieces["sse.naive_recurrent_sse"] <= 3.5, pieces          # 2 kernel calls + 1 sum (+ a cached index once)
+
+
+def test_fused_decode_step_op_budget():
+    """The GPU's default path, one kernel after the two projection matmuls (emulated on the CPU by its PyTorch
+    reference): the step is the two matmuls, the kernel, and the output norm, gate and o_proj."""
+    n, pieces = _op_budget_profile(fused=True)
+    assert pieces["sse.fused_step"] == 3, pieces                       # 2 matmuls + the kernel
+    assert "sse.naive_recurrent_sse" not in pieces and "sse.decode_inputs" not in pieces
+    assert n <= MAX_FUSED_SSE_OPS, pieces

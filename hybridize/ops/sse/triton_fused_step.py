@@ -19,7 +19,8 @@ States are updated in place; partitions nobody selected are never touched. The m
 separate kernels, in fp32 from the loaded 16-bit projections on (the separate path rounds q/k to 16 bits
 between its kernels), so in fp32 the two agree to rounding and in bf16 to the inputs' rounding.
 
-Contract (`StepLayout` names the columns): y `[B, 1, n1]` the stage-1 projections of x (q heads, k heads,
+Contract (`fused_step.StepLayout` names the columns; `fused_step.sse_gla_step_reference` is the same step in
+PyTorch): y `[B, 1, n1]` the stage-1 projections of x (q heads, k heads,
 v heads, ..., router logits at `router_col`); u `[B, 1, n2]` the stage-2 projections (a zero block of
 (H + Hk) D columns, the sparse q|k LoRA delta, then the shared and the sparse gate pre-activations at
 `gate_col`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
@@ -30,34 +31,14 @@ the step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from hybridize.ops.sse.fused_step import StepLayout
+
 #: feature-map codes (constexpr in the kernel)
 MAPS = {"identity": 0, "silu": 1, "softmax": 2}
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where the kernel finds its inputs, and the mixer's settings it applies."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    partitions: int
-    v_col: int          # first v column in y
-    router_col: int     # first router logit in y
-    gate_col: int       # first gate pre-activation in u (shared path, then sparse)
-    q_map: str
-    k_map: str
-    v_map: str
-    gate_normalizer: float
-    norm_eps: float | None   # None: no q/k norm
-    emulq: bool
-    emulk: bool
 
 
 @triton.jit

@@ -1,9 +1,11 @@
-"""The one-kernel SSE-on-GLA decode step (`ops/sse/triton_fused_step.py`) against the separate path.
+"""The one-kernel SSE-on-GLA decode step (`ops/sse/triton_fused_step.py`) against the separate path and its reference.
 
-The mixer decodes a few tokens after a prefill twice: through the fused kernel (writable state, the fast
+The mixer decodes a few tokens after a prefill twice: through the one-kernel step (writable state, the fast
 engine's case) and through the separate path (`decode_inputs` + the PyTorch recurrent reference). Outputs
 and both states must agree (fp32: rel. error < 1e-5), the states are written in place, and partitions no
-token selected stay bit-identical. Needs triton and CUDA, or TRITON_INTERPRET=1 on the CPU:
+token selected stay bit-identical. The one-kernel step runs as the Triton kernel and as its PyTorch reference
+(`ops/sse/fused_step.py`; on any machine), and the kernel is also compared with the reference op by op on random
+inputs. The kernel's tests need triton and CUDA, or TRITON_INTERPRET=1 on the CPU:
 
     TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/sse/test_fused_step.py
 """
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
 
+from hybridize.generation import profile as pd
 from hybridize.mixers.sse import SSE, SSEGDN, SSEState
 from hybridize.ops.common.options import use_kernel_options
 from tests.rl.test_decode_ops import _mixer, _rope, rel
@@ -26,15 +30,28 @@ needs_kernel = pytest.mark.skipif(not runs, reason="needs triton and CUDA (or TR
 DEVICE = "cuda" if cuda else "cpu"
 
 
-def _opts(fused: bool):
-    return use_kernel_options(force_triton=fused and not cuda, sse_fused_step=fused)
+@contextmanager
+def _path(path: str):
+    """"kernel": the Triton step (CUDA or the interpreter); "reference": the one-kernel path with the kernel's PyTorch
+    reference in its place (`generation.profile.emulated_decode_kernel`; runs anywhere); "separate": the separate
+    path (the PyTorch recurrent reference on the CPU)."""
+    if path == "kernel":
+        with use_kernel_options(force_triton=not cuda, sse_fused_step=True):
+            yield
+    elif path == "reference":
+        with pd.emulated_decode_kernel(), use_kernel_options(sse_fused_step=True):
+            yield
+    else:
+        with use_kernel_options(sse_fused_step=False):
+            yield
 
 
-def _decode(m, x, fused: bool, steps: int = 3):
+def _decode(m, x, path: str, steps: int = 3):
     """Prefill 5 tokens (separate path), then `steps` decode tokens with a writable state; returns the
     outputs `[B, steps, hidden]`, the final state and the states after the prefill."""
     B = x.shape[0]
     rope = m.config.use_rope
+    fused = path != "separate"
 
     def pe(t, T=1):
         return None if not rope else tuple(a.expand(B, T, -1).to(x.device) for a in _rope(B, m.config.head_dim, t))
@@ -44,7 +61,7 @@ def _decode(m, x, fused: bool, steps: int = 3):
         st.writable = True
         first = SSEState(sparse=st.sparse.clone(), shared=st.shared.clone())
         outs, given = [], (st.sparse, st.shared)
-        with _opts(fused):
+        with _path(path):
             for t in range(5, 5 + steps):
                 assert m.fused_step_ok(x[:, t:t + 1], st, None, pe(t)) == fused
                 out = m(x[:, t:t + 1], state=st, position_embeddings=pe(t), output_state=True)
@@ -66,13 +83,11 @@ CASES = [
 ]
 
 
-@needs_kernel
-@pytest.mark.parametrize("kw", CASES)
-def test_fused_step_equals_separate_path(kw):
+def _check_against_separate(kw, path):
     m = _mixer(SSE, **kw).to(DEVICE)
     x = torch.randn(3, 9, 24, device=DEVICE)
-    o_f, s_f, first = _decode(m, x, True, steps=4)
-    o_g, s_g, _ = _decode(m, x, False, steps=4)
+    o_f, s_f, first = _decode(m, x, path, steps=4)
+    o_g, s_g, _ = _decode(m, x, "separate", steps=4)
     assert rel(o_f, o_g) < 1e-5
     assert rel(s_f.shared, s_g.shared) < 1e-5 and rel(s_f.sparse, s_g.sparse) < 1e-5
     # partitions no decode token selected: bit-identical to the prefill's (never read or written)
@@ -82,16 +97,45 @@ def test_fused_step_equals_separate_path(kw):
 
 
 @needs_kernel
-def test_fused_step_bf16_within_rounding():
-    m = _mixer(SSE, qk_norm=True, use_rope=True).to(DEVICE)
-    x = torch.randn(2, 8, 24, device=DEVICE)
-    o_ref, _, _ = _decode(m, x, False)
-    m = m.to(torch.bfloat16)
-    o_f, _, _ = _decode(m, x.bfloat16(), True)
-    o_g, _, _ = _decode(m, x.bfloat16(), False)
-    # the fused step rounds once at its output; the separate path rounds q/k between its kernels
-    assert rel(o_f, o_ref) < 3e-2 and rel(o_g, o_ref) < 3e-2
-    assert rel(o_f, o_g) < 3e-2
+@pytest.mark.parametrize("kw", CASES)
+def test_fused_step_kernel_equals_separate_path(kw):
+    _check_against_separate(kw, "kernel")
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_fused_step_reference_equals_separate_path(kw):
+    """The kernel's PyTorch reference, in the mixer's one-kernel path (no triton needed): the contract the kernel
+    is tested against below, wired as the mixer uses it."""
+    _check_against_separate(kw, "reference")
+
+
+@needs_kernel
+@pytest.mark.parametrize("norm,rope,maps,heads", [(True, True, ("silu", "softmax", "silu"), (4, 2)),
+                                                   (False, False, ("softmax", "silu", "identity"), (3, 3)),
+                                                   (True, False, ("identity", "identity", "silu"), (8, 2))])
+def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads):
+    """Op level, random inputs: outputs and both states (every partition) against `sse_gla_step_reference`."""
+    from hybridize.ops.sse.fused_step import StepLayout, sse_gla_step_reference
+    from hybridize.ops.sse.triton_fused_step import sse_gla_step
+
+    H, Hk, D, P, B = *heads, 16, 5, 4
+    n = (H + Hk) * D
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    L = StepLayout(heads=H, kv_heads=Hk, head_dim=D, partitions=P, v_col=n + 3, router_col=n + 3 + Hk * D,
+                   gate_col=2 * n, q_map=maps[0], k_map=maps[1], v_map=maps[2], gate_normalizer=16.0,
+                   norm_eps=1e-6 if norm else None, emulq=True, emulk=True)
+    y, u = rnd(B, 1, L.router_col + P + 5), rnd(B, 1, 2 * n + 2 * H * D)
+    wn = rnd(H + Hk, D) if norm else None
+    ang = rnd(B, 1, D)
+    cos, sin = (ang.cos(), ang.sin()) if rope else (None, None)
+    states = [(rnd(B, H, D, D), rnd(B, P, H, D, D)) for _ in range(2)]
+    states[1] = (states[0][0].clone(), states[0][1].clone())
+    with use_kernel_options(force_triton=not cuda):
+        o = sse_gla_step(y, u, *states[0], L, wn, cos, sin)
+    o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin)
+    assert rel(o, o_ref) < 1e-5
+    assert rel(states[0][0], states[1][0]) < 1e-5 and rel(states[0][1], states[1][1]) < 1e-5
 
 
 def test_fused_step_taken_only_where_it_applies():

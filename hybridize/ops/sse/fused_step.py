@@ -1,0 +1,79 @@
+"""The one-kernel SSE-on-GLA decode step's contract (`StepLayout`) and its PyTorch reference.
+
+`triton_fused_step.sse_gla_step` (the kernel, its module docstring gives the math) and `sse_gla_step_reference` (here,
+plain PyTorch, fp32) take the same arguments and give the same results: o `[B, 1, H, D]` in y's dtype, the shared and
+the selected partition's states updated in place. The reference is what the kernel's op-level test compares against,
+and what `hybridize.generation.profile` runs on the CPU in place of the kernel (counted as one kernel). No triton
+import here: the mixer builds its layout without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where the step finds its inputs, and the mixer's settings it applies."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    partitions: int
+    v_col: int          # first v column in y
+    router_col: int     # first router logit in y
+    gate_col: int       # first gate pre-activation in u (shared path, then sparse)
+    q_map: str
+    k_map: str
+    v_map: str
+    gate_normalizer: float
+    norm_eps: float | None   # None: no q/k norm
+    emulq: bool
+    emulk: bool
+
+
+def _feature(x: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "softmax":
+        return torch.softmax(x, dim=-1)
+    return x
+
+
+def sse_gla_step_reference(y, u, shared, sparse, layout: StepLayout, norm_weight=None, cos=None, sin=None,
+                           scale=None, bv=None):
+    """`triton_fused_step.sse_gla_step` in PyTorch, fp32 (`bv`, the kernel's block width, is ignored)."""
+    L = layout
+    B, H, Hk, D = y.shape[0], L.heads, L.kv_heads, L.head_dim
+    n, rep = (H + Hk) * D, H // Hk
+    scale = D ** -0.5 if scale is None else scale
+    yf, uf = y[:, 0].float(), u[:, 0].float()
+    probs = torch.softmax(yf[:, L.router_col:L.router_col + L.partitions], dim=-1)
+    w, part = probs.max(dim=-1)                                                        # [B]: top-1
+    v = _feature(yf[:, L.v_col:L.v_col + Hk * D].view(B, Hk, D), L.v_map).repeat_interleave(rep, dim=1)
+    rows = torch.arange(B, device=y.device)
+    o = torch.zeros(B, H, D, dtype=torch.float32, device=y.device)
+    for path, x in enumerate((yf[:, :n], yf[:, :n] + uf[:, n:2 * n])):                # shared, then sparse
+        x = x.view(B, H + Hk, D)
+        if L.norm_eps is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + L.norm_eps) * norm_weight.float()
+        if cos is not None:
+            c, s = cos.float().view(-1, 1, D), sin.float().view(-1, 1, D)
+            x = x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1) * s
+        q = _feature(x[:, :H], L.q_map)
+        k = _feature(x[:, H:], L.k_map).repeat_interleave(rep, dim=1)
+        g0 = L.gate_col + path * H * D
+        g = F.logsigmoid(uf[:, g0:g0 + H * D].view(B, H, D)) / L.gate_normalizer
+        if path == 1:
+            q = q * w[:, None, None] if L.emulq else q
+            k = k * w[:, None, None] if L.emulk else k
+        state = shared if path == 0 else sparse[rows, part]                           # [B, H, D, D]
+        state = state * g.exp()[..., None] + k[..., None] * v[..., None, :]
+        if path == 0:
+            shared.copy_(state)
+        else:
+            sparse[rows, part] = state
+        o += torch.einsum("bhkv,bhk->bhv", state, q) * scale
+    return o.to(y.dtype).unsqueeze(1)
