@@ -11,6 +11,8 @@ layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appen
     python -m benchmarks.generation.profile_prefill                    # CPU smoke run: tiny shape, 256 tokens
     python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-lens 4096,8192,16384 \
         --batches 1,8 --jsonl out.jsonl
+    python -m benchmarks.generation.profile_prefill --shape qwen3-1.7b --prompt-lens 8192,16384 --batches 32 \
+        --prefill-tokens 131072                                     # batch 32: both models in row groups, as the engine
 
 On the GPU the split is device time between CUDA events recorded around each layer's attention (and an SSE layer's
 pieces: features, route, finish), "other" the rest of the prefill; a profiled prefill gives the top kernels and the
@@ -37,14 +39,18 @@ from hybridize.generation.profile import (SCOPE, device_items, layer_kind, scope
                                           top_ops, work_items)
 
 
-def _prefill_fn(model, ids, mask):
+def _prefill_fn(model, ids, mask, prefill_tokens: int = 0):
+    """One prefill of the batch as the engine runs it: one forward, or with `prefill_tokens` the engine's row groups
+    one after another (each group's cache dropped before the next, so large batches of long prompts fit)."""
     cuda = ids.device.type == "cuda"
-    gen = FastGenerator(model, FastGenConfig(fallback=False))
+    gen = FastGenerator(model, FastGenConfig(fallback=False, prefill_tokens=prefill_tokens))
     pos, am = gen._positions(ids, mask)
+    groups = gen._row_groups(*ids.shape)
 
     def once():
         with torch.no_grad():
-            gen._prefill(ids, am, pos)
+            for rows in groups:
+                gen._prefill(ids[rows], None if am is None else am[rows], pos[rows])
         if cuda:
             torch.cuda.synchronize()
     return once
@@ -133,7 +139,7 @@ def prefill_profile(model, once, top: int) -> dict:
                             for r in top_ops(items, 1, top, "time")]}
 
 
-def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: int) -> dict:
+def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: int, prefill_tokens: int = 0) -> dict:
     """One (prompt length, batch) cell: every model's median wall prefill (models alternating), then a profile."""
     device = next(iter(pair.values())).device
     torch.manual_seed(1)
@@ -142,7 +148,7 @@ def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: 
     mask = torch.ones_like(ids)
     if pad:
         mask[0, :T // 8] = 0
-    fns = {name: _prefill_fn(m, ids, mask) for name, m in pair.items()}
+    fns = {name: _prefill_fn(m, ids, mask, prefill_tokens) for name, m in pair.items()}
     for fn in fns.values():
         for _ in range(max(1, warmup)):
             fn()
@@ -150,7 +156,7 @@ def cell(pair: dict, T: int, B: int, pad: bool, warmup: int, repeats: int, top: 
     for _ in range(max(1, repeats)):
         for name, fn in fns.items():
             walls[name].append(_timed(fn))
-    row = {"prompt_len": T, "batch": B, "pad": pad, "models": {}}
+    row = {"prompt_len": T, "batch": B, "pad": pad, "prefill_tokens": prefill_tokens, "models": {}}
     for name, m in pair.items():
         med = statistics.median(walls[name])
         row["models"][name] = {"wall_s": med, "walls_s": walls[name], "tokens_per_s": B * T / med,
@@ -177,6 +183,9 @@ def main(argv=None):
     ap.add_argument("--no-pad", dest="pad", action="store_false",
                     help="every row all its tokens (default: row 0 left-padded by T/8, as the speed table's prompts)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed prefills per model and cell")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="FastGenConfig.prefill_tokens for both models: prefill a few rows at a time, as the engine "
+                         "does (fits batch 32 of long prompts); 0 = one forward")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefills per model and cell (median)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -205,7 +214,7 @@ def main(argv=None):
     rows = []
     for B in _ints(args.batches):
         for T in lens:
-            row = {**meta, **cell(pair, T, B, args.pad, args.warmup, args.repeats, args.top)}
+            row = {**meta, **cell(pair, T, B, args.pad, args.warmup, args.repeats, args.top, args.prefill_tokens)}
             rows.append(row)
             if args.jsonl:
                 Path(args.jsonl).parent.mkdir(parents=True, exist_ok=True)

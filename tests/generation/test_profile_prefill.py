@@ -31,6 +31,24 @@ def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
     assert res["hybrid_speedup_wall"] == pytest.approx(teacher["wall_s"] / hybrid["wall_s"])
 
 
+def test_prefill_in_row_groups_runs_each_group_as_the_engine_does(monkeypatch):
+    """`--prefill-tokens`: the batch is prefilled in the engine's row groups, one forward per group, every row once,
+    and the cell records the setting."""
+    from benchmarks.generation import profile_prefill
+    from hybridize.generation.fast import FastGenerator
+
+    seen = []
+    original = FastGenerator._prefill
+    monkeypatch.setattr(FastGenerator, "_prefill", lambda self, ids, am, pos: seen.append(ids.shape[0])
+                        or original(self, ids, am, pos))
+    rows = profile_prefill.main(["--shape", "tiny", "--plan", "5:1", "--prompt-lens", "20", "--batches", "5",
+                                 "--warmup", "1", "--repeats", "1", "--quiet", "--device", "cpu", "--models", "hybrid",
+                                 "--prefill-tokens", "40"])
+    assert rows[0]["prefill_tokens"] == 40
+    per_call = seen[:3]
+    assert per_call == [2, 2, 1] and len(seen) % 3 == 0 and all(n in (2, 1) for n in seen)
+
+
 def test_prefill_profile_rejects_an_unknown_model():
     from benchmarks.generation import profile_prefill
 
