@@ -372,7 +372,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
 def fused_step_applies(x: torch.Tensor) -> bool:
     """The one-kernel SSE-on-GLA decode step (`triton_fused_step.py`) may run on x: our Triton kernels apply
     and option `sse_fused_step` is on (the mixer checks its own settings: `SSE.fused_step_ok`)."""
-    return current_kernel_options().sse_fused_step and _triton_ok(x)
+    return _triton_ok(x) and current_kernel_options().sse_fused_step   # the device first: on the CPU one options read
 
 
 def _row_movers(x: torch.Tensor):
