@@ -141,13 +141,14 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads):
 def test_fused_step_taken_only_where_it_applies():
     """Settings the kernel does not cover keep the separate path (checked without running a kernel)."""
     x = torch.randn(2, 1, 24)
-    st = lambda m, P=3: SSEState(sparse=torch.zeros(2, P, 4, 8, 8), shared=torch.zeros(2, 4, 8, 8))  # noqa: E731
+    def state():
+        return SSEState(sparse=torch.zeros(2, 3, 4, 8, 8), shared=torch.zeros(2, 4, 8, 8))
     m = _mixer(SSE)
-    s = st(m)
+    s = state()
     s.writable = True
     with torch.no_grad(), use_kernel_options(force_triton=triton_ok):
         assert m.fused_step_ok(x, s, None, None) == triton_ok
-        assert not m.fused_step_ok(x, st(m), None, None)                              # a state nobody owns
+        assert not m.fused_step_ok(x, state(), None, None)                            # a state nobody owns
         assert not m.fused_step_ok(x, s, torch.ones(2, 1, dtype=torch.bool), None)    # a padding mask
         assert not _mixer(SSE, top_k=2).fused_step_ok(x, s, None, None)
         assert not _mixer(SSEGDN).fused_step_ok(x, s, None, None)
