@@ -17,7 +17,10 @@ this is exactly the teacher's causal attention. Query t attends to the real toke
   softmax. A single token (decode) runs `_step` instead: the new key and value are written into their ring
   slot (in place when the state's owner marks it writable, as the fast engine does), then one sdpa call reads
   the whole state tensor, each KV head's query heads as its query rows; no shift, no concatenation, no repeated
-  or fp32 copy of the buffer (tested against `_recurrent`).
+  or fp32 copy of the buffer (tested against `_recurrent`). On the GPU, with a writable state and no padding mask
+  (the fast engine's decode loop), the write, the attention and the clearing of the slot that leaves the band run as
+  the two launches of a split-KV decode kernel (`ops/attn_decode/triton_window_step.py`; option `window_step`),
+  tested against this step: same outputs, same state.
 - state (`SWAState`): keys (after RoPE) and values `[N, Hkv, sinks + window, D]`, fixed-size, plus `seen` `[N]`
   real tokens so far. Slot i < sinks holds the real token of rank i + 1 (the attention sinks); the other
   `window` slots are a ring, the real token of rank r in slot sinks + (r - 1) % window. A new token overwrites
@@ -37,11 +40,13 @@ Not a linear mixer: `short_conv` is refused.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 from .base import Mixer, MixerConfig, MixerOutput, MixerState, repeat_kv
@@ -418,6 +423,12 @@ class SlidingWindowAttention(Mixer):
         which then spends no kernels on it)."""
         B, _, H, D = q.shape
         W, n_sink = self.config.window, self.config.sinks
+        if real is None and output_state and self._kernel_step_ok(q, state):
+            # deferred: imports triton (optional, GPU only)
+            from hybridize.ops.attn_decode.triton_window_step import window_step
+            o = window_step(q, k, v, state.k, state.v, state.seen, W, n_sink, self.scale)
+            state.seen.add_(1)
+            return o, state
         st = self._checked(state, B, k)
         Hkv = st.k.shape[1]
         seen = st.seen.to(q.device)
@@ -450,6 +461,21 @@ class SlidingWindowAttention(Mixer):
             state.seen.add_(1 if r is None else r.to(state.seen.device))
             return o, state
         return o, SWAState(k=ks, v=vs, seen=g)
+
+    def _kernel_step_ok(self, q, state: SWAState | None) -> bool:
+        """The decode token runs as the split-KV window kernel (`ops/attn_decode/triton_window_step.py`): a writable
+        state (the fast engine's cache) of this layer's shape, contiguous, on q's device; a power-of-two head dim; CUDA
+        (or the interpreter with option `force_triton`), option `window_step` on, kernels not "torch", no fp64."""
+        if state is None or not state.writable or state.k is None or q.dtype == torch.float64:
+            return False
+        D = q.shape[-1]
+        if (D & (D - 1) or state.k.shape[2] != self.config.sinks + self.config.window or not state.k.is_contiguous()
+                or not state.v.is_contiguous() or state.seen.device != q.device or state.k.device != q.device):
+            return False
+        opts = current_kernel_options()
+        if not opts.window_step or opts.kernels == "torch" or not (q.is_cuda or opts.force_triton):
+            return False
+        return importlib.util.find_spec("triton") is not None
 
     # ---- packed documents -------------------------------------------------------------------
     def _packed(self, q, k, v, cu_seqlens, state, mode, output_state):

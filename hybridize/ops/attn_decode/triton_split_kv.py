@@ -125,10 +125,17 @@ if triton is not None:
 
     @triton.jit
     def _attend_block(b_q, k_base, v_base, j0, s_hi, stride_kl, stride_vl, o_d, m_d, b_m, b_l, b_acc, qk_scale,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Online-softmax update with the key block [j0, j0 + BLOCK_N) (keys >= s_hi masked)."""
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ring_g=0, ring_slot=-1, window=1, sinks=0,
+                      RING: tl.constexpr = False):
+        """Online-softmax update with the key block [j0, j0 + BLOCK_N) (keys >= s_hi masked). RING: a window
+        layer's ring state (`triton_window_step.py`), where slot j is also masked unless the query of rank
+        `ring_g` reads it: sink j once ring_g >= j + 1 + window, ring slot j once filled, and never `ring_slot`
+        (the one the query's own key goes to); a block may then have no visible key."""
         o_n = j0 + tl.arange(0, BLOCK_N)
         m_n = o_n < s_hi
+        if RING:
+            need = tl.where(o_n < sinks, o_n + 1 + window, o_n - sinks + 1)
+            m_n = m_n & (ring_g >= need) & (o_n != ring_slot)
         # keys loaded transposed [BLOCK_D, BLOCK_N]: no in-register transpose for the dot
         b_kt = tl.load(k_base + o_n[None, :] * stride_kl + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
@@ -137,7 +144,9 @@ if triton is not None:
         else:
             b_s = tl.dot(b_q, b_kt)
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))   # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(b_m, tl.max(b_s, axis=1))   # finite: every block has a visible key
+        m_new = tl.maximum(b_m, tl.max(b_s, axis=1))   # finite unless RING: every block has a visible key
+        if RING:   # nothing visible yet: keep the stats at zero (no inf - inf)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(b_m - m_new)
         b_p = tl.exp2(b_s - m_new[:, None])
         b_l = b_l * alpha + tl.sum(b_p, axis=1)
@@ -199,8 +208,12 @@ if triton is not None:
 
     @triton.jit
     def _attn_decode_combine(m_in, l_in, acc_in, o, stride_ob, stride_oh, Hq, S,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One (row, query head): merge the splits' (max, sum, acc); zeros when no key was visible."""
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                             ks=None, vs=None, seen=None, G=1, L=1, window=1, sinks=0, CLEAR: tl.constexpr = False):
+        """One (row, query head): merge the splits' (max, sum, acc); zeros when no key was visible. CLEAR (a window
+        layer's step, `triton_window_step.py`): the group's first query head also zeroes the ring slot of rank
+        seen + 2 - window in the contiguous state ks, vs `[B, Hkv, L, D]`, the key that has just left every band
+        (phase 1, which read it, has finished)."""
         i_bh = tl.program_id(0).to(tl.int64)
         o_s = tl.arange(0, BLOCK_S)
         o_d = tl.arange(0, BLOCK_D)
@@ -218,6 +231,12 @@ if triton is not None:
         i_b = i_bh // Hq
         i_h = i_bh % Hq
         tl.store(o + i_b * stride_ob + i_h * stride_oh + o_d, out, mask=m_d)
+        if CLEAR:
+            dead = sinks + (tl.load(seen + i_b) + 1) % window
+            p = (((i_b * (Hq // G) + i_h // G) * L + dead) * D + o_d).to(tl.int64)
+            first = m_d & (i_h % G == 0)
+            tl.store(ks + p, tl.zeros([BLOCK_D], dtype=ks.dtype.element_ty), mask=first)
+            tl.store(vs + p, tl.zeros([BLOCK_D], dtype=vs.dtype.element_ty), mask=first)
 
 
 _SM_COUNT: dict = {}

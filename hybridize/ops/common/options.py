@@ -81,8 +81,12 @@ class KernelOptions:
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "
                                       "paths' state updates in one Triton kernel (false: the separate kernels, for "
                                       "benchmarks)", "HYBRIDIZE_SSE_FUSED_STEP")
-    force_triton: bool = _opt(False, "SSE: run our Triton kernels on CPU tensors too (tests under "
-                                     "TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
+    window_step: bool = _opt(True, "window layer (swa), decode: the ring write, the attention over the sinks and "
+                                   "the window and the slot clear as a split-KV Triton kernel on CUDA (false: the "
+                                   "PyTorch step, for benchmarks)",
+                             "HYBRIDIZE_WINDOW_STEP")
+    force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
+                                     "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
