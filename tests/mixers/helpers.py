@@ -110,7 +110,7 @@ def random_hidden(B: int, T: int, hidden: int, dtype: torch.dtype = torch.float3
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0,
                  dtype: torch.dtype = torch.float32):
     """positions `[B, T]` -> (cos, sin) `[B, T, head_dim]`, the HF Llama rotary layout."""
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     ang = positions.double().unsqueeze(-1) * inv
     emb = torch.cat([ang, ang], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
