@@ -2,8 +2,11 @@
 # one device call per group as measured on an H200 (RESULTS.md, "Decode: SSE's token in one kernel"): random
 # weights, our engine uncompiled and compiled, bf16, 64 new tokens x 2 calls after a warm-up call, call 2 read; one
 # process per row, each cell's teacher beside its hybrid.
-#   bash benchmarks/generation/fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]   # groups: 1.7b-b1 1.7b-b8 135m
-#   WHEEL_DIR: fla-core, einops, transformers; GROUP default: all three (about 9 minutes on an H200)
+# Group `window`: the window layer's split-KV decode step (issue 24 item 4) at the 135M shape, its rows against
+# HYBRIDIZE_WINDOW_STEP=0 (the PyTorch step, masked sdpa) and the teacher (RESULTS.md, "Decode: the window layer's
+# token in two kernels"; rows benchmarks/results/window_step_decode_h200.json).
+#   bash benchmarks/generation/fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]   # groups: 1.7b-b1 1.7b-b8 135m window
+#   WHEEL_DIR: fla-core, einops, transformers; GROUP default: the first three (about 9 minutes on an H200; window: 6)
 set -u
 OUT=${1:?usage: fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]}
 if [ -n "${2:-}" ]; then
@@ -21,6 +24,7 @@ row() { local n=$1; shift; echo "$(date +%T) row $n"
           --out "$OUT/rows/$n.json" "$@" > "$OUT/rows/$n.log" 2>&1
         echo "$(date +%T) row $n exit $?"; grep "call 2" "$OUT/rows/$n.log" | tail -2; }
 separate() { HYBRIDIZE_SSE_FUSED_STEP=0 row "$@"; }
+sdpa() { HYBRIDIZE_WINDOW_STEP=0 row "$@"; }
 Q="--shape qwen3-1.7b"; S="--model hybrid --plan 5:1 --mixer sse"
 for g in $GROUPS_; do case $g in
   1.7b-b1)
@@ -44,6 +48,14 @@ for g in $GROUPS_; do case $g in
     row 135-8kx8-xiv $M --batch 8 --model hybrid --plan "$RECOVERED" --mixer sse $W
     row 135-8kx1-teacher $M --batch 1 --model teacher
     row 135-8kx1-xiv $M --batch 1 --model hybrid --plan "$RECOVERED" --mixer sse $W ;;
-  *) echo "unknown group $g (1.7b-b1 | 1.7b-b8 | 135m)"; exit 2 ;;
+  window)
+    X="--model hybrid --plan $RECOVERED --mixer sse $W"
+    for cell in "8192 8" "8192 1" "2048 1" "2048 8"; do set -- $cell; M="--shape smollm2-135m --prompt-len $1 --batch $2"
+      row "135-$(($1 / 1024))kx$2-teacher" $M --model teacher
+      row "135-$(($1 / 1024))kx$2-xiv" $M $X
+      [ "$1 $2" = "8192 8" ] && sdpa 135-8kx8-xiv-sdpa $M $X
+      [ "$1 $2" = "2048 1" ] && row 135-2kx1-sse51 $M $S
+    done ;;
+  *) echo "unknown group $g (1.7b-b1 | 1.7b-b8 | 135m | window)"; exit 2 ;;
 esac; done
 echo "DONE $(date +%T)"
