@@ -78,6 +78,22 @@ def test_window_step_kernel_in_bf16():
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
 
 
+@pytest.mark.skipif(not (cuda and triton_ok), reason="needs triton and CUDA (at these sizes the interpreter is slow)")
+@pytest.mark.parametrize("heads,dim", [((9, 3), 64), ((16, 8), 128)])
+def test_window_step_kernel_at_the_real_shapes(heads, dim):
+    """The 135M and 1.7B shapes' heads and head dims, the recovered plan's window (512 + 4 sinks, 516 slots: several
+    splits of 64-slot blocks) after a 600-token prefill, in fp32."""
+    H, Hkv = heads
+    m = make_mixer("swa", window=512, sinks=4, num_heads=H, num_kv_heads=Hkv, head_dim=dim,
+                   hidden_size=64 * H).to(DEVICE)
+    x = random_hidden(2, 606, 64 * H, seed=6).to(DEVICE)
+    got, got_states = _decode(m, x, True, 600)
+    ref, ref_states = _decode(m, x, False, 600)
+    assert rel_err(got, ref) < 1e-5
+    for a, b in zip(got_states, ref_states):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
+
+
 def test_window_step_kernel_taken_only_where_it_applies():
     m = make_mixer("swa", window=4, sinks=1)
     q = torch.zeros(2, 1, 2, 8)
