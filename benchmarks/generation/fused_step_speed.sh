@@ -5,8 +5,8 @@
 # Group `window`: the window layer's split-KV decode step (issue 24 item 4) at the 135M shape, its rows against
 # HYBRIDIZE_WINDOW_STEP=0 (the PyTorch step, masked sdpa) and the teacher (RESULTS.md, "Decode: the window layer's
 # token in two kernels"; rows benchmarks/results/window_step_decode_h200.json).
-#   bash benchmarks/generation/fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]   # groups: 1.7b-b1 1.7b-b8 135m window
-#   WHEEL_DIR: fla-core, einops, transformers; GROUP default: the first three (about 9 minutes on an H200; window: 6)
+#   bash benchmarks/generation/fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]   # groups: 1.7b-b1 1.7b-b8 135m window 1.7b-b32
+#   WHEEL_DIR: fla-core, einops, transformers; GROUP default: the first three (about 9 minutes on an H200; window: 8; 1.7b-b32: 2)
 set -u
 OUT=${1:?usage: fused_step_speed.sh OUT_DIR [WHEEL_DIR] [GROUP...]}
 if [ -n "${2:-}" ]; then
@@ -50,12 +50,16 @@ for g in $GROUPS_; do case $g in
     row 135-8kx1-xiv $M --batch 1 --model hybrid --plan "$RECOVERED" --mixer sse $W ;;
   window)
     X="--model hybrid --plan $RECOVERED --mixer sse $W"
-    for cell in "8192 8" "8192 1" "2048 1" "2048 8"; do set -- $cell; M="--shape smollm2-135m --prompt-len $1 --batch $2"
+    for cell in "8192 8" "8192 1" "2048 1" "2048 8" "1024 8" "1024 1"; do set -- $cell
+      M="--shape smollm2-135m --prompt-len $1 --batch $2"
       row "135-$(($1 / 1024))kx$2-teacher" $M --model teacher
       row "135-$(($1 / 1024))kx$2-xiv" $M $X
       [ "$1 $2" = "8192 8" ] && sdpa 135-8kx8-xiv-sdpa $M $X
-      [ "$1 $2" = "2048 1" ] && row 135-2kx1-sse51 $M $S
+      [ "$1" = 8192 ] || [ "$1 $2" = "2048 8" ] || row "135-$(($1 / 1024))kx$2-sse51" $M $S
     done ;;
-  *) echo "unknown group $g (1.7b-b1 | 1.7b-b8 | 135m | window)"; exit 2 ;;
+  1.7b-b32)
+    row 17-2kx32-teacher $Q --prompt-len 2048 --batch 32 --model teacher
+    row 17-2kx32-sse51 $Q --prompt-len 2048 --batch 32 $S ;;
+  *) echo "unknown group $g (1.7b-b1 | 1.7b-b8 | 135m | window | 1.7b-b32)"; exit 2 ;;
 esac; done
 echo "DONE $(date +%T)"
