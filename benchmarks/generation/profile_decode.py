@@ -62,8 +62,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CUDA dtype (CPU: fp32)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="CUDA: skip the graph-replay profile")
     ap.add_argument("--decode-kernel", default="emulate", choices=["emulate", "torch"],
-                    help="CPU only: 'emulate' runs the SSE step's GPU path with a PyTorch stand-in for the Triton "
-                         "kernel (counted as one kernel); 'torch' its CPU reference path")
+                    help="CPU only: 'emulate' runs the SSE and window steps' GPU paths with PyTorch stand-ins for "
+                         "the Triton kernels (counted as one kernel each); 'torch' their CPU paths")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads")
     ap.add_argument("--json", default="", help="also write the numbers here")

@@ -20,7 +20,8 @@ proxy for what launches a kernel on the GPU (`linear` = one GEMM; ops that launc
 e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step by default takes its GPU path
 (`SSE.fused_step`, or `ops.sse.reference._recurrent_loop_triton` where the one-kernel step does not apply) with
 PyTorch stand-ins for the Triton kernels (`emulated_decode_kernel`), counted as one kernel per call
-(`decode_kernel="torch"`: the CPU reference path, gather + recurrent op + scatter). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
+(`decode_kernel="torch"`: the CPU reference path, gather + recurrent op + scatter); so does the window layer's
+decode token (`ops/attn_decode/triton_window_step.py`, two launches on the GPU, one op here). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
 listed. The decode step's op budget test (`test_decode_ops.py`) counts with it.
 
 The command line (random-weight models at real shapes): `python -m benchmarks.generation.profile_decode`.
@@ -39,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hybridize.generation import fast as fg
 from hybridize.generation.fast import FastGenConfig, FastGenerator, _is_mixer_layer
 import hybridize.mixers.sse as sse_mod
+from hybridize.ops.attn_decode import window_step as window_ops
 from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.sse import reference as ks
 from hybridize.ops.sse.fused_step import sse_gla_step_reference
@@ -199,16 +201,26 @@ def _emulated_sse_gla_step(*args, **kwargs):
         return sse_gla_step_reference(*args, **kwargs)
 
 
+def _emulated_window_step(*args, **kwargs):
+    """`hybridize/ops/attn_decode/triton_window_step.py`'s window step (two launches on the GPU), as its PyTorch
+    reference in one `kernel:` scope."""
+    with record_function(SCOPE + KERNEL + "window_step"):
+        return window_ops.window_step_reference(*args, **kwargs)
+
+
 @contextmanager
 def emulated_decode_kernel():
     """On CPU: the SSE decode step takes its GPU paths with stand-in kernels: the one-kernel step (`SSE.fused_step`,
-    when option `sse_fused_step` is on and the mixer qualifies) or the separate path (`_recurrent_loop_triton`)."""
+    when option `sse_fused_step` is on and the mixer qualifies) or the separate path (`_recurrent_loop_triton`); the
+    window layer's decode token its Triton step (option `window_step`)."""
     import types
 
     names = {"hybridize.ops.sse.triton_decode": {"sse_decode_step": _emulated_sse_decode_step},
-             "hybridize.ops.sse.triton_fused_step": {"sse_gla_step": _emulated_sse_gla_step}}
+             "hybridize.ops.sse.triton_fused_step": {"sse_gla_step": _emulated_sse_gla_step},
+             "hybridize.ops.attn_decode.triton_window_step": {"window_step": _emulated_window_step}}
     saved_mods = {name: sys.modules.get(name) for name in names}
     saved_ok, saved_applies = ks._decode_kernel_ok, ks.fused_step_applies
+    saved_window = window_ops.window_step_applies
     for name, attrs in names.items():
         stub = types.ModuleType(name)
         for attr, fn in attrs.items():
@@ -217,10 +229,12 @@ def emulated_decode_kernel():
     on_gpu_path = lambda x: not (x.dtype == torch.float64 or torch.is_grad_enabled())  # noqa: E731
     ks._decode_kernel_ok = lambda shared, sparse, routing, state: on_gpu_path(sparse.q)
     ks.fused_step_applies = lambda x: current_kernel_options().sse_fused_step and on_gpu_path(x)
+    window_ops.window_step_applies = lambda x: current_kernel_options().window_step and on_gpu_path(x)
     try:
         yield
     finally:
         ks._decode_kernel_ok, ks.fused_step_applies = saved_ok, saved_applies
+        window_ops.window_step_applies = saved_window
         for name, mod in saved_mods.items():
             if mod is None:
                 del sys.modules[name]
@@ -396,7 +410,8 @@ def profile_model(model, args, device) -> dict:
     ev = prof.events()
     items = work_items(ev, cuda)
     unit = "device kernels" if cuda else "outermost aten ops that do work (CPU proxy for kernels)" + (
-        "; SSE decode kernel emulated as one op (the GPU path)" if emulate else "; SSE step on its PyTorch path")
+        "; SSE decode kernel and window step emulated as one op each (the GPU path; the window step is two launches "
+        "there)" if emulate else "; SSE and window steps on their PyTorch paths")
     out["eager"] = {"unit": unit, "steps": steps, **summarize_eager(items, steps, kinds),
                     "top_by_count": top_ops(items, steps, args.top, "count"),
                     "top_by_time": top_ops(items, steps, args.top, "time"),

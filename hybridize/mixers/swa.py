@@ -40,13 +40,12 @@ Not a linear mixer: `short_conv` is refused.
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.attn_decode import window_step as window_ops
 from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 from .base import Mixer, MixerConfig, MixerOutput, MixerState, repeat_kv
@@ -466,16 +465,13 @@ class SlidingWindowAttention(Mixer):
         """The decode token runs as the split-KV window kernel (`ops/attn_decode/triton_window_step.py`): a writable
         state (the fast engine's cache) of this layer's shape, contiguous, on q's device; a power-of-two head dim; CUDA
         (or the interpreter with option `force_triton`), option `window_step` on, kernels not "torch", no fp64."""
-        if state is None or not state.writable or state.k is None or q.dtype == torch.float64:
+        if state is None or not state.writable or state.k is None:
             return False
         D = q.shape[-1]
         if (D & (D - 1) or state.k.shape[2] != self.config.sinks + self.config.window or not state.k.is_contiguous()
                 or not state.v.is_contiguous() or state.seen.device != q.device or state.k.device != q.device):
             return False
-        opts = current_kernel_options()
-        if not opts.window_step or opts.kernels == "torch" or not (q.is_cuda or opts.force_triton):
-            return False
-        return importlib.util.find_spec("triton") is not None
+        return window_ops.window_step_applies(q)
 
     # ---- packed documents -------------------------------------------------------------------
     def _packed(self, q, k, v, cu_seqlens, state, mode, output_state):

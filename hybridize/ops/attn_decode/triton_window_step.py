@@ -17,8 +17,8 @@ kernels"). Here the step is the two launches of the split-KV decode attention (`
 - phase 2, one program per (row, query head): merges the splits; the group's first head clears the ring slot of
   rank g + 1 - window, which phase 1 still read (as `_step` does, so the state equals the one a chunk call writes).
 
-`seen` is read, not written (the caller adds 1). No padding mask (the decode loops' case; `_step` keeps the general
-path). No host sync and no data-dependent shape, so the step can be captured in a CUDA graph. An earlier version ran
+The contract and its PyTorch reference: `window_step.py` (tested against each other and against `_step`). `seen` is
+read, not written (the caller adds 1). No padding mask (the decode loops' case; `_step` keeps the general path). No host sync and no data-dependent shape, so the step can be captured in a CUDA graph. An earlier version ran
 one program per (row, KV head) over all slots and was slower than the sdpa path (RESULTS.md).
 """
 from __future__ import annotations
