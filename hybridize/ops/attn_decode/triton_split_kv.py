@@ -242,17 +242,21 @@ if triton is not None:
 _SM_COUNT: dict = {}
 
 
+def sm_count(device) -> int:
+    """The GPU's multiprocessor count (cached per device); 4 off CUDA (the interpreter: a few splits, so the
+    combine path is exercised)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def num_splits(L: int, B: int, Hkv: int, device, block_n: int = 64) -> int:
     """KV splits for a buffer of length `L`: about 4 programs per SM in phase 1, at least 256 keys per
     split. Depends only on the shapes and the GPU, so a captured CUDA graph stays valid."""
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        sms = _SM_COUNT[idx]
-    else:  # the interpreter: a few splits, so the combine path is exercised
-        sms = 4
-    want = -(-4 * sms // max(1, B * Hkv))
+    want = -(-4 * sm_count(device) // max(1, B * Hkv))
     return max(1, min(want, -(-L // max(256, block_n))))
 
 

@@ -18,8 +18,9 @@ kernels"). Here the step is the two launches of the split-KV decode attention (`
   rank g + 1 - window, which phase 1 still read (as `_step` does, so the state equals the one a chunk call writes).
 
 The contract and its PyTorch reference: `window_step.py` (tested against each other and against `_step`). `seen` is
-read, not written (the caller adds 1). No padding mask (the decode loops' case; `_step` keeps the general path). No host sync and no data-dependent shape, so the step can be captured in a CUDA graph. An earlier version ran
-one program per (row, KV head) over all slots and was slower than the sdpa path (RESULTS.md).
+read, not written (the caller adds 1). No padding mask (the decode loops' case; `_step` keeps the general path). No
+host sync and no data-dependent shape, so the step can be captured in a CUDA graph. An earlier version ran one
+program per (row, KV head) over all slots and was slower than the sdpa path (RESULTS.md).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from .triton_split_kv import LOG2E, _attend_block, _attn_decode_combine, triton
+from .triton_split_kv import LOG2E, _attend_block, _attn_decode_combine, sm_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -90,19 +91,9 @@ if triton is not None:
 #: slots per block of phase 1 (a module setting, so tests can make splits of a few slots)
 BLOCK_N = 64
 
-_SM_COUNT: dict = {}
-
-
 def window_splits(L: int, rows: int, device, block_n: int) -> int:
     """Slot splits: about 4 programs per SM in phase 1, at least two blocks of slots per split."""
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        sms = _SM_COUNT[idx]
-    else:   # the interpreter: a few splits, so the merge is exercised
-        sms = 4
-    return max(1, min(-(-4 * sms // max(1, rows)), -(-L // (2 * block_n))))
+    return max(1, min(-(-4 * sm_count(device) // max(1, rows)), -(-L // (2 * block_n))))
 
 
 @torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the state in place
