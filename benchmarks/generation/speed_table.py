@@ -10,6 +10,8 @@ them), every path in one process:
 
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl                 # measure (resumable)
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --report        # table + plot only
+    python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --code abc1234 --remeasure-engine
+        # after a change to our code: every engine row again (HF's kept), resumable across calls
     python -m benchmarks.generation.speed_table --shapes tiny --lens 64,128 --batches 1,2 --new-tokens 8 \\
         --dtype float32 --out /tmp/speed.jsonl                                           # CPU smoke run
 
@@ -59,6 +61,12 @@ def args_parser():
     ap.add_argument("--remeasure-unsynced", action="store_true",
                     help="measure again the engine rows taken before the engine synced the device at the end of its "
                          "prefill (no `prefill_synced`); the report keeps a cell's last row")
+    ap.add_argument("--code", default="", help="a label of the code measured (e.g. its commit), kept in each row as "
+                                               "`code`; the report lists the labels of its engine rows")
+    ap.add_argument("--remeasure-engine", action="store_true",
+                    help="measure again every engine row (teacher and hybrid, both compile settings) whose `code` is "
+                         "not --code, in this process beside each other: after a change to the engine or the mixers. "
+                         "HF's rows are kept (they run none of our code); needs --code")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
     ap.add_argument("--hbm-gbs", type=float, default=3350.0,
                     help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
@@ -89,15 +97,27 @@ def split_invalid(r: dict) -> bool:
     return unsynced(r) and rows_per_prefill(B, r["prompt_len"], r.get("prefill_tokens", 0)) < B
 
 
-def done_paths(path: Path, prefill_tokens: int = 0, remeasure_unsynced: bool = False) -> set[tuple]:
+def done_paths(path: Path, prefill_tokens: int = 0, remeasure_unsynced: bool = False,
+               remeasure_engine: str | None = None) -> set[tuple]:
     """(shape, T, B, model, table path) of every row already measured, an OOM row counting only when it was
     recorded with the same `prefill_tokens` (a rerun with row-group prefill retries the others) and a row whose
     prefill/decode split is invalid (`split_invalid`) not counting, nor, with `remeasure_unsynced`, any
-    `unsynced` engine row."""
+    `unsynced` engine row, nor, with `remeasure_engine` (a code label), any engine row of other code."""
     stale = unsynced if remeasure_unsynced else split_invalid
+
+    def counts(r: dict) -> bool:
+        if r["table_path"] == "OOM":
+            if r.get("prefill_tokens", 0) != prefill_tokens:
+                return False
+            engine = set(r.get("oom_paths", [])) <= set(ENGINE_PATHS.values())
+        else:
+            engine = r["table_path"] in ENGINE_PATHS.values()
+        if remeasure_engine is not None and engine and r.get("code") != remeasure_engine:
+            return False
+        return not stale(r)
+
     return {(r["shape"], r["prompt_len"], r["batch"], r["model"], p) for r in read_jsonl(path, partial=True)
-            if (r["table_path"] != "OOM" or r.get("prefill_tokens", 0) == prefill_tokens) and not stale(r)
-            for p in row_paths(r)}
+            if counts(r) for p in row_paths(r)}
 
 
 def path_groups(model: str) -> list[tuple[tuple[str, ...], dict]]:
@@ -141,7 +161,10 @@ def measure(a) -> None:
     dtype = getattr(torch, a.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype}
-    done, budget = done_paths(out, a.prefill_tokens, a.remeasure_unsynced), Budget(a.budget)
+    if a.remeasure_engine and not a.code:
+        raise SystemExit("--remeasure-engine needs --code LABEL (the rows of this code are kept across calls)")
+    done = done_paths(out, a.prefill_tokens, a.remeasure_unsynced, a.code if a.remeasure_engine else None)
+    budget = Budget(a.budget)
     shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
     # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
     # so a call cut by --budget leaves whole rows of the table rather than one shape only
@@ -168,7 +191,8 @@ def measure(a) -> None:
         with out.open("a") as f:
             for r in rows:
                 r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
-                         mixer=a.mixer, table_path=path_name(m, r), prefill_tokens=a.prefill_tokens, **env)
+                         mixer=a.mixer, table_path=path_name(m, r), prefill_tokens=a.prefill_tokens, code=a.code,
+                         **env)
                 r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
                 r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
                 r["step_bytes"] = floors[m]
@@ -225,6 +249,19 @@ def ratio(baseline, hybrid) -> str:
     return f"{baseline / hybrid:.2f}x" if baseline and hybrid else "-"
 
 
+def _code_note(cells: dict) -> str:
+    """The code labels (`--code`) of the engine rows the table shows, with how many of them carry each."""
+    labels: dict[str, int] = {}
+    for paths in cells.values():
+        for (model, path), r in paths.items():
+            if path in ENGINE_PATHS.values():
+                label = r.get("code") or "unlabelled"
+                labels[label] = labels.get(label, 0) + 1
+    if set(labels) <= {"unlabelled"}:
+        return ""
+    return " Engine rows by code (`--code`): " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())) + "."
+
+
 def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
     head = rows[0]
@@ -239,7 +276,8 @@ def markdown(rows: list[dict]) -> str:
                 if any(unsynced(r) for r in rows) else "")
              + (" Cells marked * were prefilled in several row groups before that fix: the last group's forward "
                 "ran in the decode, so their prefill rate and decode time are not valid (no ratio is taken from them)."
-                if any(split_invalid(r) for r in rows) else ""),
+                if any(split_invalid(r) for r in rows) else "")
+             + _code_note(cells),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),

@@ -104,6 +104,33 @@ def test_remeasure_unsynced_reruns_every_engine_row_without_the_sync_mark(tmp_pa
     assert kept == {("s", 16384, 8, "hybrid", "engine"), ("s", 16384, 8, "teacher", "HF warmed")}
 
 
+def test_remeasure_engine_reruns_engine_rows_of_other_code_and_keeps_hf_rows(tmp_path):
+    """`--code B --remeasure-engine`: engine rows (both models, OOM ones too) not labelled B are measured again, HF's
+    rows kept; rows labelled B count as done, so the campaign resumes across calls. The report lists the labels."""
+    rows = [row("teacher", "engine", 11.1, prefill_synced=True, code="A"),
+            row("hybrid", "engine compiled", 4.0, prefill_synced=True),
+            row("teacher", "HF warmed", 70.0, code="A"),
+            row("teacher", "OOM", None, T=2048, oom_paths=["engine", "engine compiled"], code="A"),
+            row("hybrid", "engine", 5.0, prefill_synced=True, code="B")]
+    f = tmp_path / "speed.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(done_paths(f)) == 6
+    assert done_paths(f, remeasure_engine="B") == {("s", 1024, 8, "teacher", "HF warmed"),
+                                                   ("s", 1024, 8, "hybrid", "engine")}
+    head = markdown(rows).splitlines()[0]
+    assert "Engine rows by code (`--code`): A 3, B 1, unlabelled 1." in head   # the OOM row: two paths
+    assert "by code" not in markdown([row("teacher", "engine", 11.1, prefill_synced=True)]).splitlines()[0]
+
+
+def test_remeasure_engine_needs_a_code_label(tmp_path):
+    import pytest
+
+    from benchmarks.generation.speed_table import main
+
+    with pytest.raises(SystemExit, match="needs --code"):
+        main(["--remeasure-engine", "--out", str(tmp_path / "s.jsonl"), "--shapes", "tiny"])
+
+
 def test_hf_warmup_calls_generate_as_many_tokens_as_the_timed_call():
     """HF's static cache is sized prompt + new tokens and compiled for it: a warm-up with fewer new tokens left
     the timed call to compile again (SmolLM2-135M, batch 32, 1k: 62 ms a step against 7 at 2k)."""
