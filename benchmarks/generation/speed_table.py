@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import platform
 from pathlib import Path
 
@@ -251,12 +252,8 @@ def ratio(baseline, hybrid) -> str:
 
 def _code_note(cells: dict) -> str:
     """The code labels (`--code`) of the engine rows the table shows, with how many of them carry each."""
-    labels: dict[str, int] = {}
-    for paths in cells.values():
-        for (model, path), r in paths.items():
-            if path in ENGINE_PATHS.values():
-                label = r.get("code") or "unlabelled"
-                labels[label] = labels.get(label, 0) + 1
+    labels = Counter(r.get("code") or "unlabelled" for paths in cells.values()
+                     for (_, path), r in paths.items() if path in ENGINE_PATHS.values())
     if set(labels) <= {"unlabelled"}:
         return ""
     return " Engine rows by code (`--code`): " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())) + "."

@@ -21,8 +21,9 @@ e.g. `repeat_interleave` or `topk`, count once). On CPU the SSE recurrent step b
 (`SSE.fused_step`, or `ops.sse.reference._recurrent_loop_triton` where the one-kernel step does not apply) with
 PyTorch stand-ins for the Triton kernels (`emulated_decode_kernel`), counted as one kernel per call
 (`decode_kernel="torch"`: the CPU reference path, gather + recurrent op + scatter); so does the window layer's
-decode token (`ops/attn_decode/triton_window_step.py`, two launches on the GPU, one op here). Host syncs (`aten::_local_scalar_dense`, `aten::item`) inside a step are
-listed. The decode step's op budget test (`test_decode_ops.py`) counts with it.
+decode token (`ops/attn_decode/triton_window_step.py`, two launches on the GPU, one op here). Host syncs
+(`aten::_local_scalar_dense`, `aten::item`) inside a step are listed. The decode step's op budget test
+(`test_decode_ops.py`) counts with it.
 
 The command line (random-weight models at real shapes): `python -m benchmarks.generation.profile_decode`.
 """
@@ -195,17 +196,13 @@ def _emulated_sse_decode_step(state, index, q, k, v, g=None, beta=None, p=None, 
         return o
 
 
-def _emulated_sse_gla_step(*args, **kwargs):
-    """`hybridize/ops/sse/triton_fused_step.py`'s one-kernel step, as its PyTorch reference in one `kernel:` scope."""
-    with record_function(SCOPE + KERNEL + "sse_gla_step"):
-        return sse_gla_step_reference(*args, **kwargs)
-
-
-def _emulated_window_step(*args, **kwargs):
-    """`hybridize/ops/attn_decode/triton_window_step.py`'s window step (two launches on the GPU), as its PyTorch
-    reference in one `kernel:` scope."""
-    with record_function(SCOPE + KERNEL + "window_step"):
-        return window_ops.window_step_reference(*args, **kwargs)
+def _one_kernel(name: str, reference):
+    """A Triton step's PyTorch reference (`sse_gla_step_reference`, `window_step_reference`) in one `kernel:` scope
+    named `name`, standing in for the kernel."""
+    def emulated(*args, **kwargs):
+        with record_function(SCOPE + KERNEL + name):
+            return reference(*args, **kwargs)
+    return emulated
 
 
 @contextmanager
@@ -216,8 +213,10 @@ def emulated_decode_kernel():
     import types
 
     names = {"hybridize.ops.sse.triton_decode": {"sse_decode_step": _emulated_sse_decode_step},
-             "hybridize.ops.sse.triton_fused_step": {"sse_gla_step": _emulated_sse_gla_step},
-             "hybridize.ops.attn_decode.triton_window_step": {"window_step": _emulated_window_step}}
+             "hybridize.ops.sse.triton_fused_step": {
+                 "sse_gla_step": _one_kernel("sse_gla_step", sse_gla_step_reference)},
+             "hybridize.ops.attn_decode.triton_window_step": {
+                 "window_step": _one_kernel("window_step", window_ops.window_step_reference)}}
     saved_mods = {name: sys.modules.get(name) for name in names}
     saved_ok, saved_applies = ks._decode_kernel_ok, ks.fused_step_applies
     saved_window = window_ops.window_step_applies

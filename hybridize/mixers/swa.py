@@ -402,14 +402,12 @@ class SlidingWindowAttention(Mixer):
         return o, self._state_from(bk, bv, seen, sk, sv) if output_state else None
 
     def _step_thresholds(self, device) -> torch.Tensor:
-        """`[sinks + window]`: the rank g a decode query needs to read each slot. Sink i (rank i + 1) once it has
-        left the window (g >= i + 1 + window; inside it the ring holds it); ring slot j once filled (g >= j + 1).
-        Built once per device and shape (the decode step's mask is then one compare)."""
+        """`[sinks + window]`: the rank g a decode query needs to read each slot (`window_step.slot_ranks`): sink i
+        (rank i + 1) once it has left the window (g >= i + 1 + window; inside it the ring holds it); ring slot j once
+        filled (g >= j + 1). Built once per device and shape (the decode step's mask is then one compare)."""
         key = (device, self.config.window, self.config.sinks)
         if getattr(self, "_thresholds", (None,))[0] != key:
-            W, n_sink = self.config.window, self.config.sinks
-            t = torch.cat([torch.arange(1, n_sink + 1) + W, torch.arange(1, W + 1)]).to(device)
-            self._thresholds = (key, t)
+            self._thresholds = (key, window_ops.slot_ranks(self.config.window, self.config.sinks, device))
         return self._thresholds[1]
 
     def _step(self, q, k, v, real, state, output_state):

@@ -152,8 +152,9 @@ def test_fast_path_cache_marks_its_states_writable():
     assert not getattr(layer.state.map(lambda t: t.clone()), "writable", False)   # copies are not marked
 
 
-def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str):
-    """A random-weight hybrid of a tiny Qwen3 (q/k norms, as the real target), fp32 on CPU."""
+def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str, settings: dict | None = None):
+    """A random-weight hybrid of a tiny Qwen3 (q/k norms, as the real target), fp32 on CPU; `settings`: the
+    converter's mixer settings (e.g. {"swa.window": 8})."""
     from transformers import AutoConfig
 
     from hybridize.convert.convert import build_hybrid_config
@@ -165,7 +166,7 @@ def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str):
                                max_position_embeddings=4096, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    hcfg = build_hybrid_config(cfg, parse_plan(plan, layers, mixer), None)
+    hcfg = build_hybrid_config(cfg, parse_plan(plan, layers, mixer), settings)
     return HybridForCausalLM(hcfg).float().eval()
 
 

@@ -260,6 +260,25 @@ def num_splits(L: int, B: int, Hkv: int, device, block_n: int = 64) -> int:
     return max(1, min(want, -(-L // max(256, block_n))))
 
 
+def split_plan(L: int, S: int, block_n: int, B: int, Hq: int, D: int, device):
+    """(slots per split, a whole number of blocks; the split count it gives; the splits' fp32 partial stats: max and
+    sum `[B, Hq, S]`, accumulator `[B, Hq, S, D]`) for about `S` splits of `L` slots."""
+    S = max(1, min(int(S), max(1, -(-L // block_n))))
+    chunk = -(-(-(-L // S)) // block_n) * block_n                 # ceil(L / S) rounded up to a block
+    S = max(1, -(-L // chunk))
+    f32 = dict(dtype=torch.float32, device=device)
+    return chunk, S, (torch.empty(B, Hq, S, **f32), torch.empty(B, Hq, S, **f32), torch.empty(B, Hq, S, D, **f32))
+
+
+def combine(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, o: torch.Tensor, **clear) -> None:
+    """Phase 2: merge the splits' partials into o `[B, Hq, D]`; `clear`: `_attn_decode_combine`'s CLEAR arguments (the
+    window step's)."""
+    B, Hq, S, D = acc.shape
+    _attn_decode_combine[(B * Hq,)](m, lsum, acc, o, o.stride(0), o.stride(1), Hq, S, D=D,
+                                    BLOCK_D=max(16, triton.next_power_of_2(D)),
+                                    BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4, **clear)
+
+
 @torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start=None,
                 window: int | None = None, scale: float | None = None, splits: int | None = None,
@@ -283,13 +302,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
     w = _window(window)
     block_n = max(16, triton.next_power_of_2(block_n))
     S = splits if splits is not None else num_splits(L, B, Hkv, dev, block_n)
-    S = max(1, min(int(S), max(1, -(-L // block_n))))
-    chunk = -(-(-(-L // S)) // block_n) * block_n                 # ceil(L / S) rounded up to a block
-    S = max(1, -(-L // chunk))
-    f32 = dict(dtype=torch.float32, device=dev)
-    m = torch.empty(B, Hq, S, **f32)
-    lsum = torch.empty(B, Hq, S, **f32)
-    acc = torch.empty(B, Hq, S, D, **f32)
+    chunk, S, (m, lsum, acc) = split_plan(L, S, block_n, B, Hq, D, dev)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_G = max(16, triton.next_power_of_2(G))                 # tl.dot needs >= 16 rows
     ieee = q.dtype == torch.float32 or k.dtype == torch.float32
@@ -299,12 +312,11 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
         qk.stride(0), qk.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), 0 if length.numel() == 1 else length.stride(0),
         L, Hkv, G, w, chunk, S,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
+        D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, IEEE=ieee,
+        LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages)
     o = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
-    _attn_decode_combine[(B * Hq,)](m, lsum, acc, o, o.stride(0), o.stride(1), Hq, S,
-                                    D=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)),
-                                    num_warps=4)
+    combine(m, lsum, acc, o)
     return o
 
 

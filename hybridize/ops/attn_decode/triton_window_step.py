@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from .triton_split_kv import LOG2E, _attend_block, _attn_decode_combine, sm_count, triton
+from .triton_split_kv import LOG2E, _attend_block, combine, sm_count, split_plan, triton
 
 if triton is not None:
     import triton.language as tl
@@ -91,6 +91,7 @@ if triton is not None:
 #: slots per block of phase 1 (a module setting, so tests can make splits of a few slots)
 BLOCK_N = 64
 
+
 def window_splits(L: int, rows: int, device, block_n: int) -> int:
     """Slot splits: about 4 programs per SM in phase 1, at least two blocks of slots per split."""
     return max(1, min(-(-4 * sm_count(device) // max(1, rows)), -(-L // (2 * block_n))))
@@ -113,11 +114,7 @@ def window_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Ten
     G = H // Hkv
     dev = q.device
     block_n = block_n or BLOCK_N
-    S = window_splits(L, B * Hkv, dev, block_n)
-    chunk = -(-(-(-L // S)) // block_n) * block_n                # ceil(L / S) rounded up to a block
-    S = -(-L // chunk)
-    f32 = dict(dtype=torch.float32, device=dev)
-    m, lsum, acc = torch.empty(B, H, S, **f32), torch.empty(B, H, S, **f32), torch.empty(B, H, S, D, **f32)
+    chunk, S, (m, lsum, acc) = split_plan(L, window_splits(L, B * Hkv, dev, block_n), block_n, B, H, D, dev)
     qk = q.to(ks.dtype).contiguous()
     ieee = ks.dtype == torch.float32
     _window_partial[(S, B * Hkv)](
@@ -125,7 +122,5 @@ def window_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Ten
         Hkv, G, window, sinks, L, chunk, S, D=D, BLOCK_D=max(16, D), BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=2)
     o = torch.empty(B, H, D, dtype=q.dtype, device=dev)
-    _attn_decode_combine[(B * H,)](m, lsum, acc, o, o.stride(0), o.stride(1), H, S, D=D, BLOCK_D=max(16, D),
-                                   BLOCK_S=max(2, triton.next_power_of_2(S)), ks=ks, vs=vs, seen=seen, G=G, L=L,
-                                   window=window, sinks=sinks, CLEAR=True, num_warps=4)
+    combine(m, lsum, acc, o, ks=ks, vs=vs, seen=seen, G=G, L=L, window=window, sinks=sinks, CLEAR=True)
     return o.view(B, 1, H, D)

@@ -14,19 +14,23 @@ CPU decode profile counts it as the kernel, `hybridize.generation.profile`).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.options import current_kernel_options, triton_kernels_apply
+
+
+def slot_ranks(window: int, sinks: int, device=None) -> torch.Tensor:
+    """`[sinks + window]`: the rank a query needs to read each slot: sink i (rank i + 1) once it has left the window
+    (rank >= i + 1 + window; inside it the ring holds it), ring slot j once filled (rank >= j + 1)."""
+    j = torch.arange(sinks + window, device=device)
+    return torch.where(j < sinks, j + 1 + window, j - sinks + 1)
 
 
 def readable_slots(seen: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     """`[B, sinks + window]` bool: the state slots the token after `seen` `[B]` real tokens reads (itself aside)."""
     j = torch.arange(sinks + window, device=seen.device)
-    need = torch.where(j < sinks, j + 1 + window, j - sinks + 1)      # the rank a query needs to read slot j
     g = (seen + 1).unsqueeze(1)
-    return (g >= need) & (j != (sinks + seen % window).unsqueeze(1))
+    return (g >= slot_ranks(window, sinks, seen.device)) & (j != (sinks + seen % window).unsqueeze(1))
 
 
 def window_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
@@ -56,10 +60,7 @@ def window_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks:
 
 
 def window_step_applies(x: torch.Tensor) -> bool:
-    """The Triton window step may run on x: CUDA (or option `force_triton`, for the interpreter), not fp64, options
-    `window_step` on and `kernels` not "torch", triton importable (the mixer checks its own state:
-    `SlidingWindowAttention._kernel_step_ok`)."""
+    """The Triton window step may run on x: our Triton kernels apply (`triton_kernels_apply`) and option
+    `window_step` is on (the mixer checks its own state: `SlidingWindowAttention._kernel_step_ok`)."""
     opts = current_kernel_options()
-    if x.dtype == torch.float64 or not opts.window_step or opts.kernels == "torch":
-        return False
-    return (x.is_cuda or opts.force_triton) and importlib.util.find_spec("triton") is not None
+    return triton_kernels_apply(x, opts, opts.window_step)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -180,6 +181,15 @@ def current_kernel_options() -> KernelOptions:
     if _ENV_CACHE[1] is not None and torch.compiler.is_compiling():
         return _ENV_CACHE[1]   # a traced region reads no environment: the last options read
     return _env_options()
+
+
+def triton_kernels_apply(x: torch.Tensor, opts: KernelOptions, enabled: bool) -> bool:
+    """Our Triton kernels may run on x: `enabled` (the op's own option), not fp64, option `kernels` not "torch", a
+    CUDA tensor (or option `force_triton`: tests run the kernels on CPU tensors under TRITON_INTERPRET=1), and triton
+    importable (checked without importing it)."""
+    if not enabled or x.dtype == torch.float64 or opts.kernels == "torch":
+        return False
+    return (x.is_cuda or opts.force_triton) and importlib.util.find_spec("triton") is not None
 
 
 def set_kernel_options(opts: KernelOptions | None) -> KernelOptions | None:

@@ -57,13 +57,12 @@ not offered: every layout reads exactly the partitions it writes (the paper's de
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from hybridize.ops.common import dispatch
-from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.options import current_kernel_options, triton_kernels_apply
 from hybridize.ops.common.varlen import check_cu_seqlens, pack_to_padded, padded_to_pack, seq_lengths
 
 OPS = ("gla", "delta")
@@ -364,9 +363,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
     fp64, option `kernels` not torch, option `sse_triton` (False keeps the PyTorch forms on CUDA too: benchmarks
     compare the two) or `force_triton` (tests run our Triton kernels on CPU tensors under TRITON_INTERPRET=1)."""
     opts = current_kernel_options()
-    if x.dtype == torch.float64 or opts.kernels == "torch" or not (opts.sse_triton or opts.force_triton):
-        return False
-    return (x.is_cuda or opts.force_triton) and importlib.util.find_spec("triton") is not None
+    return triton_kernels_apply(x, opts, opts.sse_triton or opts.force_triton)
 
 
 def fused_step_applies(x: torch.Tensor) -> bool:

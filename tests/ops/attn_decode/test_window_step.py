@@ -58,15 +58,19 @@ def _decode(m, x, path: str, prefill: int):
     return torch.cat(outs, 1), states
 
 
+def _compare(m, x, path: str, prefill: int, tol: float = 1e-5):
+    """`path` against the PyTorch step: outputs within `tol` (rel. error), the states bit-identical after every step."""
+    got, got_states = _decode(m, x, path, prefill)
+    ref, ref_states = _decode(m, x, "torch", prefill)
+    assert rel_err(got.float(), ref.float()) < tol
+    for a, b in zip(got_states, ref_states):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
+
+
 def _check(window, sinks, heads, prefill, T, path, device):
     H, Hkv = heads
     m = make_mixer("swa", window=window, sinks=sinks, num_heads=H, num_kv_heads=Hkv, hidden_size=8 * H).to(device)
-    x = random_hidden(3, T, 8 * H, seed=4).to(device)
-    got, got_states = _decode(m, x, path, prefill)
-    ref, ref_states = _decode(m, x, "torch", prefill)
-    assert rel_err(got, ref) < 1e-5
-    for a, b in zip(got_states, ref_states):
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
+    _compare(m, random_hidden(3, T, 8 * H, seed=4).to(device), path, prefill)
 
 
 @pytest.mark.parametrize("window,sinks,heads,prefill,T", CASES)
@@ -118,12 +122,7 @@ def test_window_step_kernel_in_bf16():
     """bf16 (the engine's dtype): the outputs within bf16 rounding of the PyTorch step's, the states bit-identical
     (both write the same rounded keys and values into the same slots)."""
     m = make_mixer("swa", window=6, sinks=2, num_heads=4, num_kv_heads=2, hidden_size=32).to(DEVICE, torch.bfloat16)
-    x = random_hidden(2, 20, 32, seed=5).to(DEVICE, torch.bfloat16)
-    got, got_states = _decode(m, x, "kernel", 9)
-    ref, ref_states = _decode(m, x, "torch", 9)
-    assert rel_err(got.float(), ref.float()) < 2e-2
-    for a, b in zip(got_states, ref_states):
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
+    _compare(m, random_hidden(2, 20, 32, seed=5).to(DEVICE, torch.bfloat16), "kernel", 9, tol=2e-2)
 
 
 @pytest.mark.skipif(not (cuda and triton_ok), reason="needs triton and CUDA (at these sizes the interpreter is slow)")
@@ -134,12 +133,7 @@ def test_window_step_kernel_at_the_real_shapes(heads, dim):
     H, Hkv = heads
     m = make_mixer("swa", window=512, sinks=4, num_heads=H, num_kv_heads=Hkv, head_dim=dim,
                    hidden_size=64 * H).to(DEVICE)
-    x = random_hidden(2, 606, 64 * H, seed=6).to(DEVICE)
-    got, got_states = _decode(m, x, "kernel", 600)
-    ref, ref_states = _decode(m, x, "torch", 600)
-    assert rel_err(got, ref) < 1e-5
-    for a, b in zip(got_states, ref_states):
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.seen, b.seen)
+    _compare(m, random_hidden(2, 606, 64 * H, seed=6).to(DEVICE), "kernel", 600)
 
 
 def test_window_step_kernel_taken_only_where_it_applies():
@@ -166,21 +160,11 @@ MAX_WINDOW_OPS = 19
 def test_window_layer_decode_op_budget(window_step, budget):
     """A decode step of a small hybrid with window layers (the fast engine's path, `generation.profile` counting): the
     window layer's token is its projections, norms, RoPE and one step op on the GPU path, no host sync."""
-    from transformers import AutoConfig
-
-    from hybridize.convert.convert import build_hybrid_config
-    from hybridize.convert.plan import parse_plan
     from hybridize.generation.profile import profile_model
-    from hybridize.modeling import HybridForCausalLM
+    from tests.rl.test_decode_ops import _tiny_qwen3_hybrid
 
     torch.set_num_threads(1)
-    cfg = AutoConfig.for_model("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               max_position_embeddings=4096, tie_word_embeddings=True)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    plan = parse_plan("attn=0", 4, "swa")
-    model = HybridForCausalLM(build_hybrid_config(cfg, plan, {"swa.window": 8, "swa.sinks": 2})).float().eval()
+    model = _tiny_qwen3_hybrid(4, "attn=0", "swa", {"swa.window": 8, "swa.sinks": 2})
     args = SimpleNamespace(batch=2, prompt_len=20, steps=3, attention="auto", top=5, graphs=False,
                            decode_kernel="emulate", compile="off", gemm="auto")
     with use_kernel_options(window_step=window_step):

@@ -146,7 +146,7 @@ def test_set_backend_sets_the_option():
 def test_sse_switches_follow_the_options(monkeypatch):
     """SSE's pieces-GLA choice and its Triton row movers / decode step: the options decide as the variable and
     the old module globals (`USE_TRITON`, `FORCE_TRITON`) did."""
-    monkeypatch.setattr(sse, "importlib", SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: object())))
+    monkeypatch.setattr(options, "importlib", SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: object())))
     bf16_cuda = SimpleNamespace(q=SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), g=object())
     assert sse._gla_in_pieces("gla", bf16_cuda)
     monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
