@@ -47,6 +47,8 @@ def args_parser():
     ap.add_argument("--compile-after-s", type=float, default=None,
                     help="FastGenConfig.compile_after_s for auto (default: the config's own default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--stack-mlp", default="on", choices=["on", "off"],
+                    help="FastGenConfig.stack_mlp: the MLPs' gate and up as one decode GEMM (on, the default) or two")
     ap.add_argument("--out", default="compile_auto.json")
     return ap
 
@@ -78,7 +80,7 @@ def one_mode(model, mode: str, ids, mask, args) -> dict:
 
     torch._dynamo.reset()   # every mode compiles from scratch
     kw = {} if args.compile_after_s is None else {"compile_after_s": args.compile_after_s}
-    gen = FastGenerator(model, FastGenConfig(fallback=False, compile=mode, **kw))
+    gen = FastGenerator(model, FastGenConfig(fallback=False, compile=mode, stack_mlp=args.stack_mlp == "on", **kw))
     calls = []
     for i in range(args.calls):
         sync()
