@@ -780,7 +780,6 @@ class FastGenerator:
                                     generation_config=self._gc)
         exact = self.config.exact_lengths and not use_graphs
         attn_fn = self._attention(device, exact, attention_mask)
-        _refresh_decode_weights(m)
         sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0],
                              compiled=self._compile_now(exact))
         self._compiling = sess.compiled is not None
@@ -815,6 +814,9 @@ class FastGenerator:
         n_done, check = 1, max(1, int(self.config.check_every))
         if sampling.eos is not None and not bool(sess.unfinished.any()):
             check = 0
+        # after the prefill caches are freed: the derived decode weights (SSE's fused projections, the stacked MLPs)
+        # do not add to the prefill's peak
+        _refresh_decode_weights(m)
         n_done = self._decode(sess, sampling, T, max_new, n_done, check, use_graphs, exact)
         sess.exact_length = None
         sess.cache.set_length(None)

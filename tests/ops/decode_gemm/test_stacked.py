@@ -214,3 +214,37 @@ def test_cuda_graph_replays_read_the_refreshed_stack(compile_):
             for layer in model.model.layers:
                 layer.mlp.up_proj.weight.mul_(-1.5)
     assert len(graphs._sessions) == 1
+
+
+def test_decode_weights_are_built_after_the_prefill_cache_is_freed(monkeypatch):
+    """The derived decode weights (the stacked MLPs, SSE's fused projections) must not add to the prefill's peak:
+    they are built once the prefill's cache has been copied into the decode buffers and freed."""
+    import gc
+    import weakref
+
+    from hybridize.generation import fast
+    from hybridize.generation.fast import FastGenConfig, FastGenerator
+    from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
+
+    model, _ = tiny_hybrid(mixer="sse")
+    ids, am = left_padded_batch()
+    caches, alive = [], []
+    real_prefill, real_refresh = FastGenerator._prefill, fast._refresh_decode_weights
+
+    def prefill(self, *a, **kw):
+        logits, cache = real_prefill(self, *a, **kw)
+        caches.append(weakref.ref(cache))
+        return logits, cache
+
+    def refresh(m):
+        gc.collect()
+        alive.append(sum(r() is not None for r in caches))
+        real_refresh(m)
+
+    monkeypatch.setattr(FastGenerator, "_prefill", prefill)
+    monkeypatch.setattr(fast, "_refresh_decode_weights", refresh)
+    gen = FastGenerator(model, FastGenConfig(exact_lengths=False, gemm="triton", prefill_tokens=2 * ids.shape[1]))
+    gen(input_ids=ids, attention_mask=am, pad_token_id=byte_tokenizer().pad_token_id, do_sample=False,
+        max_new_tokens=3)
+    assert len(caches) == 2 and alive == [0]          # two row groups prefilled, both caches gone before the build
+    assert all(st._CACHE in layer.mlp.__dict__ for layer in model.model.layers)
