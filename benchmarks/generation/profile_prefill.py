@@ -15,7 +15,7 @@ layer types and "other" (embedding, norms, MLPs, head). Each cell's row is appen
         --prefill-tokens 131072                                     # batch 32: both models in row groups, as the engine
 
 On the GPU the split is device time between CUDA events recorded around each layer's attention (and an SSE layer's
-pieces: features, route, finish), "other" the rest of the prefill; a profiled prefill gives the top kernels and the
+pieces: features or, without gradient, fused_inputs; route; finish), "other" the rest of the prefill; a profiled prefill gives the top kernels and the
 device total (every kernel, memcpy and memset; it matched the wall time at batch 8 on an H100). On the CPU the
 split is the CPU time of the outermost aten ops that do work in each profiler scope (a proxy). The prompt is the speed
 table's (`rollouts.bench_model`): one row left-padded by an eighth, so the teacher's attention takes its masked path;

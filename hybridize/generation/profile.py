@@ -61,7 +61,7 @@ NO_KERNEL = {
 }
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
 #: SSE methods / functions shown as pieces of an SSE layer's step (sub-scopes)
-SSE_PIECES = ("features", "decode_inputs", "fused_step", "finish")
+SSE_PIECES = ("features", "fused_inputs", "fused_step", "finish")
 SSE_FUNCS = ("route", "naive_recurrent_sse")
 SCOPE = "pd::"   # prefix of this script's profiler scopes
 

@@ -27,7 +27,8 @@ def test_prefill_profile_splits_the_forward_by_layer_type(tmp_path):
         assert len(r["walls_s"]) == 2 and r["tokens_per_s"] == pytest.approx(2 * 48 / r["wall_s"])
     soft = lambda r: next(row for row in r["by_layer_type"] if row["layer_type"] == "softmax")  # noqa: E731
     assert soft(teacher)["kernels_per_layer"] == soft(hybrid)["kernels_per_layer"]   # the same module, counted alike
-    assert {p["piece"] for p in hybrid["sse_pieces"]} >= {"sse.features", "sse.finish"}
+    # no gradient: SSE's fused front end (`fused_inputs`) in place of `features`
+    assert {p["piece"] for p in hybrid["sse_pieces"]} >= {"sse.fused_inputs", "sse.finish"}
     assert res["hybrid_speedup_wall"] == pytest.approx(teacher["wall_s"] / hybrid["wall_s"])
 
 
@@ -133,11 +134,12 @@ def test_event_split_times_each_layer_and_sse_piece(monkeypatch):
     once = profile_prefill._prefill_fn(hybrid, ids, torch.ones_like(ids))
     rows, pieces, total = profile_prefill._event_split(hybrid, once)
     parts = {r["layer_type"]: r for r in rows}
-    # per SSE layer: start, features, route and finish (2 events each), end -> 7 ms; per softmax layer: 1 ms
+    # per SSE layer: start, fused_inputs (the no-gradient front end), route and finish (2 events each), end -> 7 ms;
+    # per softmax layer: 1 ms
     assert parts["sse"]["ms_per_layer"] == 7 and parts["softmax"]["ms_per_layer"] == 1
-    assert {p["piece"]: p["ms_per_layer"] for p in pieces} == {"sse.features": 1, "sse.finish": 1, "sse.route": 1,
-                                                               "sse.(rest)": 4}
+    assert {p["piece"]: p["ms_per_layer"] for p in pieces} == {"sse.fused_inputs": 1, "sse.finish": 1,
+                                                               "sse.route": 1, "sse.(rest)": 4}
     # the clock steps before each layer's first event (6 layers) and before the closing event: 7 ms outside layers
     assert total == 5 * 7 + 1 * 1 + 7 and parts["other"]["ms_all"] == 7
     layer = hybrid.model.layers[0].self_attn
-    assert not layer._forward_hooks and not layer._forward_pre_hooks and "features" not in vars(layer)
+    assert not layer._forward_hooks and not layer._forward_pre_hooks and "fused_inputs" not in vars(layer)

@@ -1,9 +1,10 @@
 """The SSE decode step stays lean and exact.
 
-- the fused T == 1 front end (`SSE.decode_inputs`: one matmul for every projection of x, one for the LoRA
+- the fused no-gradient front end (`SSE.fused_inputs`: one matmul for every projection of x, one for the LoRA
   and gate up-projections, shared + sparse q/k normalised together) gives the generic path's outputs and
   states (fp32, rel. error < 1e-5), for SSE and SSEGDN with q/k norms, RoPE, GQA, biases, padding masks,
-  no output gate, no shared partition; and after an in-place parameter update (the cache refreshes);
+  no output gate, no shared partition, in decode steps and in prefills (both layouts, a packed batch); and after
+  an in-place parameter update (the cache refreshes);
 - a state marked writable (what the fast path's cache does) is updated in place on the GPU path (run on
   CPU with `hybridize.generation.profile`'s PyTorch stand-in for the Triton kernel), with the same values;
 - op budget: one decode step of a small SSE hybrid (qwen3-tiny, 6 layers, 5:1) costs at most
@@ -97,6 +98,45 @@ def test_fused_decode_equals_generic(cls, kw):
         assert rel(o_f[real], o_g[real]) < 1e-5
         for a, b in zip(s_f.tensors(), s_g.tensors()):
             assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("cls,kw", CASES)
+@pytest.mark.parametrize("layout", ["masking", "varlen"])
+def test_fused_prefill_equals_generic(cls, kw, layout):
+    """Without gradient a prefill (chunk mode, any T) takes the fused front end too: the same outputs and states as
+    `features` + `route` (fp32), with a left-padded row, and for a packed batch (`cu_seqlens`)."""
+    m = _mixer(cls, layout=layout, **kw)
+    B, T = 2, 37
+    x = torch.randn(B, T, 24)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :6] = False
+    D = m.config.head_dim
+
+    def rope_at(pos):   # pos [N, L] -> (cos, sin) [N, L, D]
+        ang = pos.float()[..., None] / (10000 ** (torch.arange(0, D, 2).float() / D))
+        emb = torch.cat([ang, ang], -1)
+        return emb.cos(), emb.sin()
+
+    use = m.config.use_rope
+    pe = rope_at(torch.arange(T).expand(B, T)) if use else None
+    cu = torch.tensor([0, 15, B * T])                    # two packed documents of 15 and 59 tokens
+    packed = x.reshape(1, B * T, 24)
+    pe_packed = rope_at(torch.cat([torch.arange(15), torch.arange(B * T - 15)])[None]) if use else None
+    outs = {}
+    for fused in (True, False):
+        m.fuse_decode = fused
+        try:
+            with torch.no_grad():
+                outs[fused] = [m(x, attention_mask=am, position_embeddings=pe, output_state=True)
+                               for am in (None, mask)]
+                outs[fused].append(m(packed, cu_seqlens=cu, position_embeddings=pe_packed, output_state=True))
+        finally:
+            m.fuse_decode = True
+    for (a, b), real in zip(zip(outs[True], outs[False]), (torch.ones_like(mask), mask, None)):
+        ha, hb = (a.hidden, b.hidden) if real is None else (a.hidden[real], b.hidden[real])
+        assert rel(ha, hb) < 1e-5
+        for sa, sb in zip(a.state.tensors(), b.state.tensors()):
+            assert rel(sa, sb) < 1e-5
 
 
 def test_fused_weights_follow_in_place_updates():
@@ -201,5 +241,5 @@ def test_fused_decode_step_op_budget():
     reference): the step is the two matmuls, the kernel, and the output norm, gate and o_proj."""
     n, pieces = _op_budget_profile(fused=True)
     assert pieces["sse.fused_step"] == 3, pieces                       # 2 matmuls + the kernel
-    assert "sse.naive_recurrent_sse" not in pieces and "sse.decode_inputs" not in pieces
+    assert "sse.naive_recurrent_sse" not in pieces and "sse.fused_inputs" not in pieces
     assert n <= MAX_FUSED_SSE_OPS, pieces

@@ -1,7 +1,7 @@
 """SSE on GLA, one decode token in one Triton kernel: from the fused projections' outputs to the summed
 output of the shared and the selected partition ("Scaling Linear Attention with Sparse State Expansion").
 
-`SSE.decode_inputs` + `ops.sse.reference.naive_recurrent_sse` take a decode token through about a dozen small
+`SSE.fused_inputs` + `ops.sse.reference.naive_recurrent_sse` take a decode token through about a dozen small
 kernels per layer (q/k add, norms, RoPE, feature maps, gates, router softmax and max, two decode-kernel calls,
 the sum); at batch 1 they cost more than the state update itself (an H100 profile of the 1.7B shape:
 about 17.5 us per SSE layer against 4.6 us for a softmax layer's front end; benchmarks/RESULTS.md). Here one

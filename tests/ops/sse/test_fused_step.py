@@ -1,7 +1,7 @@
 """The one-kernel SSE-on-GLA decode step (`ops/sse/triton_fused_step.py`) against the separate path and its reference.
 
 The mixer decodes a few tokens after a prefill twice: through the one-kernel step (writable state, the fast
-engine's case) and through the separate path (`decode_inputs` + the PyTorch recurrent reference). Outputs
+engine's case) and through the separate path (`fused_inputs` + the PyTorch recurrent reference). Outputs
 and both states must agree (fp32: rel. error < 1e-5), the states are written in place, and partitions no
 token selected stay bit-identical. The one-kernel step runs as the Triton kernel and as its PyTorch reference
 (`ops/sse/fused_step.py`; on any machine), and the kernel is also compared with the reference op by op on random
