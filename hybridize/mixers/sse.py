@@ -402,8 +402,8 @@ class SSE(Mixer):
         return [self.lora_q.up, self.lora_k.up] + [g.up for g in self.lowrank_gates()]
 
     def _fused_ok(self) -> bool:
-        """The fused projections (`fused_inputs`, `fused_step`) apply: no gradient, no short conv, and every projection a plain
-        `nn.Linear` of one dtype without hooks (a PEFT-wrapped or hooked projection keeps the generic path)."""
+        """The fused projections (`fused_inputs`, `fused_step`) apply: no gradient, no short conv, and every projection
+        a plain `nn.Linear` of one dtype without hooks (a PEFT-wrapped or hooked projection keeps the generic path)."""
         c = self.config
         if not self.fuse_decode or torch.is_grad_enabled() or c.short_conv:
             return False
@@ -444,8 +444,10 @@ class SSE(Mixer):
         old = cache[1] if cache is not None else None
         reuse = old is not None and all(t.shape == sh and t.dtype == w.dtype and t.device == w.device
                                         for t, sh in zip((old[0], old[2]), shapes))
-        W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
-        with torch.no_grad():
+        # normal tensors even when first built under torch.inference_mode (an evaluation's prefill): a refresh outside
+        # it (the fast engine, GRPO) updates them in place, which an inference tensor refuses
+        with torch.inference_mode(False), torch.no_grad():
+            W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
             torch.cat([m.weight for m in s1], out=W1[:rows1])
             W1[rows1:].zero_()
             W2.zero_()
@@ -511,10 +513,11 @@ class SSE(Mixer):
     def fused_inputs(self, x, attention_mask=None, position_embeddings=None):
         """The no-gradient front end (prefill and decode): x `[B, T, hidden]` -> (shared PathInputs | None, sparse
         PathInputs, router logits `[B, T, N]`, output-gate pre-activation `[B, T, H * D]`), the same values as
-        `features` + the router + g_proj, with every projection of x in one matmul, the LoRA and gate up-projections in a second, and the
-        shared and sparse q/k normalised, rotated and feature-mapped together (path-major `[2, B, T, heads, D]`, so
-        each path's tensors are contiguous). A packed batch (`cu_seqlens`) needs nothing more: without a short conv
-        no op here crosses tokens, and RoPE takes the positions from `position_embeddings`."""
+        `features` + the router + g_proj, with every projection of x in one matmul, the LoRA and gate up-projections
+        in a second, and the shared and sparse q/k normalised, rotated and feature-mapped together (path-major
+        `[2, B, T, heads, D]`, so each path's tensors are contiguous). A packed batch (`cu_seqlens`) needs nothing
+        more: without a short conv no op here crosses tokens, and RoPE takes the positions from
+        `position_embeddings`."""
         c = self.config
         B, T, _ = x.shape
         H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim

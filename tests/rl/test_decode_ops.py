@@ -243,3 +243,23 @@ def test_fused_decode_step_op_budget():
     assert pieces["sse.fused_step"] == 3, pieces                       # 2 matmuls + the kernel
     assert "sse.naive_recurrent_sse" not in pieces and "sse.fused_inputs" not in pieces
     assert n <= MAX_FUSED_SSE_OPS, pieces
+
+
+def test_fused_weights_built_in_inference_mode_refresh_outside_it():
+    """An evaluation under `torch.inference_mode` builds the fused weights first; a later no-gradient call after a
+    weight update (the fast engine in a GRPO run) must refresh them in place, which inference tensors refuse."""
+    m = _mixer(SSE, qk_norm=True)
+    x = torch.randn(2, 6, 24)
+    with torch.inference_mode():
+        m(x)
+    W1 = m._fused_weights()[0]
+    assert not W1.is_inference()
+    with torch.no_grad():
+        m.lora_q.up.weight.mul_(-2.0)
+        fused = m(x).hidden
+        m.fuse_decode = False
+        try:
+            generic = m(x).hidden
+        finally:
+            m.fuse_decode = True
+    assert m._fused_weights()[0].data_ptr() == W1.data_ptr() and rel(fused, generic) < 1e-5

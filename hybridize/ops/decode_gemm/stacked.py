@@ -60,9 +60,10 @@ def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torc
     shape = (sum(m.out_features for m in linears), w.shape[1])
     old_w, old_b = (cache[1], cache[2]) if cache is not None else (None, None)
     fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
-    W = old_w if fits else w.new_empty(shape)
     b = None
-    with torch.no_grad():
+    # normal tensors even when first built under torch.inference_mode: a later refresh outside it writes in place
+    with torch.inference_mode(False), torch.no_grad():
+        W = old_w if fits else w.new_empty(shape)
         torch.cat([m.weight for m in linears], out=W)
         if any(m.bias is not None for m in linears):
             b = old_b if fits and old_b is not None else w.new_empty(shape[0])

@@ -116,6 +116,24 @@ def test_cache_follows_in_place_updates_in_the_same_buffer():
         assert torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
 
 
+def test_stack_built_in_inference_mode_refreshes_outside_it():
+    """A stack first built under `torch.inference_mode` is a normal tensor, so a refresh outside it (after an
+    optimizer step) rewrites it in place instead of failing."""
+    mlp = _mlp()
+    x = torch.randn(2, 1, 24)
+    with st.mlps_stacked(mlp, "triton"):
+        with torch.inference_mode():
+            mlp(x)
+        W = mlp.__dict__[st._CACHE][1]
+        assert not W.is_inference()
+        with torch.no_grad():
+            mlp.up_proj.weight.mul_(2)
+            out = mlp(x)
+        assert mlp.__dict__[st._CACHE][1].data_ptr() == W.data_ptr()
+    with torch.no_grad():
+        assert torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
+
+
 def test_hooked_wrapped_or_unknown_mlps_are_left_alone():
     hooked = _mlp()
     hooked.gate_proj.register_forward_hook(lambda *a: None)
