@@ -57,7 +57,8 @@ two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_
 Without gradient (prefill, evaluation, decode) the front end is `fused_inputs`: every projection of x in one
 cached matmul, the LoRA and gate up-projections in a second, the shared and sparse q/k normed, rotated and
 feature-mapped together (the same values as `features` + the router + g_proj, in fewer ops: at a tiny Qwen3-like
-layer on the CPU a whole no-gradient SSE layer forward went from 164 to 136 aten ops).
+layer on the CPU a whole no-gradient SSE layer forward went from 164 to 136 aten ops; kernel option
+`sse_fused_prefill` switches it off for calls over several tokens).
 
 State: `SSEState(sparse [N_seq, P, H, K, V], shared [N_seq, H, K, V] | None, conv)`.
 """
@@ -71,6 +72,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse import reference as sse_ops
 from hybridize.ops.sse.fused_step import StepLayout
@@ -357,7 +359,8 @@ class SSE(Mixer):
                                                                                          position_embeddings):
             o, gate = self.fused_step(x, state, position_embeddings)
             return MixerOutput(hidden=self.finish(o, x, gate), state=state if output_state else None)
-        if self._fused_ok():   # no gradient (prefill or decode): the fused front end (no short conv: no conv state)
+        if self._fused_ok() and (T == 1 or current_kernel_options().sse_fused_prefill):
+            # no gradient (decode, or prefill): the fused front end (no short conv: no conv state)
             shared, sparse, logits, gate = self.fused_inputs(x, attention_mask, position_embeddings)
             conv = None
         else:

@@ -263,3 +263,25 @@ def test_fused_weights_built_in_inference_mode_refresh_outside_it():
         finally:
             m.fuse_decode = True
     assert m._fused_weights()[0].data_ptr() == W1.data_ptr() and rel(fused, generic) < 1e-5
+
+
+def test_fused_prefill_option_keeps_the_per_projection_path(monkeypatch):
+    """Kernel option `sse_fused_prefill=False` (benchmarks' A/B): a no-gradient prefill runs `features`, while a
+    decode step keeps the fused front end."""
+    from hybridize.ops.common.options import use_kernel_options
+
+    m = _mixer(SSE)
+    calls = []
+    for name in ("features", "fused_inputs"):
+        real = getattr(SSE, name)
+        monkeypatch.setattr(SSE, name, lambda self, *a, _n=name, _r=real, **k: calls.append(_n) or _r(self, *a, **k))
+    x = torch.randn(1, 9, 24)
+    with torch.no_grad():
+        out = m(x, output_state=True)
+        m(x[:, -1:], state=out.state)
+        assert calls == ["fused_inputs", "fused_inputs"]
+        calls.clear()
+        with use_kernel_options(sse_fused_prefill=False):
+            out = m(x, output_state=True)
+            m(x[:, -1:], state=out.state)
+        assert calls == ["features", "fused_inputs"]

@@ -82,6 +82,10 @@ class KernelOptions:
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "
                                       "paths' state updates in one Triton kernel (false: the separate kernels, for "
                                       "benchmarks)", "HYBRIDIZE_SSE_FUSED_STEP")
+    sse_fused_prefill: bool = _opt(True, "SSE without gradient over several tokens (prefill, evaluation): the fused "
+                                         "front end, every projection of x in one matmul and both paths' q/k normed "
+                                         "and rotated together (false: one matmul per projection, for benchmarks; "
+                                         "decode steps keep the fused front end)", "HYBRIDIZE_SSE_FUSED_PREFILL")
     window_step: bool = _opt(True, "window layer (swa), decode: the ring write, the attention over the sinks and "
                                    "the window and the slot clear as a split-KV Triton kernel on CUDA (false: the "
                                    "PyTorch step, for benchmarks)",

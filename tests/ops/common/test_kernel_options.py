@@ -42,6 +42,7 @@ def clean(monkeypatch):
     ("HYBRIDIZE_SSE_GLA_PIECES", "0", False),
     ("HYBRIDIZE_SSE_FUSED_STEP", "0", False),
     ("HYBRIDIZE_WINDOW_STEP", "0", False),
+    ("HYBRIDIZE_SSE_FUSED_PREFILL", "0", False),
 ])
 def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
     field = ENV[var]
@@ -57,7 +58,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     assert set(ENV) == {"HYBRIDIZE_KERNELS", "HYBRIDIZE_AUTOTUNE_TOP", "HYBRIDIZE_CCQ_PRODUCTS", "HYBRIDIZE_CCQ_ROWS",
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
                         "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
-                        "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP"}
+                        "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL"}
     assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
     d = KernelOptions().to_dict()
     assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
@@ -71,7 +72,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     ("HYBRIDIZE_CCQ_PRODUCTS", "fast"), ("HYBRIDIZE_CCQ_ROWS", "0"), ("HYBRIDIZE_CCQ_SEGMENT", "1.5"),
     ("HYBRIDIZE_CCQ_TUNE_TOP", "x"), ("HYBRIDIZE_FLA_DQKWG", "ours"), ("HYBRIDIZE_GLA_PRODUCTS", "tf32"),
     ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
-    ("HYBRIDIZE_SSE_FUSED_STEP", "sometimes"), ("HYBRIDIZE_WINDOW_STEP", "2"),
+    ("HYBRIDIZE_SSE_FUSED_STEP", "sometimes"), ("HYBRIDIZE_WINDOW_STEP", "2"), ("HYBRIDIZE_SSE_FUSED_PREFILL", "x"),
 ])
 def test_bad_value_is_one_clear_line(var, raw, monkeypatch):
     with pytest.raises(UserError) as e:
