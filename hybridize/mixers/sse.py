@@ -155,11 +155,12 @@ def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm.forward` with a weight that may vary per row (`[..., rows, D]` against `[rows, D]`)."""
+    """`RMSNorm.forward` with a weight that may vary per row (`[..., rows, D]` against `[rows, D]`): as torch's
+    rms_norm computes it, in fp32 with the gain multiplied before the one rounding (the one-kernel decode step does
+    the same), so the fused front end's q/k match `features`' to rounding in 16 bits too."""
     dtype = x.dtype
     x = x.to(torch.promote_types(dtype, torch.float32))
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(dtype)
 
 
 def _spread_decays(n: int, lo: float, hi: float) -> torch.Tensor:
