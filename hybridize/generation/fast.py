@@ -604,6 +604,10 @@ class FastGenerator:
             raise ValueError(f"cuda_graphs must be auto, on or off, got {mode!r}")
         return device.type == "cuda" and mode != "off"
 
+    def _exact(self, device) -> bool:
+        """Whether decode takes the exact path (keys [:length], HF's ops and bits): no CUDA graphs, exact lengths."""
+        return self.config.exact_lengths and not self._use_graphs(device)
+
     def _attention(self, device, exact: bool, attention_mask) -> object | None:
         """The decode attention kernel for this call, or None for the model's own attention."""
         mode = self.config.attention
@@ -638,7 +642,7 @@ class FastGenerator:
         self._gc, sampling, max_new = resolved
         # the exact path runs HF's own ops (its bits); the MLPs are stacked before linears_routed, whose forwards
         # on gate/up would make them look overridden
-        stack = self.config.stack_mlp and not (self.config.exact_lengths and not self._use_graphs(input_ids.device))
+        stack = self.config.stack_mlp and not self._exact(input_ids.device)
         with torch.no_grad(), _no_checkpointing(m), stacked_mlp.mlps_stacked(m, self.config.gemm, stack), \
                 decode_linear.linears_routed(m, self.config.gemm), \
                 _compile_limits(m, self.config.compile != "off"):
@@ -778,7 +782,7 @@ class FastGenerator:
             log.info("fast generation falls back to model.generate: %s", self.last_fallback_reason)
             return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
                                     generation_config=self._gc)
-        exact = self.config.exact_lengths and not use_graphs
+        exact = self._exact(device)
         attn_fn = self._attention(device, exact, attention_mask)
         sess = self._session(cache, B, T, L, device, dtype, use_graphs, sampling, windows, attn_fn, groups[0],
                              compiled=self._compile_now(exact))

@@ -73,6 +73,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.decode_gemm.derived import derived_weights
 from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse import reference as sse_ops
 from hybridize.ops.sse.fused_step import StepLayout
@@ -419,25 +420,22 @@ class SSE(Mixer):
         return len({m.weight.dtype for m in mods}) == 1
 
     def _fused_weights(self):
-        """(W1, b1, W2, b2): the stage-1 weight `[n1, hidden]` (every projection of x stacked) and bias (None
+        """(W1, b1, W2, b2, wn): the stage-1 weight `[n1, hidden]` (every projection of x stacked) and bias (None
         if no projection has one); the stage-2 block weight `[2 n + gate widths, 2 r + gate ranks]` on the
         stage-1 low-rank columns: first n = (H + Hkv) D zero rows (the shared q/k get + 0, exactly), then the
-        LoRA ups and the gate ups (with their biases). Cached and keyed on the parameters' storage and
-        version counters, so an in-place update (optimizer step, load_state_dict) refreshes it, in the same
-        buffers when the shapes allow (a captured CUDA graph keeps reading the current weights after
-        `refresh_decode_weights`). Checkpoints and parameters are unchanged."""
+        LoRA ups and the gate ups (with their biases); and the q/k norm rows `[H + Hkv, D]` (or None). Cached by
+        `derived_weights` (refreshed in the same buffers after an in-place update, so a captured CUDA graph keeps
+        reading the current weights after `refresh_decode_weights`). Checkpoints and parameters are unchanged."""
         c = self.config
-        cache = self.__dict__.get("_fused_cache")
-        if cache is not None and torch.compiler.is_compiling():
-            # a compiled decode step cannot trace the storage check; its loop refreshes the weights first
-            return cache[1]
         s1, s2 = self._stage1(), self._stage2()
         params = [p for m in s1 + s2 for p in (m.weight, m.bias) if p is not None]
         if c.qk_norm:
             params += [self.q_norm.weight, self.k_norm.weight]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if cache is not None and cache[0] == key:
-            return cache[1]
+        return derived_weights(self, "_fused_cache", params, lambda old: self._build_fused(s1, s2, old))
+
+    def _build_fused(self, s1: list[nn.Linear], s2: list[nn.Linear], old: tuple | None) -> tuple:
+        """`_fused_weights`' tensors, written into `old`'s buffers when the shapes match."""
+        c = self.config
         w = s1[0].weight
         n = (c.num_heads + c.num_kv_heads) * c.head_dim
         rows2 = 2 * n + sum(m.out_features for m in s2[2:])
@@ -445,39 +443,32 @@ class SSE(Mixer):
         rows1 = sum(m.out_features for m in s1)
         # zero rows up to a multiple of 8: the output's row stride stays 16-byte aligned (cuBLAS fast path)
         shapes = [(-(-rows1 // 8) * 8, c.hidden_size), (rows2, cols2)]
-        old = cache[1] if cache is not None else None
         reuse = old is not None and all(t.shape == sh and t.dtype == w.dtype and t.device == w.device
                                         for t, sh in zip((old[0], old[2]), shapes))
-        # normal tensors even when first built under torch.inference_mode (an evaluation's prefill): a refresh outside
-        # it (the fast engine, GRPO) updates them in place, which an inference tensor refuses
-        with torch.inference_mode(False), torch.no_grad():
-            W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
-            torch.cat([m.weight for m in s1], out=W1[:rows1])
-            W1[rows1:].zero_()
-            W2.zero_()
-            r0, c0 = n, 0
-            for m in s2:
-                W2[r0:r0 + m.out_features, c0:c0 + m.in_features].copy_(m.weight)
-                r0, c0 = r0 + m.out_features, c0 + m.in_features
-            b1 = b2 = None
-            if any(m.bias is not None for m in s1):
-                b1 = old[1] if reuse and old[1] is not None else w.new_zeros(shapes[0][0])
-                torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in s1],
-                          out=b1[:rows1])
-            if any(m.bias is not None for m in s2):
-                b2 = old[3] if reuse and old[3] is not None else w.new_empty(rows2)
-                torch.cat([w.new_zeros(n)] + [m.bias if m.bias is not None else w.new_zeros(m.out_features)
-                                              for m in s2], out=b2)
-            wn = None
-            if c.qk_norm:   # one weight row per q head then per k head: both norms in one pass
-                nw = self.q_norm.weight
-                shape = (c.num_heads + c.num_kv_heads, c.head_dim)
-                wn = old[4] if (reuse and old[4] is not None and old[4].dtype == nw.dtype) else nw.new_empty(shape)
-                torch.cat([self.q_norm.gain().expand(c.num_heads, -1),
-                           self.k_norm.gain().expand(c.num_kv_heads, -1)], out=wn)   # gain: Gemma's 1 + weight
-        out = (W1, b1, W2, b2, wn)
-        self.__dict__["_fused_cache"] = (key, out)
-        return out
+        W1, W2 = (old[0], old[2]) if reuse else (w.new_empty(shapes[0]), w.new_empty(shapes[1]))
+        torch.cat([m.weight for m in s1], out=W1[:rows1])
+        W1[rows1:].zero_()
+        W2.zero_()
+        r0, c0 = n, 0
+        for m in s2:
+            W2[r0:r0 + m.out_features, c0:c0 + m.in_features].copy_(m.weight)
+            r0, c0 = r0 + m.out_features, c0 + m.in_features
+        b1 = b2 = None
+        if any(m.bias is not None for m in s1):
+            b1 = old[1] if reuse and old[1] is not None else w.new_zeros(shapes[0][0])
+            torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in s1], out=b1[:rows1])
+        if any(m.bias is not None for m in s2):
+            b2 = old[3] if reuse and old[3] is not None else w.new_empty(rows2)
+            torch.cat([w.new_zeros(n)] + [m.bias if m.bias is not None else w.new_zeros(m.out_features)
+                                          for m in s2], out=b2)
+        wn = None
+        if c.qk_norm:   # one weight row per q head then per k head: both norms in one pass
+            nw = self.q_norm.weight
+            shape = (c.num_heads + c.num_kv_heads, c.head_dim)
+            wn = old[4] if (reuse and old[4] is not None and old[4].dtype == nw.dtype) else nw.new_empty(shape)
+            torch.cat([self.q_norm.gain().expand(c.num_heads, -1),
+                       self.k_norm.gain().expand(c.num_kv_heads, -1)], out=wn)   # gain: Gemma's 1 + weight
+        return W1, b1, W2, b2, wn
 
     @torch.no_grad()
     def refresh_decode_weights(self) -> None:

@@ -67,19 +67,26 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def _routed_forward(module: nn.Linear, mode: str):
-    """The module's routed forward, made once per (module, mode) and kept on it: the same function object
-    at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id:
-    a deep copy of the module (TRL's reference model) carries the dict but gets its own functions."""
-    owner, cache = module.__dict__.get("_decode_linear_forwards", (None, None))
+def kept_forward(module: nn.Module, attr: str, mode: str, make):
+    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]`: the same function object
+    at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id: a deep
+    copy of the module (TRL's reference model) carries the dict but gets its own functions."""
+    owner, cache = module.__dict__.get(attr, (None, None))
     if owner != id(module):
         cache = {}
-        module.__dict__["_decode_linear_forwards"] = (id(module), cache)
+        module.__dict__[attr] = (id(module), cache)
     if mode not in cache:
+        cache[mode] = make()
+    return cache[mode]
+
+
+def _routed_forward(module: nn.Linear, mode: str):
+    """The module's routed forward (`kept_forward`)."""
+    def make():
         def forward(x):
             return decode_linear(x, module.weight, module.bias, mode)
-        cache[mode] = forward
-    return cache[mode]
+        return forward
+    return kept_forward(module, "_decode_linear_forwards", mode, make)
 
 
 @contextmanager

@@ -7,9 +7,9 @@ from the same x, so during a decode step they run as one GEMM over `[W_gate; W_u
 fewer per layer, for a teacher and its hybrid alike (the MLPs are the teacher's in both).
 
 - `stacked_weight(owner, linears)`: the linears' weights (and biases) concatenated along the output rows,
-  cached on `owner` and keyed on the parameters' storage and version counters, so an in-place update (an
-  optimizer step between GRPO rollouts, `load_state_dict`) refreshes it, in the same buffer when the shapes
-  allow (a captured CUDA graph keeps reading the current weights). Parameters and checkpoints are unchanged.
+  cached on `owner` by `derived.derived_weights` (refreshed in place after an in-place update, as an optimizer step
+  between GRPO rollouts makes, so a captured CUDA graph keeps reading the current weights). Parameters and
+  checkpoints are unchanged.
 - `mlps_stacked(model, mode)`: within the block every gated MLP of `model` (a class in `GATED_MLPS`, its three
   projections plain `nn.Linear`s without hooks: a PEFT-wrapped MLP keeps its own forward) runs the stacked
   GEMM through `decode_linear` for inputs of at most 16 rows on CUDA (or anywhere with mode "triton", to test
@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hybridize.ops.decode_gemm.route import decode_linear
+from hybridize.ops.decode_gemm.derived import derived_weights
+from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
 
 #: transformers classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (checked against each
 #: class's own forward in tests/ops/decode_gemm/test_stacked.py)
@@ -44,32 +45,23 @@ _CACHE = "_stacked_decode_weight"
 
 
 def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(W `[sum N_i, K]`, b `[sum N_i]` or None): the linears' weights stacked along the rows, cached on `owner`.
-
-    Keyed on the parameters' `data_ptr` and `_version`; rebuilt in the old buffers when the shapes match. Inside a
-    compiled region the storage check cannot be traced, so the cache is returned as it is: the caller refreshes
-    it before the compiled step runs (`refresh`)."""
-    cache = owner.__dict__.get(_CACHE)
-    if cache is not None and torch.compiler.is_compiling():
-        return cache[1], cache[2]
+    """(W `[sum N_i, K]`, b `[sum N_i]` or None): the linears' weights stacked along the rows, cached on `owner` and
+    refreshed in place (`derived.derived_weights`)."""
     params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    if cache is not None and cache[0] == key:
-        return cache[1], cache[2]
-    w = linears[0].weight
-    shape = (sum(m.out_features for m in linears), w.shape[1])
-    old_w, old_b = (cache[1], cache[2]) if cache is not None else (None, None)
-    fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
-    b = None
-    # normal tensors even when first built under torch.inference_mode: a later refresh outside it writes in place
-    with torch.inference_mode(False), torch.no_grad():
+
+    def build(old):
+        w = linears[0].weight
+        shape = (sum(m.out_features for m in linears), w.shape[1])
+        old_w, old_b = old if old is not None else (None, None)
+        fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
         W = old_w if fits else w.new_empty(shape)
         torch.cat([m.weight for m in linears], out=W)
+        b = None
         if any(m.bias is not None for m in linears):
             b = old_b if fits and old_b is not None else w.new_empty(shape[0])
             torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], out=b)
-    owner.__dict__[_CACHE] = (key, W, b)
-    return W, b
+        return W, b
+    return derived_weights(owner, _CACHE, params, build)
 
 
 def _plain(mod: nn.Module) -> bool:
@@ -91,13 +83,9 @@ def _runs_stacked(x: torch.Tensor, mode: str) -> bool:
 
 
 def _stacked_forward(mlp: nn.Module, mode: str):
-    """The MLP's forward within `mlps_stacked`, made once per (module, mode) and kept on it: the same function
-    object at every call, so a compiled decode step that traced it is not recompiled."""
-    owner, made = mlp.__dict__.get("_stacked_forwards", (None, None))
-    if owner != id(mlp):
-        made = {}
-        mlp.__dict__["_stacked_forwards"] = (id(mlp), made)
-    if mode not in made:
+    """The MLP's forward within `mlps_stacked`, made once per (module, mode) and kept on it (`route.kept_forward`):
+    the same function object at every call, so a compiled decode step that traced it is not recompiled."""
+    def make():
         own = type(mlp).forward
         split = mlp.gate_proj.out_features
 
@@ -108,8 +96,8 @@ def _stacked_forward(mlp: nn.Module, mode: str):
             gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
             return mlp.down_proj(mlp.act_fn(gate) * up)
         forward.stacked_mode = mode   # tells `refresh` the forward is ours and where it will run stacked
-        made[mode] = forward
-    return made[mode]
+        return forward
+    return kept_forward(mlp, "_stacked_forwards", mode, make)
 
 
 @contextmanager
