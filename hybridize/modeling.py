@@ -580,8 +580,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         return self.model
 
     def slots(self) -> list[nn.Module]:
-        """The attention slots (mixers) in layer order."""
-        return [m for m in self.modules() if isinstance(m, AttentionSlot)]
+        """The attention slots (mixers) in layer order: each decoder layer's attention module where it is a slot
+        (the forward asks every call; a walk of every module cost about 3 ms of host time per prefill at the
+        135M shape, `benchmarks/generation/prefill_host.py`)."""
+        layers = getattr(self.model, self.family.layers, None)
+        if layers is None:   # a family whose layers moved: the full walk
+            return [m for m in self.modules() if isinstance(m, AttentionSlot)]
+        attn = self.family.attention
+        return [a for layer in layers if isinstance(a := getattr(layer, attn, None), AttentionSlot)]
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)

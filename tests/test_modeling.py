@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from hybridize.convert.convert import convert_model
 import hybridize.mixers as mixers_pkg
 from hybridize.mixers import mixer_names
-from hybridize.modeling import HybridCache, HybridConfig, HybridForCausalLM, MixerCacheLayer
+from hybridize.modeling import AttentionSlot, HybridCache, HybridConfig, HybridForCausalLM, MixerCacheLayer
 from tests.convert.common import (
     CASES,
     FAMILIES,
@@ -337,3 +337,14 @@ def test_qk_norm_keeps_the_input_dtype():
     xf = x.float()
     ref = norm.gain() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps))
     assert (norm(x).float() - ref).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_slots_are_the_layers_attention_slots_without_a_module_walk(family, monkeypatch):
+    """`slots()` (asked by every forward) reads each decoder layer's attention, in layer order: the same list as a
+    walk of every module, without the walk."""
+    _, model = _hybrid("gla", family)
+    walk = [m for m in model.modules() if isinstance(m, AttentionSlot)]
+    assert len(walk) == 2
+    monkeypatch.setattr(type(model), "modules", lambda self: pytest.fail("slots() walked every module"))
+    assert model.slots() == walk

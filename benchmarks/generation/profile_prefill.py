@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.generation import rollouts
 from hybridize.generation.fast import FastGenConfig, FastGenerator
+from hybridize.ops.common.options import current_kernel_options, use_kernel_options
 from hybridize.generation.profile import (SCOPE, device_items, layer_kind, scopes, summarize_eager, table,
                                           top_ops, work_items)
 
@@ -48,7 +49,7 @@ def _prefill_fn(model, ids, mask, prefill_tokens: int = 0):
     groups = gen._row_groups(*ids.shape)
 
     def once():
-        with torch.no_grad():
+        with torch.no_grad(), use_kernel_options(current_kernel_options()):   # read once per call, as the engine
             for rows in groups:
                 gen._prefill(ids[rows], None if am is None else am[rows], pos[rows])
         if cuda:

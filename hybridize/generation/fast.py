@@ -91,6 +91,7 @@ import torch.nn as nn
 from transformers import AttentionInterface, DynamicCache
 
 from hybridize.families import known_family
+from hybridize.ops.common.options import current_kernel_options, use_kernel_options
 from hybridize.ops.decode_gemm import route as decode_linear
 from hybridize.ops.decode_gemm import stacked as stacked_mlp
 from hybridize.modeling import AttentionSlot, HybridCache, HybridConfig, MixerCacheLayer
@@ -643,7 +644,10 @@ class FastGenerator:
         # the exact path runs HF's own ops (its bits); the MLPs are stacked before linears_routed, whose forwards
         # on gate/up would make them look overridden
         stack = self.config.stack_mlp and not self._exact(input_ids.device)
-        with torch.no_grad(), _no_checkpointing(m), stacked_mlp.mlps_stacked(m, self.config.gemm, stack), \
+        # the kernel options read once for the call (the environment's read per op was ~100 reads of every
+        # HYBRIDIZE_* variable per prefill at the 135M shape)
+        with torch.no_grad(), use_kernel_options(current_kernel_options()), _no_checkpointing(m), \
+                stacked_mlp.mlps_stacked(m, self.config.gemm, stack), \
                 decode_linear.linears_routed(m, self.config.gemm), \
                 _compile_limits(m, self.config.compile != "off"):
             try:

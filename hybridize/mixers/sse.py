@@ -56,9 +56,10 @@ backbone, top-1, shared partition) with a writable state (the fast engine's cach
 two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`).
 Without gradient (prefill, evaluation, decode) the front end is `fused_inputs`: every projection of x in one
 cached matmul, the LoRA and gate up-projections in a second, the shared and sparse q/k normed, rotated and
-feature-mapped together (the same values as `features` + the router + g_proj, in fewer ops: at a tiny Qwen3-like
-layer on the CPU a whole no-gradient SSE layer forward went from 164 to 136 aten ops; kernel option
-`sse_fused_prefill` switches it off for calls over several tokens).
+feature-mapped together (`ops/sse/qk_front.py`; on CUDA one kernel, `triton_qk_front.py`). The same values as
+`features` + the router + g_proj, in fewer ops: at a tiny Qwen3-like layer on the CPU a whole no-gradient SSE layer
+forward went from 164 to 136 aten ops; kernel option `sse_fused_prefill` switches it off for calls over several
+tokens.
 
 State: `SSEState(sparse [N_seq, P, H, K, V], shared [N_seq, H, K, V] | None, conv)`.
 """
@@ -77,6 +78,7 @@ from hybridize.ops.decode_gemm.derived import derived_weights
 from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse import reference as sse_ops
 from hybridize.ops.sse.fused_step import StepLayout
+from hybridize.ops.sse.qk_front import feature_map, qk_front
 from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, naive_recurrent_sse, pick_layout, route
 
 from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNorm, apply_rope, mask_tokens,
@@ -145,23 +147,6 @@ class LowRank(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x))
-
-
-def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(x)
-    if name == "softmax":  # over the head dim; torch's softmax accumulates 16-bit inputs in fp32 and rounds once,
-        return torch.softmax(x, dim=-1).to(x.dtype)   # so one pass gives the fp32 softmax's rounding (autocast: fp32)
-    return x
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm.forward` with a weight that may vary per row (`[..., rows, D]` against `[rows, D]`): as torch's
-    rms_norm computes it, in fp32 with the gain multiplied before the one rounding (the one-kernel decode step does
-    the same), so the fused front end's q/k match `features`' to rounding in 16 bits too."""
-    dtype = x.dtype
-    x = x.to(torch.promote_types(dtype, torch.float32))
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(dtype)
 
 
 def _spread_decays(n: int, lo: float, hi: float) -> torch.Tensor:
@@ -522,17 +507,12 @@ class SSE(Mixer):
         qk, v, logits = col("qk"), col("v"), col("router")
         gate = col("gate") if c.output_gate else None
         direct = [col(f"direct{i}") for i in range(len(self.direct_gate_linears()))]
-        both = torch.empty(2, B, T, n, dtype=y.dtype, device=y.device)        # [shared, sparse] q|k
-        torch.add(qk.unsqueeze(0), u[..., :2 * n].view(B, T, 2, n).movedim(2, 0), out=both)
-        both = both.view(2, B, T, H + Hk, D)
-        if c.qk_norm:
-            both = _rms_norm(both, wn, self.q_norm.eps)
-        if c.use_rope:
-            if position_embeddings is None:
-                raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
-            both = apply_rope(both, *position_embeddings)
-        q = feature_map(both[..., :H, :], c.q_map)
-        k = repeat_kv(feature_map(both[..., H:, :], c.k_map), self.n_rep)
+        if c.use_rope and position_embeddings is None:
+            raise ValueError("use_rope=True needs position_embeddings (cos, sin) from the model")
+        q, k = qk_front(qk, u[..., n:2 * n], H, D, (c.q_map, c.k_map),
+                        norm=(wn, self.q_norm.eps) if c.qk_norm else None,
+                        rope=position_embeddings if c.use_rope else None, kernel=sse_ops.qk_front_applies(x))
+        k = repeat_kv(k, self.n_rep)
         q, k = self.normalize_qk(q, k)
         v = repeat_kv(feature_map(v.view(B, T, Hk, D), c.v_map), self.n_rep)
         (g_sh, b_sh), (g_sp, b_sp) = self.decode_gates(u[..., 2 * n:], direct, B, T)

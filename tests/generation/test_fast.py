@@ -435,3 +435,27 @@ def test_compile_auto_that_fails_decodes_uncompiled_with_a_warning(monkeypatch):
     on = FastGenerator(model, FastGenConfig(exact_lengths=False, bucket=16, compile="on"))
     with pytest.raises(RuntimeError, match="no working C compiler"):
         on(**kw)
+
+
+def test_kernel_options_read_once_per_call(monkeypatch):
+    """The engine reads the environment's kernel options once per call, not per op (that read was about 100
+    reads of every HYBRIDIZE_* variable per prefill at the 135M shape); an explicit setting still wins."""
+    from hybridize.ops.common import options
+
+    model, _ = tiny_hybrid(mixer="sse")
+    gen = FastGenerator(model, FastGenConfig(compile="off"))
+    reads = []
+    real = options._env_options
+    monkeypatch.setattr(options, "_env_options", lambda: reads.append(1) or real())
+    ids, am = _batch()
+    gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=5)
+    assert len(reads) == 1
+    reads.clear()
+    seen = []
+    real_prefill = FastGenerator._prefill
+    monkeypatch.setattr(FastGenerator, "_prefill", lambda self, *a: seen.append(options.current_kernel_options())
+                        or real_prefill(self, *a))
+    with options.use_kernel_options(sse_fused_prefill=False):
+        reads.clear()   # entering the block read the options it changes
+        gen(input_ids=ids, attention_mask=am, pad_token_id=PAD, do_sample=False, max_new_tokens=2)
+    assert reads == [] and seen and all(o.sse_fused_prefill is False for o in seen)

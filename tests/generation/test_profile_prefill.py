@@ -102,7 +102,7 @@ def test_cuda_prefill_split_is_timed_with_events_around_each_layer(tmp_path):
     assert set(parts) == {"sse", "softmax", "other"} and all(r["ms_all"] >= 0 for r in parts.values())
     assert sum(r["ms_all"] for r in parts.values()) == pytest.approx(hybrid["event_total_ms"], rel=1e-6)
     pieces = {p["piece"]: p["ms_per_layer"] for p in hybrid["sse_pieces"]}
-    assert pieces["sse.features"] > 0 and pieces["sse.finish"] > 0 and pieces["sse.(rest)"] >= 0
+    assert pieces["sse.fused_inputs"] > 0 and pieces["sse.finish"] > 0 and pieces["sse.(rest)"] >= 0
     assert hybrid["profiled_total_ms"] > 0 and hybrid["kernels"] > 0
 
 

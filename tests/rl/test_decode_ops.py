@@ -15,11 +15,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from hybridize.generation import profile as pd
 from hybridize.mixers.sse import SSE, SSEGDN, SSEConfig, SSEGDNConfig, SSEState
+from hybridize.ops.sse import reference as sse_reference
+
+#: the mixer tests run on CPU tensors: the q/k front end's kernel only under the interpreter here (on CUDA,
+#: tests/ops/sse/test_qk_front.py checks the kernel and the fast engine's tests the mixers that take it)
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton kernel on CPU tensors: needs triton and TRITON_INTERPRET=1")
 
 #: ops per SSE layer per decode step (measured after the change: 30 at qwen3-tiny, fp32 CPU)
 MAX_SSE_OPS = 32
@@ -102,9 +112,13 @@ def test_fused_decode_equals_generic(cls, kw):
 
 @pytest.mark.parametrize("cls,kw", CASES)
 @pytest.mark.parametrize("layout", ["masking", "varlen"])
-def test_fused_prefill_equals_generic(cls, kw, layout):
+@pytest.mark.parametrize("qk_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_fused_prefill_equals_generic(cls, kw, layout, qk_kernel, monkeypatch):
     """Without gradient a prefill (chunk mode, any T) takes the fused front end too: the same outputs and states as
-    `features` + `route` (fp32), with a left-padded row, and for a packed batch (`cu_seqlens`)."""
+    `features` + `route` (fp32), with a left-padded row, and for a packed batch (`cu_seqlens`); with the q/k front
+    end's one kernel (`ops/sse/triton_qk_front.py`; interpreter on the CPU) too."""
+    if qk_kernel:
+        monkeypatch.setattr(sse_reference, "qk_front_applies", lambda x: True)
     m = _mixer(cls, layout=layout, **kw)
     B, T = 2, 37
     x = torch.randn(B, T, 24)

@@ -366,6 +366,11 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return triton_kernels_apply(x, opts, opts.sse_triton or opts.force_triton)
 
 
+def qk_front_applies(x: torch.Tensor) -> bool:
+    """SSE's no-gradient q/k front end may take its one-kernel form (`triton_qk_front.py`) on x."""
+    return _triton_ok(x)
+
+
 def fused_step_applies(x: torch.Tensor) -> bool:
     """The one-kernel SSE-on-GLA decode step (`triton_fused_step.py`) may run on x: our Triton kernels apply
     and option `sse_fused_step` is on (the mixer checks its own settings: `SSE.fused_step_ok`)."""
