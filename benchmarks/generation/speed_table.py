@@ -229,6 +229,15 @@ def best_engine(paths: dict, model: str):
                 if paths.get((model, p), {}).get("decode_ms")), default=None)
 
 
+def best_engine_prefill(paths: dict, model: str):
+    """The higher of a model's two engine prefill rates (each engine row times one prefill of the same forward:
+    best of two, as the decode columns take the faster path); None while either path is unmeasured or invalid."""
+    if any((model, p) not in paths or split_invalid(paths[(model, p)]) for p in ENGINE_PATHS.values()):
+        return None
+    return max((paths[(model, p)]["prefill_tok_s"] for p in ENGINE_PATHS.values()
+                if paths.get((model, p), {}).get("prefill_tok_s")), default=None)
+
+
 SPLIT_METRICS = ("prefill_tok_s", "decode_ms", "of_floor")   # what the prefill/decode split decides
 
 
@@ -285,6 +294,8 @@ def markdown(rows: list[dict]) -> str:
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]
         if metric == "decode_ms":
             heads += ["hybrid vs teacher (engine, best of each)", "hybrid (best) vs HF static"]
+        if metric == "prefill_tok_s":
+            heads += ["hybrid vs teacher (engine, best of each's two prefills)"]
         lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
             vals = [cell(paths.get((m, p)), metric, spec) for m, p in COLUMNS]
@@ -293,6 +304,8 @@ def markdown(rows: list[dict]) -> str:
                 h, t_eng = best_engine(paths, "hybrid"), best_engine(paths, "teacher")
                 t_hf = paths.get(("teacher", "HF static compiled"), {}).get("decode_ms")
                 line += f" {ratio(t_eng, h)} | {ratio(t_hf, h)} |"
+            if metric == "prefill_tok_s":
+                line += f" {ratio(best_engine_prefill(paths, 'hybrid'), best_engine_prefill(paths, 'teacher'))} |"
             lines.append(line)
         lines.append("")
     return "\n".join(lines)

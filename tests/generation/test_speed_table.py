@@ -152,3 +152,18 @@ def test_hf_warmup_calls_generate_as_many_tokens_as_the_timed_call():
     ids = torch.zeros(2, 5, dtype=torch.long)
     hf_row(m, "teacher", "HF generate", ids, torch.ones_like(ids), 32, {}, 3, torch.device("cpu"))
     assert m.calls == [32, 32, 32, 32]
+
+
+def test_prefill_ratio_is_best_of_each_models_two_engine_prefills():
+    """Each engine row times one prefill of the same forward: the ratio takes each model's higher rate (a slow
+    outlier on one side does not decide it), and none while an engine path is unmeasured."""
+    rows = [row("teacher", "engine", 11.0, prefill_s=0.5), row("teacher", "engine compiled", 8.0, prefill_s=0.25),
+            row("hybrid", "engine", 6.0, prefill_s=1.0), row("hybrid", "engine compiled", 4.0, prefill_s=0.2),
+            row("teacher", "engine", 11.0, T=2048), row("hybrid", "engine", 6.0, T=2048),
+            row("hybrid", "engine compiled", 4.0, T=2048)]
+    for r in rows:
+        r["prefill_tok_s"] = r["batch"] * r["prompt_len"] / r["prefill_s"]
+    prefill = markdown(rows).split("**prefill tokens/s**")[1].split("**")[0]
+    lines = [l for l in prefill.splitlines() if l.startswith("| s |")]
+    assert lines[0].endswith("| 1.25x |")   # (8192 / 0.2) / (8192 / 0.25), not 0.5 / 1.0
+    assert lines[1].endswith("| - |")       # the teacher's compiled path unmeasured
