@@ -571,7 +571,9 @@ class SSE(Mixer):
         P = len(self.lowrank_gates())
         zf = torch.empty(P, B, T, z.shape[-1] // P, dtype=torch.float32, device=z.device)
         zf.copy_(z.view(B, T, P, -1).movedim(2, 0))                             # path-major, = z.float()
-        g = (F.logsigmoid(zf) / c.gate_normalizer).view(P, B, T, c.num_heads, c.head_dim)
+        g = F.logsigmoid(zf)
+        del zf                         # a prefill's gates are the largest tensors here (fp32): two alive, not three
+        g = g.div_(c.gate_normalizer).view(P, B, T, c.num_heads, c.head_dim)
         return ((g[0], None) if P == 2 else (None, None)), (g[-1], None)
 
 
