@@ -35,9 +35,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.generation import rollouts
 from hybridize.generation.fast import FastGenConfig, FastGenerator
-from hybridize.ops.common.options import current_kernel_options, use_kernel_options
 from hybridize.generation.profile import (SCOPE, device_items, layer_kind, scopes, summarize_eager, table,
                                           top_ops, work_items)
+from hybridize.ops.common.options import current_kernel_options, use_kernel_options
 
 
 def _prefill_fn(model, ids, mask, prefill_tokens: int = 0):

@@ -58,16 +58,17 @@ def qk_front_torch(qk: torch.Tensor, delta: torch.Tensor, heads: int, head_dim: 
     return feature_map(both[..., :heads, :], maps[0]), feature_map(both[..., heads:, :], maps[1])
 
 
-def qk_front_fits(qk: torch.Tensor, head_dim: int, maps: tuple[str, str], rope) -> bool:
-    """The one-kernel form applies: a power-of-two head dim, full rotary, known maps, token rows as one stride."""
-    if head_dim & (head_dim - 1) or any(m not in MAPS for m in maps) or qk.stride(-1) != 1:
+def qk_front_fits(qk: torch.Tensor, delta: torch.Tensor, head_dim: int, maps: tuple[str, str], rope) -> bool:
+    """The one-kernel form applies: a power-of-two head dim, known maps, full rotary with cos/sin `[B or 1, T, D]`,
+    and qk / delta with unit column stride and token rows as one stride."""
+    if head_dim & (head_dim - 1) or any(m not in MAPS for m in maps):
         return False
     B, T, _ = qk.shape
     if rope is not None:
         cos = rope[0]
         if cos.dim() != 3 or cos.shape[-1] != head_dim or cos.shape[1] != T or cos.shape[0] not in (1, B):
             return False   # partial rotary, or a layout the kernel does not index: the PyTorch chain
-    return B == 1 or T == 1 or qk.stride(0) == T * qk.stride(1)
+    return all(t.stride(-1) == 1 and (B == 1 or T == 1 or t.stride(0) == T * t.stride(1)) for t in (qk, delta))
 
 
 def qk_front(qk: torch.Tensor, delta: torch.Tensor, heads: int, head_dim: int, maps: tuple[str, str],
@@ -75,8 +76,7 @@ def qk_front(qk: torch.Tensor, delta: torch.Tensor, heads: int, head_dim: int, m
              kernel: bool = False):
     """`qk_front_torch`'s contract; `kernel=True` (the caller checked that our Triton kernels apply) takes the
     one-kernel form where it fits, and never inside torch.compile (Inductor fuses the PyTorch chain itself)."""
-    if (kernel and not torch.compiler.is_compiling() and delta.stride(-1) == 1
-            and qk_front_fits(qk, head_dim, maps, rope) and qk_front_fits(delta, head_dim, maps, rope)):
+    if kernel and not torch.compiler.is_compiling() and qk_front_fits(qk, delta, head_dim, maps, rope):
         from hybridize.ops.sse.triton_qk_front import qk_front_triton
         return qk_front_triton(qk, delta, heads, head_dim, maps, norm, rope)
     return qk_front_torch(qk, delta, heads, head_dim, maps, norm, rope)

@@ -36,18 +36,17 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.sse.fused_step import StepLayout
-
-#: feature-map codes (constexpr in the kernel)
-MAPS = {"identity": 0, "silu": 1, "softmax": 2}
+from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
 
 @triton.jit
-def _feature(x, MAP: tl.constexpr):
+def _feature(x, MAP: tl.constexpr, AXIS: tl.constexpr):
+    """The feature map along the head dim `AXIS` of x (a `[D]` row: 0; `[rows, D]`: 1); also `triton_qk_front`'s."""
     if MAP == 1:
         x = x / (1.0 + tl.exp(-x))                     # silu
     if MAP == 2:
-        x = tl.exp(x - tl.max(x, 0))                   # softmax over the head dim
-        x = x / tl.sum(x, 0)
+        x = tl.exp(x - tl.max(x, AXIS, keep_dims=True))   # softmax over the head dim
+        x = x / tl.sum(x, AXIS, keep_dims=True)
     return x
 
 
@@ -70,7 +69,7 @@ def _qk(y_row, u_row, w_row, c, s, eps, d, partner, sign, ADD_U: tl.constexpr, N
             xp = xp * r * tl.load(w_row + partner).to(tl.float32)
     if ROPE:
         x = x * c + sign * xp * s
-    return _feature(x, MAP)
+    return _feature(x, MAP, 0)
 
 
 @triton.jit
@@ -114,7 +113,7 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     w = tl.max(prob, 0)
     part = tl.argmax(prob, 0).to(tl.int64)
 
-    v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP)
+    v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP, 0)
     q_col, k_col = i_h * D, (H + i_kh) * D
     wq_row, wk_row = wn + i_h * D, wn + (H + i_kh) * D
     # shared partition: the base projections

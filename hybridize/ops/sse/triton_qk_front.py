@@ -14,17 +14,7 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.sse.qk_front import MAPS
-
-
-@triton.jit
-def _feature_rows(x, MAP: tl.constexpr):
-    """The feature map of each row of x `[BM, D]` (softmax over the head dim)."""
-    if MAP == 1:
-        x = x / (1.0 + tl.exp(-x))
-    if MAP == 2:
-        x = tl.exp(x - tl.max(x, 1)[:, None])
-        x = x / tl.sum(x, 1)[:, None]
-    return x
+from hybridize.ops.sse.triton_fused_step import _feature
 
 
 @triton.jit
@@ -58,7 +48,7 @@ def _qk_front_kernel(qk, delta, wn, cos, sin, q_out, k_out, M, T, s_qk, s_d, s_c
         sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
         x = x * c + sign * xp * s
     is_q = head < H
-    x = tl.where(is_q[:, None], _feature_rows(x, QMAP), _feature_rows(x, KMAP))
+    x = tl.where(is_q[:, None], _feature(x, QMAP, 1), _feature(x, KMAP, 1))
     base = path * M + tok
     qdst = (base * H + head)[:, None] * D + d[None, :]
     kdst = (base * (R - H) + head - H)[:, None] * D + d[None, :]
