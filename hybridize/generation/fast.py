@@ -188,6 +188,16 @@ def _unsupported_model(model) -> str | None:
     return None
 
 
+def _inductor_options() -> dict | None:
+    """inductor's options for a compiled step: kernel option `pdl` turns on its programmatic dependent launch (on
+    Hopper or later, where this torch has the option), beside the decode GEMM's."""
+    import torch._inductor.config as inductor_config
+
+    if current_kernel_options().pdl and hasattr(inductor_config.triton, "enable_pdl"):
+        return {"triton.enable_pdl": True}
+    return None
+
+
 def _is_mixer_layer(layer) -> bool:
     return isinstance(layer.self_attn, AttentionSlot)
 
@@ -708,7 +718,7 @@ class FastGenerator:
             self._sessions = {k: v for k, v in self._sessions.items() if v.compiled is not None}
         if use_graphs:
             key = (B, L, dtype, device, _sampling_key(sampling), getattr(attn_fn, "__name__", None),
-                   tuple(p.data_ptr() for p in m.parameters()), compiled)
+                   tuple(p.data_ptr() for p in m.parameters()), compiled, current_kernel_options().pdl)
             if key in self._sessions:
                 sess = self._sessions.pop(key)
                 self._sessions[key] = sess   # most recently used last
@@ -732,7 +742,7 @@ class FastGenerator:
         sess.sampling = sampling
         sess.attn_fn = attn_fn
         if compiled:
-            sess.compiled = torch.compile(sess.logits, dynamic=False)
+            sess.compiled = torch.compile(sess.logits, dynamic=False, options=_inductor_options())
         self._load(sess, cache, T, rows)
         if key is not None:
             self._sessions[key] = sess

@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from hybridize.ops.common.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -164,9 +166,12 @@ if triton is not None:
                              stride_vb, stride_vh, stride_vl, stride_len,
                              L, Hkv, G, window, chunk, S,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                             BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LOOP_WHILE: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """One (split, row b, KV head h): running softmax stats of the G query heads of the group over
         the visible keys of the split, in log2 units (scores pre-multiplied by log2(e))."""
+        if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
+            tl.extra.cuda.gdc_wait()
         i_s, i_bh = tl.program_id(0), tl.program_id(1)
         i_b = i_bh // Hkv
         i_h = i_bh % Hkv
@@ -209,11 +214,14 @@ if triton is not None:
     @triton.jit
     def _attn_decode_combine(m_in, l_in, acc_in, o, stride_ob, stride_oh, Hq, S,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                             ks=None, vs=None, seen=None, G=1, L=1, window=1, sinks=0, CLEAR: tl.constexpr = False):
+                             ks=None, vs=None, seen=None, G=1, L=1, window=1, sinks=0, CLEAR: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
         """One (row, query head): merge the splits' (max, sum, acc); zeros when no key was visible. CLEAR (a window
         layer's step, `triton_window_step.py`): the group's first query head also zeroes the ring slot of rank
         seen + 2 - window in the contiguous state ks, vs `[B, Hkv, L, D]`, the key that has just left every band
         (phase 1, which read it, has finished)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         i_bh = tl.program_id(0).to(tl.int64)
         o_s = tl.arange(0, BLOCK_S)
         o_d = tl.arange(0, BLOCK_D)
@@ -274,9 +282,11 @@ def combine(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, o: torch.Ten
     """Phase 2: merge the splits' partials into o `[B, Hq, D]`; `clear`: `_attn_decode_combine`'s CLEAR arguments (the
     window step's)."""
     B, Hq, S, D = acc.shape
+    pdl = pdl_launch(o.device)
     _attn_decode_combine[(B * Hq,)](m, lsum, acc, o, o.stride(0), o.stride(1), Hq, S, D=D,
                                     BLOCK_D=max(16, triton.next_power_of_2(D)),
-                                    BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4, **clear)
+                                    BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4, PDL=pdl,
+                                    launch_pdl=pdl, **clear)
 
 
 @torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
@@ -313,8 +323,8 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
         v.stride(0), v.stride(1), v.stride(2), 0 if length.numel() == 1 else length.stride(0),
         L, Hkv, G, w, chunk, S,
         D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, IEEE=ieee,
-        LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, num_stages=num_stages)
+        LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl_launch(dev),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch(dev))
     o = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o)
     return o

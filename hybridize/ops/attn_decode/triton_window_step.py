@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from hybridize.ops.common.pdl import pdl_launch
+
 from .triton_split_kv import LOG2E, _attend_block, combine, sm_count, split_plan, triton
 
 if triton is not None:
@@ -36,9 +38,11 @@ if triton is not None:
     @triton.jit
     def _window_partial(q, k_new, v_new, ks, vs, seen, m_out, l_out, acc_out, qk_scale, Hkv, G, window, sinks, L,
                         chunk, S, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                        IEEE: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                        IEEE: tl.constexpr, LOOP_WHILE: tl.constexpr, PDL: tl.constexpr):
         """One (split, row b, KV head h): running softmax stats (log2 units) of the group's query heads over the
         slots of the split that the query reads; split 0 also holds the token itself and writes it to the state."""
+        if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
+            tl.extra.cuda.gdc_wait()
         i_s, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b = i_bh // Hkv
         i_h = i_bh % Hkv
@@ -120,7 +124,8 @@ def window_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Ten
     _window_partial[(S, B * Hkv)](
         qk, k.to(ks.dtype).contiguous(), v.to(ks.dtype).contiguous(), ks, vs, seen, m, lsum, acc, scale * LOG2E,
         Hkv, G, window, sinks, L, chunk, S, D=D, BLOCK_D=max(16, D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=2)
+        BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl_launch(dev),
+        num_warps=4, num_stages=2, launch_pdl=pdl_launch(dev))
     o = torch.empty(B, H, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o, ks=ks, vs=vs, seen=seen, G=G, L=L, window=window, sinks=sinks, CLEAR=True)
     return o.view(B, 1, H, D)

@@ -33,6 +33,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hybridize.ops.common.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -58,11 +60,13 @@ if triton is not None:
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         # UPCAST: fp32 dots, for the interpreter, whose bf16 dot is wrong (numpy has no bf16).
         # K is a compile-time constant: static loop bounds (the interpreter takes no tensor bounds in
         # range()) and no K mask when the slice is a multiple of BK.
         # SPLIT > 1: out is the fp32 partial buffer [SPLIT, M, N]; slice s writes out[s]
+        # PDL: launched before the previous kernel has finished (`ops/common/pdl.py`): wait for it before
+        # reading x; let the next kernel launch once the weights are read.
         KS: tl.constexpr = ((K + SPLIT * BK - 1) // (SPLIT * BK)) * BK      # K per slice, whole tiles
         i_s = tl.program_id(1)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -73,6 +77,8 @@ if triton is not None:
         p_w = w + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]     # [BN, BK]
         p_x = x + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]     # [BK, BM] (x^T tile)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for k0 in range(0, KS, BK):
             if K % (SPLIT * BK) == 0:
                 b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
@@ -87,6 +93,8 @@ if triton is not None:
                 acc = tl.dot(b_w, b_x, acc)
             p_w += BK
             p_x += BK
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if SPLIT == 1:
             if HAS_BIAS:
                 acc += tl.load(b + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
@@ -98,8 +106,10 @@ if triton is not None:
 
     @triton.jit
     def _split_sum_kernel(part, b, out, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
         # out[m, n] = sum_s part[s, m, n] (+ b[n]), one program per BLOCK outputs of one row
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         m = tl.program_id(1)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -112,7 +122,7 @@ if triton is not None:
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict) -> None:
+            cfg: dict, pdl: bool = False) -> None:
     M, K = x2.shape
     N = weight.shape[0]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,12 +132,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _decode_linear_kernel[grid](x2, weight, b, dst, M, N, x2.stride(0), weight.stride(0), out.stride(0), K,
-                                HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret,
-                                num_warps=warps, num_stages=stages, **cfg)
+                                HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret, PDL=pdl,
+                                num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(N, block), M)](dst, b, out, M, N, out.stride(0), HAS_BIAS=bias is not None,
-                                                      SPLIT=split, BLOCK=block)
+                                                      SPLIT=split, BLOCK=block, PDL=pdl, launch_pdl=pdl)
 
 
 def _name(cfg) -> str:
@@ -214,7 +224,7 @@ def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return F.linear(x, weight, bias)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, weight, bias, out, config)
+        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)
 
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridize.ops.common.pdl import pdl_launch
 from hybridize.ops.sse.fused_step import StepLayout
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
@@ -92,7 +93,9 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
                          eps, inv_gn, scale, H, NREP, P,
                          D: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
                          ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
-                         EMULQ: tl.constexpr, EMULK: tl.constexpr):
+                         EMULQ: tl.constexpr, EMULK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
+        tl.extra.cuda.gdc_wait()
     i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_kh = i_h // NREP
     d = tl.arange(0, D)
@@ -176,5 +179,6 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
         y.stride(0), u.stride(0), cos.stride(0) if rope else 0, (H + L.kv_heads) * D, L.v_col, L.router_col,
         L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
         H, H // L.kv_heads, L.partitions, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
-        ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk)
+        ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,
+        PDL=pdl_launch(y.device), launch_pdl=pdl_launch(y.device))
     return o

@@ -155,6 +155,70 @@ def test_timed_choice_and_custom_op_on_cuda():
     assert len(shown["us"]) > len(kern.CONFIGS) // 2 and "cublas" in shown["us"]
 
 
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9), reason="PDL needs a Hopper or later GPU")
+def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
+    """Kernel option pdl: each GEMM is launched before the kernel producing its input has finished and waits
+    in-kernel. A chain behind a long cuBLAS GEMM (the producer), split-K and not, replayed from a CUDA graph with
+    new inputs, gives the plain launches' outputs bit for bit; a missing wait would read a stale input."""
+    from hybridize.ops.common.options import use_kernel_options
+    from hybridize.ops.common.pdl import pdl_launch
+    from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
+
+    torch.manual_seed(0)
+    big = torch.randn(4096, 4096, device="cuda").bfloat16()
+    src = torch.randn(8, 4096, device="cuda").bfloat16()
+    w1 = torch.randn(2048, 4096, device="cuda").bfloat16() / 64
+    w2 = torch.randn(1000, 2048, device="cuda").bfloat16() / 32
+    w3 = torch.randn(3000, 1000, device="cuda").bfloat16() / 32
+    cfg1, cfg2, cfg3 = dict(BN=16, BK=256, SPLIT=1), dict(BN=32, BK=256, SPLIT=4), dict(BN=64, BK=128, SPLIT=1)
+
+    def chain():
+        x = (src @ big)[:, :4096] / 64                      # the slow producer: a cuBLAS GEMM over 4096 x 4096
+        y = decode_linear_triton(x, w1, config=cfg1)
+        z = decode_linear_triton(y, w2, config=cfg2)
+        return decode_linear_triton(torch.tanh(z), w3, config=cfg3)
+
+    outs = {}
+    for pdl in (False, True):
+        with use_kernel_options(pdl=pdl):
+            assert pdl_launch(src.device) == pdl
+            chain()   # compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = chain()
+        got = []
+        for seed in range(5):
+            torch.manual_seed(100 + seed)
+            src.copy_(torch.randn_like(src))
+            g.replay()
+            got.append(out.clone())
+        torch.cuda.synchronize()
+        outs[pdl] = got
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+
+
+def test_pdl_applies_only_on_hopper_gpus_with_the_option(monkeypatch):
+    """The option turns PDL on for CUDA tensors only; the interpreter and CPU tensors never launch with it, and a
+    compiled step asks inductor for its PDL kernels only under the option."""
+    from hybridize.generation.fast import _inductor_options
+    from hybridize.ops.common.options import KernelOptions, use_kernel_options
+    from hybridize.ops.common.pdl import pdl_launch
+
+    assert KernelOptions.from_env({"HYBRIDIZE_PDL": "0"}).pdl is False
+    assert KernelOptions().pdl is True
+    with use_kernel_options(pdl=True):
+        assert not pdl_launch(torch.device("cpu"))
+        import torch._inductor.config as ic
+        want = {"triton.enable_pdl": True} if hasattr(ic.triton, "enable_pdl") else None
+        assert _inductor_options() == want
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not pdl_launch(torch.device("cuda", 0))
+    with use_kernel_options(pdl=False):
+        assert _inductor_options() is None
+
+
 def test_check_args_one_line_errors():
     from hybridize.ops.decode_gemm.triton_gemm import check_args
 

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+A decode step is a chain of a few hundred small kernels, each waiting for the one before it. With PDL (Hopper
+and later, CUDA's `cudaLaunchAttributeProgrammaticStreamSerialization`) a kernel is launched before the kernel
+before it has finished, and each of its programs waits in-kernel (`griddepcontrol.wait`, Triton's
+`gdc_wait`) before it reads that kernel's outputs, so the launch and the program start overlap the previous
+kernel's tail. The wait is for the whole previous grid's completion and memory flush, and every program of
+ours waits before it reads or writes anything, so the stream order is kept transitively. CUDA-graph capture
+keeps the launches' attribute.
+
+Kernel option `pdl` (default on) turns it on for our decode kernels (the decode GEMM, SSE's one-kernel step,
+the split-KV attention and the window step) and, in a compiled step, for inductor's kernels
+(`generation/fast.py`). Measured on one H100 (`benchmarks/RESULTS.md`, "Decode: programmatic dependent
+launch"): the 135M shape's compiled step at 1k x 1 11-13% faster for both models, the 1.7B shape at 16k x 8
+unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from hybridize.ops.common.options import current_kernel_options
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels launched now on `device` use PDL: kernel option `pdl`, a CUDA device of compute capability
+    9 or later, a Triton with grid dependency control, not the Triton interpreter."""
+    if not current_kernel_options().pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    try:
+        import triton.language.extra.cuda as tl_cuda
+    except ImportError:
+        return False
+    return hasattr(tl_cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
