@@ -25,10 +25,11 @@ from hybridize.ops.common.options import current_kernel_options
 
 
 def pdl_launch(device: torch.device) -> bool:
-    """Whether kernels launched now on `device` use PDL: kernel option `pdl`, a CUDA device of compute capability
-    9 or later, a Triton with grid dependency control, not the Triton interpreter."""
-    if not current_kernel_options().pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
+    """Whether kernels launched now on `device` use PDL: kernel option `pdl`, an NVIDIA GPU of compute capability 9
+    or later, a Triton with grid dependency control, not the Triton interpreter."""
+    if (not current_kernel_options().pdl or device.type != "cuda" or torch.version.hip is not None
+            or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False   # ROCm's "cuda" devices have no grid dependency control
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -213,6 +213,9 @@ def test_pdl_applies_only_on_hopper_gpus_with_the_option(monkeypatch):
         import torch._inductor.config as ic
         want = {"triton.enable_pdl": True} if hasattr(ic.triton, "enable_pdl") else None
         assert _inductor_options() == want
+        monkeypatch.setattr(torch.version, "hip", "6.0")       # ROCm's devices are "cuda" too
+        assert not pdl_launch(torch.device("cuda", 0))
+        monkeypatch.setattr(torch.version, "hip", None)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not pdl_launch(torch.device("cuda", 0))
     with use_kernel_options(pdl=False):
