@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from hybridize.ops.common.pdl import pdl_launch
+from hybridize.ops.common.pdl import pdl_args
 
 try:
     import triton
@@ -282,11 +282,10 @@ def combine(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, o: torch.Ten
     """Phase 2: merge the splits' partials into o `[B, Hq, D]`; `clear`: `_attn_decode_combine`'s CLEAR arguments (the
     window step's)."""
     B, Hq, S, D = acc.shape
-    pdl = pdl_launch(o.device)
     _attn_decode_combine[(B * Hq,)](m, lsum, acc, o, o.stride(0), o.stride(1), Hq, S, D=D,
                                     BLOCK_D=max(16, triton.next_power_of_2(D)),
-                                    BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4, PDL=pdl,
-                                    launch_pdl=pdl, **clear)
+                                    BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4, **pdl_args(o.device),
+                                    **clear)
 
 
 @torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
@@ -323,8 +322,8 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
         v.stride(0), v.stride(1), v.stride(2), 0 if length.numel() == 1 else length.stride(0),
         L, Hkv, G, w, chunk, S,
         D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, IEEE=ieee,
-        LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl_launch(dev),
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch(dev))
+        LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(dev))
     o = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o)
     return o

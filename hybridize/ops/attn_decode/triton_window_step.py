@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from hybridize.ops.common.pdl import pdl_launch
+from hybridize.ops.common.pdl import pdl_args
 
 from .triton_split_kv import LOG2E, _attend_block, combine, sm_count, split_plan, triton
 
@@ -124,8 +124,8 @@ def window_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Ten
     _window_partial[(S, B * Hkv)](
         qk, k.to(ks.dtype).contiguous(), v.to(ks.dtype).contiguous(), ks, vs, seen, m, lsum, acc, scale * LOG2E,
         Hkv, G, window, sinks, L, chunk, S, D=D, BLOCK_D=max(16, D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl_launch(dev),
-        num_warps=4, num_stages=2, launch_pdl=pdl_launch(dev))
+        BLOCK_N=block_n, IEEE=ieee, LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=2,
+        **pdl_args(dev))
     o = torch.empty(B, H, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o, ks=ks, vs=vs, seen=seen, G=G, L=L, window=window, sinks=sinks, CLEAR=True)
     return o.view(B, 1, H, D)

@@ -33,6 +33,13 @@ def pdl_launch(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_args(device: torch.device) -> dict:
+    """A launch's PDL arguments: the kernel's `PDL` constexpr (wait in-kernel) and Triton's `launch_pdl` (the launch
+    attribute), both `pdl_launch(device)`. Our decode kernels take `**pdl_args(device)`."""
+    on = pdl_launch(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
     try:

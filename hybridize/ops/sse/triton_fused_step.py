@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.ops.common.pdl import pdl_launch
+from hybridize.ops.common.pdl import pdl_args
 from hybridize.ops.sse.fused_step import StepLayout
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
@@ -180,5 +180,5 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
         L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
         H, H // L.kv_heads, L.partitions, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
         ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,
-        PDL=pdl_launch(y.device), launch_pdl=pdl_launch(y.device))
+        **pdl_args(y.device))
     return o
