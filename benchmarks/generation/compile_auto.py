@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.generation.rollouts import SHAPES, add_plan_args, build_pair, plan_settings
 from benchmarks.timing import free_memory, md_table, sync
+from hybridize.ops.common.options import current_kernel_options
 
 
 def args_parser():
@@ -125,8 +126,8 @@ def main(argv=None):
     for mode in args.modes.split(","):
         rows.append(one_mode(model, mode, ids, mask, args))
         add_regret(rows)
-        Path(args.out).write_text(json.dumps({"header": header, "args": vars(args), "warmup": warm, "modes": rows},
-                                             indent=1))
+        Path(args.out).write_text(json.dumps({"header": header, "args": vars(args), "warmup": warm, "modes": rows,
+                                              "kernel_options": current_kernel_options().to_dict()}, indent=1))
     cols = ["mode", "job_s", "regret", "first_compiled_call", "compile_extra_s", "steady_decode_ms"]
     print(header)
     print(md_table(cols, [[r[c] for c in cols] for r in rows]))

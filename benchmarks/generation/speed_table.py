@@ -42,6 +42,7 @@ from benchmarks.timing import free_memory, md_header
 from hybridize.errors import read_jsonl
 from hybridize.eval.speed import cache_bytes
 from hybridize.generation.fast import rows_per_prefill
+from hybridize.ops.common.options import current_kernel_options
 
 TEACHER_PATHS = {"HF generate": "HF warmed", "HF generate (static cache, compiled)": "HF static compiled"}
 
@@ -161,7 +162,8 @@ def measure(a) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "dtype": a.dtype}
+           "torch": torch.__version__, "dtype": a.dtype,
+           "kernel_options": current_kernel_options().to_dict()}   # pdl and the other switches in force
     if a.remeasure_engine and not a.code:
         raise SystemExit("--remeasure-engine needs --code LABEL (the rows of this code are kept across calls)")
     done = done_paths(out, a.prefill_tokens, a.remeasure_unsynced, a.code if a.remeasure_engine else None)

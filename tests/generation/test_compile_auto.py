@@ -50,3 +50,17 @@ def test_pair_builder_takes_the_converters_mixer_settings():
     assert hybrid.config.mixer_settings["swa"]["window"] == 16 and hybrid.config.mixer_settings["swa"]["sinks"] == 2
     _, plain = build_pair("tiny", "1:1", "swa", torch.float32, "cpu")
     assert plain.config.mixer_settings["swa"]["window"] == 512
+
+
+def test_rows_record_the_kernel_options_in_force(tmp_path, monkeypatch):
+    """A row says which kernel switches it ran under (pdl among them): a CPU smoke run with HYBRIDIZE_PDL=0."""
+    import json
+
+    from benchmarks.generation.compile_auto import main
+
+    monkeypatch.setenv("HYBRIDIZE_PDL", "0")
+    out = tmp_path / "ca.json"
+    main(["--shape", "tiny", "--prompt-len", "16", "--new-tokens", "2", "--calls", "1", "--dtype", "float32",
+          "--modes", "off", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["kernel_options"]["pdl"] is False and got["kernel_options"]["kernels"] == "auto"
