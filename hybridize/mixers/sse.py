@@ -65,6 +65,7 @@ State: `SSEState(sparse [N_seq, P, H, K, V], shared [N_seq, H, K, V] | None, con
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -455,12 +456,61 @@ class SSE(Mixer):
                        self.k_norm.gain().expand(c.num_kv_heads, -1)], out=wn)   # gain: Gemma's 1 + weight
         return W1, b1, W2, b2, wn
 
+    def _merged_weights(self):
+        """(W, b) for the one-kernel step with `kernel_options.sse_merged_lowrank`: the stage-1 weight (its rows as
+        `_fused_weights` has them, zero-padded to a multiple of 8) with the low-rank up-projections merged in below:
+        the sparse q|k LoRA deltas `up.weight @ down.weight` (n = (H + Hk) D rows) and the gate pre-activations
+        (shared path, then sparse), so one matmul of x gives everything the step reads and the stage-2 matmul goes.
+        Costs (n + gate widths) x hidden weights more per decode step than the two stages' rank-wide ones. The bias
+        (None when nothing has one) takes `up(down.bias) + up.bias`. Cached as `_fused_weights` is."""
+        s1, s2 = self._stage1(), self._stage2()
+        params = [p for m in s1 + s2 for p in (m.weight, m.bias) if p is not None]
+        return derived_weights(self, "_merged_cache", params, self._build_merged)
+
+    def _build_merged(self, old: tuple | None) -> tuple:
+        """`_merged_weights`' tensors, written into `old`'s buffers when the shapes match."""
+        W1, b1 = self._fused_weights()[:2]
+        downs = [self.lora_q.down, self.lora_k.down] + [g.down for g in self.lowrank_gates()]
+        pairs = list(zip(self._stage2(), downs))
+        rows = W1.shape[0] + sum(up.out_features for up, _ in pairs)
+        shape = (-(-rows // 8) * 8, W1.shape[1])
+        reuse = old is not None and old[0].shape == shape and old[0].dtype == W1.dtype
+        W = old[0] if reuse else W1.new_empty(shape)
+        W[:W1.shape[0]].copy_(W1)
+        W[rows:].zero_()
+        has_bias = b1 is not None or any(m.bias is not None for pair in pairs for m in pair)
+        b = (old[1] if reuse and old[1] is not None else W1.new_empty(shape[0])) if has_bias else None
+        if b is not None:
+            b.zero_()
+            if b1 is not None:
+                b[:W1.shape[0]].copy_(b1)
+        r0 = W1.shape[0]
+        for up, down in pairs:   # fp32 products, one rounding to the weights' dtype
+            r1 = r0 + up.out_features
+            W[r0:r1].copy_(up.weight.float() @ down.weight.float())
+            if b is not None:
+                part = up.bias.float() if up.bias is not None else torch.zeros(up.out_features, device=W.device)
+                if down.bias is not None:
+                    part = part + up.weight.float() @ down.bias.float()
+                b[r0:r1].copy_(part)
+            r0 = r1
+        return W, b
+
+    def merged_layout(self) -> StepLayout:
+        """`step_layout()` for the merged stage 1 (`_merged_weights`): u is y itself, the deltas and gates below
+        the stage-1 rows."""
+        n = (self.config.num_heads + self.config.num_kv_heads) * self.config.head_dim
+        start = self._fused_weights()[0].shape[0]
+        return dataclasses.replace(self.step_layout(), delta_col=start, gate_col=start + n)
+
     @torch.no_grad()
     def refresh_decode_weights(self) -> None:
         """Bring the fused decode weights up to date with the parameters (in place when the shapes still
         match): what a decode loop that replays a captured graph calls before replaying."""
         if self._fused_ok():
             self._fused_weights()
+            if current_kernel_options().sse_merged_lowrank:
+                self._merged_weights()
 
     def _decode_columns(self) -> dict[str, tuple[int, int]]:
         """(first column, width) of each block of the stage-1 output: q|k heads, v heads, the output gate,
@@ -546,7 +596,8 @@ class SSE(Mixer):
         cols = self._decode_columns()
         return StepLayout(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                           partitions=c.num_partitions, v_col=cols["v"][0], router_col=cols["router"][0],
-                          gate_col=2 * cols["qk"][1], q_map=c.q_map, k_map=c.k_map, v_map=c.v_map,
+                          gate_col=2 * cols["qk"][1], delta_col=cols["qk"][1], q_map=c.q_map, k_map=c.k_map,
+                          v_map=c.v_map,
                           gate_normalizer=c.gate_normalizer, norm_eps=self.q_norm.eps if c.qk_norm else None,
                           emulq=c.emulq, emulk=c.emulk)
 
@@ -555,10 +606,17 @@ class SSE(Mixer):
         pre-activation `[B, 1, H * D]` or None); `state` is updated in place."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
-        y, u, wn, cols = self._decode_projections(x)
-        layout = self.__dict__.get("_step_layout")
+        merged = current_kernel_options().sse_merged_lowrank
+        if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
+            W, b = self._merged_weights()
+            wn, cols = self._fused_weights()[4], self._decode_columns()
+            y = u = decode_linear(x, W, b)
+        else:
+            y, u, wn, cols = self._decode_projections(x)
+        name = "_merged_layout" if merged else "_step_layout"
+        layout = self.__dict__.get(name)
         if layout is None:
-            layout = self.__dict__["_step_layout"] = self.step_layout()
+            layout = self.__dict__[name] = self.merged_layout() if merged else self.step_layout()
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
         o = sse_gla_step(y, u, state.shared, state.sparse, layout, wn, cos, sin)
         lo, width = cols["gate"] if self.config.output_gate else (0, 0)

@@ -90,6 +90,10 @@ class KernelOptions:
                                    "the window and the slot clear as a split-KV Triton kernel on CUDA (false: the "
                                    "PyTorch step, for benchmarks)",
                              "HYBRIDIZE_WINDOW_STEP")
+    sse_merged_lowrank: bool = _opt(False, "SSE's one-kernel decode step: the LoRA and gate up-projections merged "
+                                           "into the stage-1 matmul (one GEMM per layer fewer, (H + Hk) D + gate "
+                                           "widths more weight rows of the hidden size; for small models; not yet "
+                                           "timed on a GPU)", "HYBRIDIZE_SSE_MERGED_LOWRANK")
     pdl: bool = _opt(True, "decode steps on Hopper or later: programmatic dependent launch (ops/common/pdl.py). "
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a torch.compile'd step gets inductor's PDL kernels (false: plain "

@@ -25,6 +25,7 @@ class StepLayout:
     v_col: int          # first v column in y
     router_col: int     # first router logit in y
     gate_col: int       # first gate pre-activation in u (shared path, then sparse)
+    delta_col: int      # first column of the sparse path's q|k LoRA delta in u ((H + Hk) D of them)
     q_map: str
     k_map: str
     v_map: str
@@ -55,7 +56,8 @@ def sse_gla_step_reference(y, u, shared, sparse, layout: StepLayout, norm_weight
     v = _feature(yf[:, L.v_col:L.v_col + Hk * D].view(B, Hk, D), L.v_map).repeat_interleave(rep, dim=1)
     rows = torch.arange(B, device=y.device)
     o = torch.zeros(B, H, D, dtype=torch.float32, device=y.device)
-    for path, x in enumerate((yf[:, :n], yf[:, :n] + uf[:, n:2 * n])):                # shared, then sparse
+    delta = uf[:, L.delta_col:L.delta_col + n]
+    for path, x in enumerate((yf[:, :n], yf[:, :n] + delta)):                         # shared, then sparse
         x = x.view(B, H + Hk, D)
         if L.norm_eps is not None:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + L.norm_eps) * norm_weight.float()

@@ -21,9 +21,9 @@ between its kernels), so in fp32 the two agree to rounding and in bf16 to the in
 
 Contract (`fused_step.StepLayout` names the columns; `fused_step.sse_gla_step_reference` is the same step in
 PyTorch): y `[B, 1, n1]` the stage-1 projections of x (q heads, k heads,
-v heads, ..., router logits at `router_col`); u `[B, 1, n2]` the stage-2 projections (a zero block of
-(H + Hk) D columns, the sparse q|k LoRA delta, then the shared and the sparse gate pre-activations at
-`gate_col`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
+v heads, ..., router logits at `router_col`); u `[B, 1, n2]` the low-rank up-projections: the sparse q|k
+LoRA delta at `delta_col`, the shared and the sparse gate pre-activations at `gate_col` (the stage-2 matmul's
+output, or y itself when they are merged into stage 1, `SSE.merged_lowrank`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
 `[H + Hk, D]` (q rows, then k rows); cos / sin `[B, 1, D]`. Departures from the separate path: top-1
 routing only, no padding mask, full rotary only, head dim a power of two, value width = key width: the
 caller (`SSE.fused_step_ok`) keeps the separate kernels otherwise. No host sync, no data-dependent shape:
@@ -176,7 +176,7 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
     grid = (triton.cdiv(D, bv), B, H)
     _sse_gla_step_kernel[grid](
         y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
-        y.stride(0), u.stride(0), cos.stride(0) if rope else 0, (H + L.kv_heads) * D, L.v_col, L.router_col,
+        y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
         L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
         H, H // L.kv_heads, L.partitions, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
         ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,

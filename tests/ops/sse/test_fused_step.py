@@ -83,10 +83,12 @@ CASES = [
 ]
 
 
-def _check_against_separate(kw, path):
+def _check_against_separate(kw, path, merged=False):
     m = _mixer(SSE, **kw).to(DEVICE)
     x = torch.randn(3, 9, 24, device=DEVICE)
-    o_f, s_f, first = _decode(m, x, path, steps=4)
+    with use_kernel_options(sse_merged_lowrank=merged):
+        o_f, s_f, first = _decode(m, x, path, steps=4)
+    assert ("_merged_cache" in m.__dict__) == merged                                   # the path asked for ran
     o_g, s_g, _ = _decode(m, x, "separate", steps=4)
     assert rel(o_f, o_g) < 1e-5
     assert rel(s_f.shared, s_g.shared) < 1e-5 and rel(s_f.sparse, s_g.sparse) < 1e-5
@@ -97,16 +99,19 @@ def _check_against_separate(kw, path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("merged", [False, True], ids=["two-stage", "merged"])
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_kernel_equals_separate_path(kw):
-    _check_against_separate(kw, "kernel")
+def test_fused_step_kernel_equals_separate_path(kw, merged):
+    _check_against_separate(kw, "kernel", merged)
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["two-stage", "merged"])
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_reference_equals_separate_path(kw):
+def test_fused_step_reference_equals_separate_path(kw, merged):
     """The kernel's PyTorch reference, in the mixer's one-kernel path (no triton needed): the contract the kernel
-    is tested against below, wired as the mixer uses it."""
-    _check_against_separate(kw, "reference")
+    is tested against below, wired as the mixer uses it. merged: kernel option sse_merged_lowrank, the LoRA and gate
+    up-projections merged into the stage-1 matmul (u is y)."""
+    _check_against_separate(kw, "reference", merged)
 
 
 @needs_kernel
@@ -123,9 +128,10 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads):
     g = torch.Generator().manual_seed(7)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     L = StepLayout(heads=H, kv_heads=Hk, head_dim=D, partitions=P, v_col=n + 3, router_col=n + 3 + Hk * D,
-                   gate_col=2 * n, q_map=maps[0], k_map=maps[1], v_map=maps[2], gate_normalizer=16.0,
+                   gate_col=2 * n + 3, delta_col=n + 3, q_map=maps[0], k_map=maps[1], v_map=maps[2],
+                   gate_normalizer=16.0,
                    norm_eps=1e-6 if norm else None, emulq=True, emulk=True)
-    y, u = rnd(B, 1, L.router_col + P + 5), rnd(B, 1, 2 * n + 2 * H * D)
+    y, u = rnd(B, 1, L.router_col + P + 5), rnd(B, 1, 2 * n + 3 + 2 * H * D)   # the delta at an odd column
     wn = rnd(H + Hk, D) if norm else None
     ang = rnd(B, 1, D)
     cos, sin = (ang.cos(), ang.sin()) if rope else (None, None)
