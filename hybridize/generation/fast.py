@@ -188,12 +188,14 @@ def _unsupported_model(model) -> str | None:
     return None
 
 
-def _inductor_options() -> dict | None:
+def _inductor_options(use_graphs: bool) -> dict | None:
     """inductor's options for a compiled step: kernel option `pdl` turns on its programmatic dependent launch (on
-    Hopper or later, where this torch has the option), beside the decode GEMM's."""
+    Hopper or later, where this torch has the option), beside the decode GEMM's. Only for a step replayed from a CUDA
+    graph: inductor launches its PDL kernels through Triton's launcher instead of its faster static one, which
+    a host-bound step without graphs would pay for at every launch."""
     import torch._inductor.config as inductor_config
 
-    if current_kernel_options().pdl and hasattr(inductor_config.triton, "enable_pdl"):
+    if use_graphs and current_kernel_options().pdl and hasattr(inductor_config.triton, "enable_pdl"):
         return {"triton.enable_pdl": True}
     return None
 
@@ -742,7 +744,7 @@ class FastGenerator:
         sess.sampling = sampling
         sess.attn_fn = attn_fn
         if compiled:
-            sess.compiled = torch.compile(sess.logits, dynamic=False, options=_inductor_options())
+            sess.compiled = torch.compile(sess.logits, dynamic=False, options=_inductor_options(use_graphs))
         self._load(sess, cache, T, rows)
         if key is not None:
             self._sessions[key] = sess

@@ -96,7 +96,7 @@ class KernelOptions:
                                            "timed on a GPU)", "HYBRIDIZE_SSE_MERGED_LOWRANK")
     pdl: bool = _opt(True, "decode steps on Hopper or later: programmatic dependent launch (ops/common/pdl.py). "
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
-                           "it in-kernel; a torch.compile'd step gets inductor's PDL kernels (false: plain "
+                           "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
     force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
                                      "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")

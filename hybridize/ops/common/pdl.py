@@ -9,8 +9,8 @@ ours waits before it reads or writes anything, so the stream order is kept trans
 keeps the launches' attribute.
 
 Kernel option `pdl` (default on) turns it on for our decode kernels (the decode GEMM, SSE's one-kernel step,
-the split-KV attention and the window step) and, in a compiled step, for inductor's kernels
-(`generation/fast.py`). Measured on one H100 (`benchmarks/RESULTS.md`, "Decode: programmatic dependent
+the split-KV attention and the window step) and, in a compiled step replayed from a CUDA graph, for inductor's
+kernels (`generation/fast.py`). Measured on one H100 (`benchmarks/RESULTS.md`, "Decode: programmatic dependent
 launch"; `python -m benchmarks.generation.compile_auto --modes on`, HYBRIDIZE_PDL=0 against the default): the 135M
 shape's compiled step at 1k x 1 11-13% faster for the hybrid and its teacher, the 1.7B shape's 2-5% (2k x 1,
 16k x 8); uncompiled steps, whose kernels are mostly PyTorch's own, unchanged.

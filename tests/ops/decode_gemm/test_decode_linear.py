@@ -212,14 +212,15 @@ def test_pdl_applies_only_on_hopper_gpus_with_the_option(monkeypatch):
         assert not pdl_launch(torch.device("cpu"))
         import torch._inductor.config as ic
         want = {"triton.enable_pdl": True} if hasattr(ic.triton, "enable_pdl") else None
-        assert _inductor_options() == want
+        assert _inductor_options(use_graphs=True) == want
+        assert _inductor_options(use_graphs=False) is None      # without graphs: inductor's static launcher
         monkeypatch.setattr(torch.version, "hip", "6.0")       # ROCm's devices are "cuda" too
         assert not pdl_launch(torch.device("cuda", 0))
         monkeypatch.setattr(torch.version, "hip", None)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not pdl_launch(torch.device("cuda", 0))
     with use_kernel_options(pdl=False):
-        assert _inductor_options() is None
+        assert _inductor_options(use_graphs=True) is None
 
 
 def test_check_args_one_line_errors():
