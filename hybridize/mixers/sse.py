@@ -613,10 +613,10 @@ class SSE(Mixer):
             y = u = decode_linear(x, W, b)
         else:
             y, u, wn, cols = self._decode_projections(x)
-        name = "_merged_layout" if merged else "_step_layout"
-        layout = self.__dict__.get(name)
-        if layout is None:
-            layout = self.__dict__[name] = self.merged_layout() if merged else self.step_layout()
+        layouts = self.__dict__.setdefault("_step_layouts", {})   # {merged: StepLayout}
+        if merged not in layouts:
+            layouts[merged] = self.merged_layout() if merged else self.step_layout()
+        layout = layouts[merged]
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
         o = sse_gla_step(y, u, state.shared, state.sparse, layout, wn, cos, sin)
         lo, width = cols["gate"] if self.config.output_gate else (0, 0)

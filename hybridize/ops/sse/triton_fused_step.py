@@ -23,7 +23,8 @@ Contract (`fused_step.StepLayout` names the columns; `fused_step.sse_gla_step_re
 PyTorch): y `[B, 1, n1]` the stage-1 projections of x (q heads, k heads,
 v heads, ..., router logits at `router_col`); u `[B, 1, n2]` the low-rank up-projections: the sparse q|k
 LoRA delta at `delta_col`, the shared and the sparse gate pre-activations at `gate_col` (the stage-2 matmul's
-output, or y itself when they are merged into stage 1, `SSE.merged_lowrank`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
+output, or y itself when they are merged into stage 1: kernel option `sse_merged_lowrank`,
+`SSE._merged_weights`); shared state `[B, H, D, D]`, sparse `[B, P, H, D, D]`, fp32 contiguous; norm weight
 `[H + Hk, D]` (q rows, then k rows); cos / sin `[B, 1, D]`. Departures from the separate path: top-1
 routing only, no padding mask, full rotary only, head dim a power of two, value width = key width: the
 caller (`SSE.fused_step_ok`) keeps the separate kernels otherwise. No host sync, no data-dependent shape:
