@@ -711,8 +711,9 @@ class FastGenerator:
                  attn_fn=None, rows: slice | None = None, compiled: bool = False):
         """A session whose buffers hold the prefill `cache` of the batch's `rows` (all of them by default; the
         other groups are loaded after), its step compiled when `compiled`. With graphs, sessions are kept and
-        reused when the shapes, the sampling settings (baked into the graph) and the parameters' storage match;
-        once steps compile, the uncompiled ones are dropped (their buffers freed, not kept beside)."""
+        reused when the shapes, the sampling settings (baked into the graph), the parameters' storage and the kernel
+        options (which kernels the graph launches) match; once steps compile, the uncompiled ones are dropped (their
+        buffers freed, not kept beside)."""
         m = self.model
         tc = _text_config(m)
         key = None
@@ -720,7 +721,7 @@ class FastGenerator:
             self._sessions = {k: v for k, v in self._sessions.items() if v.compiled is not None}
         if use_graphs:
             key = (B, L, dtype, device, _sampling_key(sampling), getattr(attn_fn, "__name__", None),
-                   tuple(p.data_ptr() for p in m.parameters()), compiled, current_kernel_options().pdl)
+                   tuple(p.data_ptr() for p in m.parameters()), compiled, current_kernel_options())
             if key in self._sessions:
                 sess = self._sessions.pop(key)
                 self._sessions[key] = sess   # most recently used last

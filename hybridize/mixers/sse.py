@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.decode_gemm.route import decode_linear
+from hybridize.ops.decode_gemm.route import decode_linear, decode_linear_head_norm, is_plain_linear
 from hybridize.ops.sse import reference as sse_ops
 from hybridize.ops.sse.fused_step import StepLayout
 from hybridize.ops.sse.qk_front import feature_map, qk_front
@@ -88,6 +88,9 @@ from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNo
 #: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
 SILU_ONE = 1.278464542761074
 FEATURE_MAPS = ("silu", "softmax", "identity")
+#: kernel option sse_merged_lowrank="auto" merges the low-rank up-projections into the decode step's stage-1 matmul
+#: when that adds at most this many weight bytes per layer (about 1.2 us of an H100's bandwidth, under a launch)
+MERGE_MAX_EXTRA_BYTES = 4 << 20
 
 
 @dataclass
@@ -325,6 +328,12 @@ class SSE(Mixer):
         `gate` `[B, T, H * D]`: x W_g + b already computed (the fused decode projection), else g_proj(x)."""
         c = self.config
         B, T = o.shape[:2]
+        if (gate is not None and c.output_gate and o.dtype == x.dtype and is_plain_linear(self.o_proj)
+                and current_kernel_options().gemm_prologues):
+            # the fused decode step's output: the norm and the gate made in o_proj's GEMM (its input loads), not
+            # by two elementwise kernels before it; the same ops in PyTorch where the kernel does not apply
+            return decode_linear_head_norm(o.reshape(B, T, -1), gate, self.o_norm.gain().to(o.dtype),
+                                           self.o_norm.eps, self.o_proj.weight, self.o_proj.bias)
         o = self.o_norm(o)
         if c.output_gate:
             gate = self.g_proj(x) if gate is None else gate
@@ -456,6 +465,17 @@ class SSE(Mixer):
                        self.k_norm.gain().expand(c.num_kv_heads, -1)], out=wn)   # gain: Gemma's 1 + weight
         return W1, b1, W2, b2, wn
 
+    def merged_lowrank(self) -> bool:
+        """Kernel option `sse_merged_lowrank`: "on", "off", or "auto": merged when that adds at most
+        `MERGE_MAX_EXTRA_BYTES` of weight per decode step (the merged rows read beside x cost less than the launch
+        they save; the SmolLM2-135M shape: 2.0 MB, merged; Qwen3-1.7B: 28 MB, not)."""
+        choice = current_kernel_options().sse_merged_lowrank
+        if choice != "auto":
+            return choice == "on"
+        ups = self._stage2()
+        extra = sum(up.out_features for up in ups) * self.config.hidden_size - sum(up.weight.numel() for up in ups)
+        return extra * ups[0].weight.element_size() <= MERGE_MAX_EXTRA_BYTES
+
     def _merged_weights(self):
         """(W, b) for the one-kernel step with `kernel_options.sse_merged_lowrank`: the stage-1 weight (its rows as
         `_fused_weights` has them, zero-padded to a multiple of 8) with the low-rank up-projections merged in below:
@@ -509,7 +529,7 @@ class SSE(Mixer):
         match): what a decode loop that replays a captured graph calls before replaying."""
         if self._fused_ok():
             self._fused_weights()
-            if current_kernel_options().sse_merged_lowrank:
+            if self.merged_lowrank():
                 self._merged_weights()
 
     def _decode_columns(self) -> dict[str, tuple[int, int]]:
@@ -606,7 +626,7 @@ class SSE(Mixer):
         pre-activation `[B, 1, H * D]` or None); `state` is updated in place."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
-        merged = current_kernel_options().sse_merged_lowrank
+        merged = self.merged_lowrank()
         if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
             W, b = self._merged_weights()
             wn, cols = self._fused_weights()[4], self._decode_columns()

@@ -90,14 +90,20 @@ class KernelOptions:
                                    "the window and the slot clear as a split-KV Triton kernel on CUDA (false: the "
                                    "PyTorch step, for benchmarks)",
                              "HYBRIDIZE_WINDOW_STEP")
-    sse_merged_lowrank: bool = _opt(False, "SSE's one-kernel decode step: the LoRA and gate up-projections merged "
+    sse_merged_lowrank: str = _opt("auto", "SSE's one-kernel decode step: the LoRA and gate up-projections merged "
                                            "into the stage-1 matmul (one GEMM per layer fewer, (H + Hk) D + gate "
-                                           "widths more weight rows of the hidden size; for small models; not yet "
-                                           "timed on a GPU)", "HYBRIDIZE_SSE_MERGED_LOWRANK")
+                                           "widths more weight rows of the hidden size): on | off | auto (merged "
+                                           "when that adds at most 4 MiB of weight per layer: small models)",
+                                   "HYBRIDIZE_SSE_MERGED_LOWRANK", ("auto", "on", "off"))
     pdl: bool = _opt(True, "decode steps on Hopper or later: programmatic dependent launch (ops/common/pdl.py). "
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
+    gemm_prologues: bool = _opt(True, "decode steps: the elementwise ops before a decode GEMM made in its input "
+                                      "loads: a stacked SiLU-gated MLP's silu(gate) * up in its down projection, "
+                                      "SSE's output norm and gate in its o_proj (one to two kernels per layer "
+                                      "fewer; false: those ops as kernels of their own, for benchmarks)",
+                                "HYBRIDIZE_GEMM_PROLOGUES")
     force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
                                      "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 

@@ -86,7 +86,7 @@ CASES = [
 def _check_against_separate(kw, path, merged=False):
     m = _mixer(SSE, **kw).to(DEVICE)
     x = torch.randn(3, 9, 24, device=DEVICE)
-    with use_kernel_options(sse_merged_lowrank=merged):
+    with use_kernel_options(sse_merged_lowrank="on" if merged else "off"):
         o_f, s_f, first = _decode(m, x, path, steps=4)
     assert ("_merged_cache" in m.__dict__) == merged                                   # the path asked for ran
     o_g, s_g, _ = _decode(m, x, "separate", steps=4)
@@ -96,6 +96,21 @@ def _check_against_separate(kw, path, merged=False):
     touched = (s_g.sparse - first.sparse).abs().flatten(2).amax(-1) > 0                # [B, P]
     assert (~touched).any(), "every partition was selected: pick other seeds"
     assert torch.equal(s_f.sparse[~touched], first.sparse[~touched])
+
+
+def test_merged_lowrank_auto_merges_when_the_extra_weight_is_small(monkeypatch):
+    """sse_merged_lowrank="auto" merges when the merged rows add at most MERGE_MAX_EXTRA_BYTES per layer: the
+    test mixer's few hundred bytes do; with the limit below them they do not; "on" / "off" decide alone."""
+    from hybridize.mixers import sse as sse_mod
+
+    m = _mixer(SSE)
+    ups = m._stage2()
+    extra = (sum(u.out_features for u in ups) * 24 - sum(u.weight.numel() for u in ups)) * 4
+    for choice, limit, want in [("auto", extra, True), ("auto", extra - 1, False), ("on", 0, True),
+                                ("off", 1 << 40, False)]:
+        monkeypatch.setattr(sse_mod, "MERGE_MAX_EXTRA_BYTES", limit)
+        with use_kernel_options(sse_merged_lowrank=choice):
+            assert m.merged_lowrank() == want, (choice, limit)
 
 
 @needs_kernel
