@@ -224,7 +224,7 @@ def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str, settings: dict | None
     return HybridForCausalLM(hcfg).float().eval()
 
 
-def _op_budget_profile(fused: bool):
+def _op_budget_profile(fused: bool, merged: str = "auto"):
     from hybridize.ops.common.options import use_kernel_options
 
     torch.set_num_threads(1)
@@ -232,7 +232,7 @@ def _op_budget_profile(fused: bool):
                            steps=3, attention="auto", top=5, graphs=False, decode_kernel="emulate",
                            compile="off", gemm="auto")
     model = _tiny_qwen3_hybrid(args.layers, args.plan, args.mixer)
-    with use_kernel_options(sse_fused_step=fused):
+    with use_kernel_options(sse_fused_step=fused, sse_merged_lowrank=merged):
         res = pd.profile_model(model, args, torch.device("cpu"))
     rows = {r["layer_type"]: r for r in res["eager"]["by_layer_type"]}
     pieces = {r["piece"]: r["kernels_per_layer"] for r in res["eager"]["sse_pieces"]}
@@ -250,11 +250,13 @@ def test_decode_step_op_budget():
     assert pieces["sse.naive_recurrent_sse"] <= 3.5, pieces          # 2 kernel calls + 1 sum (+ a cached index once)
 
 
-def test_fused_decode_step_op_budget():
-    """The GPU's default path, one kernel after the two projection matmuls (emulated on the CPU by its PyTorch
-    reference): the step is the two matmuls, the kernel, and the output norm, gate and o_proj."""
-    n, pieces = _op_budget_profile(fused=True)
-    assert pieces["sse.fused_step"] == 3, pieces                       # 2 matmuls + the kernel
+@pytest.mark.parametrize("merged,matmuls", [("off", 2), ("on", 1), ("auto", 1)])
+def test_fused_decode_step_op_budget(merged, matmuls):
+    """The GPU's default path, one kernel after the projection matmuls (emulated on the CPU by its PyTorch
+    reference): the step is the two matmuls (one with the low-rank up-projections merged into stage 1, which "auto"
+    does at this small shape), the kernel, and the output norm, gate and o_proj."""
+    n, pieces = _op_budget_profile(fused=True, merged=merged)
+    assert pieces["sse.fused_step"] == matmuls + 1, pieces
     assert "sse.naive_recurrent_sse" not in pieces and "sse.fused_inputs" not in pieces
     assert n <= MAX_FUSED_SSE_OPS, pieces
 
