@@ -15,6 +15,9 @@ fewer per layer, for a teacher and its hybrid alike (the MLPs are the teacher's 
   GEMM through `decode_linear` for inputs of at most 16 rows on CUDA (or anywhere with mode "triton", to test
   the wiring on CPU); prefill calls and CPU calls run the MLP's own forward, so the CPU's exact path keeps HF's
   bits. `refresh(model)` brings every cache up to date (the decode loop calls it before replaying a graph).
+- With kernel option `gemm_prologues` (default on), a SiLU MLP whose down projection is a plain `nn.Linear`
+  (`gated_down`) hands `[gate | up]` to it as is: the down GEMM makes `silu(gate) * up` in its loads
+  (`route.decode_linear_gated`), one elementwise kernel per layer fewer.
 
 Measured on one H100 (`python3 -m benchmarks.generation.compile_auto --new-tokens 64 --calls 2 --modes off,on
 [--stack-mlp off]`; benchmarks/RESULTS.md, "The speed table"): the compiled step at the Qwen3-1.7B shape, 16k x 8,

@@ -18,12 +18,18 @@ once per process, in the eager warm-up steps before a CUDA graph is captured; wh
 captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and bias in x's dtype.
 Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
-    decode_linear_triton(x, weight, bias=None, config=None) -> `[..., N]`
-        x `[..., K]` with at most 16 rows in all, weight `[N, K]` (row-major), bias `[N]` or None;
-        config {BN, BK, SPLIT, num_warps, num_stages} runs that config (benchmarks, tests), "cublas" F.linear
+The input tile can be made from x in the loads (`Prologue`): a gated MLP's `silu(gate) * up` from x = [gate | up],
+or SSE's output `rms_norm(x per head) * silu(gate)`. In a decode step that elementwise op was a kernel of its own
+between two GEMMs; each such launch costs about as much as a small GEMM's bytes (the step is a chain of ~390
+kernels at the SmolLM2-135M shape, benchmarks/RESULTS.md). The prologue rounds where PyTorch's ops do.
 
-Registered as the custom op `hybridize::decode_linear`, so `torch.compile` keeps it as one opaque call
-(no graph break) and CUDA graphs capture the launch. The caller (`hybridize.ops.decode_gemm.route`)
+    decode_linear_triton(x, weight, bias=None, config=None, pro=PLAIN) -> `[..., N]`
+        x `[..., K]` (`[..., 2K]` for pro "gated") with at most 16 rows in all, weight `[N, K]` (row-major), bias
+        `[N]` or None; config {BN, BK, SPLIT, num_warps, num_stages} runs that config (benchmarks, tests), "cublas"
+        PyTorch
+
+Registered as the custom ops `hybridize::decode_linear`, `decode_linear_gated` and `decode_linear_head_norm`, so
+`torch.compile` keeps each as one opaque call (no graph break) and CUDA graphs capture the launch. The caller (`hybridize.ops.decode_gemm.route`)
 decides when it applies and falls back to `F.linear` otherwise.
 """
 from __future__ import annotations
