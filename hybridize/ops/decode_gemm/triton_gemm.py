@@ -19,7 +19,7 @@ captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and
 Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
 The input tile can be made from x in the loads (`Prologue`): a gated MLP's `silu(gate) * up` from x = [gate | up],
-or SSE's output `rms_norm(x per head) * silu(gate)`. In a decode step that elementwise op was a kernel of its own
+or SSE's output `rms_norm(x per head) * silu(gate)` (K tiles one head wide). In a decode step that elementwise op was a kernel of its own
 between two GEMMs; each such launch costs about as much as a small GEMM's bytes (the step is a chain of ~390
 kernels at the SmolLM2-135M shape, benchmarks/RESULTS.md). The prologue rounds where PyTorch's ops do.
 
@@ -73,12 +73,12 @@ if triton is not None:
         return (x.to(tl.float32) * a.to(tl.float32)).to(g.dtype)
 
     @triton.jit
-    def _head_normed(x, nw, eps, BK: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr):
-        # the x^T tile [BK, BM] RMS-normed over each head's HD channels (the tile holds BK // HD whole heads) and
-        # scaled by the gain nw [BK], in fp32, rounded once to x's dtype (F.rms_norm)
-        xf = tl.reshape(x.to(tl.float32), (BK // HD, HD, BM))
-        r = tl.rsqrt(tl.sum(xf * xf, 1) / HD + eps)                             # [BK // HD, BM]
-        return (tl.reshape(xf * r[:, None, :], (BK, BM)) * nw[:, None]).to(x.dtype)
+    def _head_normed(x, nw, eps, HD: tl.constexpr):
+        # the x^T tile [HD, BM], one head of each row, RMS-normed over its HD channels and scaled by the gain nw
+        # [HD], in fp32, rounded once to x's dtype (F.rms_norm); a plain reduction along the tile's first axis
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 0) / HD + eps)                             # [BM]
+        return (xf * r[None, :] * nw[:, None]).to(x.dtype)
 
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, g, nw, M, N, stride_xm, stride_wn, stride_om, stride_gm, eps,
@@ -92,7 +92,7 @@ if triton is not None:
         # INPUT, how the input tile is made from x (the elementwise kernel before the GEMM, folded into its loads):
         #   0: x itself; 1 (a gated MLP's down projection): x is [gate | up] [M, 2K], the input silu(gate) * up;
         #   2 (SSE's output): RMSNorm over each head's HD channels with gain nw [HD], times silu(g), g [M, K] with
-        #   row stride stride_gm (BK a multiple of HD, so a tile holds whole heads)
+        #   row stride stride_gm (BK = HD: a tile is one head)
         # PDL: launched before the previous kernel has finished (`ops/common/pdl.py`): wait for it before
         # reading x; let the next kernel launch once the weights are read.
         KS: tl.constexpr = ((K + SPLIT * BK - 1) // (SPLIT * BK)) * BK      # K per slice, whole tiles
@@ -120,9 +120,9 @@ if triton is not None:
                 b_x = _gated(tl.load(p_x + K, mask=m_x, other=0.0), b_x)
             if INPUT == 2:
                 k_abs = i_s * KS + k0 + tl.arange(0, BK)
-                b_n = tl.load(nw + k_abs % HD).to(tl.float32)
+                b_n = tl.load(nw + tl.arange(0, BK)).to(tl.float32)
                 b_g = tl.load(g + offs_m[None, :].to(tl.int64) * stride_gm + k_abs[:, None], mask=m_x, other=0.0)
-                b_x = _gated(_head_normed(b_x, b_n, eps, BK, BM, HD), b_g)
+                b_x = _gated(_head_normed(b_x, b_n, eps, HD), b_g)
             if UPCAST:
                 acc = tl.dot(b_w.to(tl.float32), b_x.to(tl.float32), acc)
             else:
@@ -176,9 +176,12 @@ class Prologue(NamedTuple):
     def key(self) -> tuple:
         return (self.kind, self.head_dim)
 
-    def fits(self, cfg: dict) -> bool:
-        """Whether a config's K tile holds whole heads (head_norm), as the kernel needs."""
-        return self.kind != "head_norm" or cfg["BK"] % self.head_dim == 0
+    def configs(self) -> list[dict]:
+        """The candidate configs: `CONFIGS`, for head_norm with the K tile one head wide (the norm is then a plain
+        reduction along the tile, no reshape)."""
+        if self.kind != "head_norm":
+            return CONFIGS
+        return [dict(t) for t in dict.fromkeys(tuple({**c, "BK": self.head_dim}.items()) for c in CONFIGS)]
 
 
 PLAIN = Prologue()
@@ -236,7 +239,7 @@ def _choose(x2, weight, bias, key, pro: Prologue = PLAIN) -> dict | str:
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
-    for cfg in [c for c in CONFIGS if pro.fits(c)] if times else []:
+    for cfg in pro.configs() if times else []:
         try:
             t = do_bench(lambda: _launch(x2, weight, bias, out, cfg, pro=pro), warmup=5, rep=20,
                          return_mode="median")
@@ -289,8 +292,9 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return f"decode_linear: bias must be [N={weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}"
     if pro.kind == "head_norm":
         D, g, nw = pro.head_dim, pro.gate, pro.norm_weight
-        if D & (D - 1) or x.shape[-1] % D:
-            return f"decode_linear's head norm needs a power-of-two head dim dividing K, got {D}, K={x.shape[-1]}"
+        if D < 16 or D & (D - 1) or x.shape[-1] % D:
+            return (f"decode_linear's head norm needs a power-of-two head dim >= 16 (a K tile) dividing K, got {D}, "
+                    f"K={x.shape[-1]}")
         if g is None or g.shape != x.shape or g.dtype != x.dtype or g.stride(-1) != 1:
             return f"decode_linear's head norm needs a gate like x {tuple(x.shape)} {x.dtype} with unit column stride"
         if nw.dim() != 1 or nw.dtype != x.dtype or not nw.is_contiguous():
@@ -318,7 +322,10 @@ def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         pro = pro._replace(gate=pro.gate.reshape(x2.shape))
     M, N = x2.shape[0], weight.shape[0]
     if config is None:   # CPU tensors (the interpreter): no timing, one small config
-        config = _picked(x2, weight, bias, pro) if x.is_cuda else dict(BN=16, BK=max(32, pro.head_dim), SPLIT=1)
+        config = _picked(x2, weight, bias, pro) if x.is_cuda else dict(BN=16, BK=pro.head_dim or 32, SPLIT=1)
+    if pro.kind == "head_norm" and config != "cublas" and config["BK"] != pro.head_dim:
+        raise ValueError(f"decode_linear's head norm takes K tiles one head wide: BK={config['BK']}, head dim "
+                         f"{pro.head_dim}")
     if config == "cublas":
         return _cublas(x2, weight, bias, pro).view(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)

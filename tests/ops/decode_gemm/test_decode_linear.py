@@ -122,9 +122,9 @@ def _head_norm_reference(x, gate, nw, eps, w, b):
 
 # (rows, N, heads, head dim, config): K = heads x D below, at and past the K tile (a partial last tile of whole
 # heads), split-K slices of whole heads
-HEAD_NORM_CASES = [(1, 33, 3, 32, None), (3, 70, 5, 16, None), (4, 20, 6, 8, None), (8, 50, 9, 64, None), (16, 64, 4, 32, None),
-                   (8, 130, 3, 32, dict(BN=16, BK=64, SPLIT=2)), (5, 40, 6, 16, dict(BN=32, BK=32, SPLIT=3)),
-                   (2, 24, 4, 64, dict(BN=16, BK=128, SPLIT=1, num_warps=2))]
+HEAD_NORM_CASES = [(1, 33, 3, 32, None), (3, 70, 5, 16, None), (8, 50, 9, 64, None), (16, 64, 4, 32, None),
+                   (8, 130, 3, 32, dict(BN=16, BK=32, SPLIT=2)), (5, 40, 7, 16, dict(BN=32, BK=16, SPLIT=3)),
+                   (2, 24, 4, 64, dict(BN=16, BK=64, SPLIT=1, num_warps=2))]
 
 
 @needs_kernel
@@ -157,15 +157,18 @@ def test_head_norm_kernel_matches_reference(dtype, rows, N, H, D, config, bias):
 
 @needs_kernel
 def test_head_norm_refuses_what_it_cannot_do():
-    """One line each: a head dim that does not divide K or is not a power of two, a gate of another shape."""
+    """One line each: a head dim that does not divide K, is not a power of two or is below a K tile, a gate of another
+    shape, a config whose K tile is not one head."""
     from hybridize.ops.decode_gemm.triton_gemm import Prologue, decode_linear_triton
 
     x = torch.randn(2, 96, device=DEVICE).bfloat16()
     w = torch.randn(8, 96, device=DEVICE).bfloat16()
     for nw, gate, match in [(torch.ones(24), x, "power-of-two head dim"), (torch.ones(64), x, "dividing K"),
-                            (torch.ones(32), x[:, :48], "gate like x")]:
+                            (torch.ones(8), x, "head dim >= 16"), (torch.ones(32), x[:, :48], "gate like x")]:
         with pytest.raises(ValueError, match=match):
             decode_linear_triton(x, w, pro=Prologue("head_norm", gate, nw.to(x), 1e-6))
+    with pytest.raises(ValueError, match="one head wide"):
+        decode_linear_triton(x, w, config=dict(BN=16, BK=64, SPLIT=1), pro=Prologue("head_norm", x, torch.ones(32).to(x), 1e-6))
 
 
 def test_head_norm_route_falls_back_to_pytorch():
