@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.decode_gemm.route import decode_linear, decode_linear_head_norm, is_plain_linear
+from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse import reference as sse_ops
 from hybridize.ops.sse.fused_step import StepLayout
 from hybridize.ops.sse.qk_front import feature_map, qk_front
@@ -328,12 +328,6 @@ class SSE(Mixer):
         `gate` `[B, T, H * D]`: x W_g + b already computed (the fused decode projection), else g_proj(x)."""
         c = self.config
         B, T = o.shape[:2]
-        if (gate is not None and c.output_gate and o.dtype == x.dtype and is_plain_linear(self.o_proj)
-                and current_kernel_options().gemm_prologues):
-            # the fused decode step's output: the norm and the gate made in o_proj's GEMM (its input loads), not
-            # by two elementwise kernels before it; the same ops in PyTorch where the kernel does not apply
-            return decode_linear_head_norm(o.reshape(B, T, -1), gate, self.o_norm.gain().to(o.dtype),
-                                           self.o_norm.eps, self.o_proj.weight, self.o_proj.bias)
         o = self.o_norm(o)
         if c.output_gate:
             gate = self.g_proj(x) if gate is None else gate

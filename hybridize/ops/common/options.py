@@ -99,11 +99,6 @@ class KernelOptions:
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
-    gemm_prologues: bool = _opt(True, "decode steps: the elementwise ops before a decode GEMM made in its input "
-                                      "loads: a stacked SiLU-gated MLP's silu(gate) * up in its down projection, "
-                                      "SSE's output norm and gate in its o_proj (one to two kernels per layer "
-                                      "fewer; false: those ops as kernels of their own, for benchmarks)",
-                                "HYBRIDIZE_GEMM_PROLOGUES")
     force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
                                      "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 

@@ -2,9 +2,7 @@
 
 `decode_linear(x, weight, bias, mode)` runs the Triton kernel when it applies (CUDA, or the Triton
 interpreter with mode "triton"; 16-bit x and weight of one dtype; at most 16 rows; row-major weight)
-and `F.linear` otherwise, so callers never check; `decode_linear_gated(gate_up, weight, bias, mode)` is a gated
-MLP's down projection, `F.linear(F.silu(gate) * up, ...)`, with the activation made in the kernel's input loads.
-`linears_routed(model, mode)` routes every plain
+and `F.linear` otherwise, so callers never check. `linears_routed(model, mode)` routes every plain
 `nn.Linear` of a model through it for the duration of a block (the fast rollout loop's decode steps),
 restoring the modules after: HF's own layers (MLP, attention, lm_head) and PEFT's base/adapter
 linears included, without touching their classes or checkpoints. Prefill and training calls have
@@ -27,14 +25,12 @@ from torch import nn
 MODES = ("auto", "triton", "torch")
 _KERNEL = None      # the kernel module, or False without triton
 _OP = None          # its custom op, torch.ops.hybridize.decode_linear (registered by the module's import)
-_GATED_OP = None    # torch.ops.hybridize.decode_linear_gated
-_HEAD_NORM_OP = None   # torch.ops.hybridize.decode_linear_head_norm
 _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
     """`hybridize.ops.decode_gemm.triton_gemm`, or None without triton."""
-    global _KERNEL, _OP, _GATED_OP, _HEAD_NORM_OP
+    global _KERNEL, _OP
     if _KERNEL is None:
         try:
             from hybridize.ops.decode_gemm import triton_gemm as mod  # deferred: imports triton (optional, GPU only)
@@ -42,8 +38,6 @@ def _kernel():
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False
         _OP = torch.ops.hybridize.decode_linear if _KERNEL else None
-        _GATED_OP = torch.ops.hybridize.decode_linear_gated if _KERNEL else None
-        _HEAD_NORM_OP = torch.ops.hybridize.decode_linear_head_norm if _KERNEL else None
     return _KERNEL or None
 
 
@@ -53,16 +47,14 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None,
-            prologue: tuple = ()) -> bool:
-    """Whether `decode_linear` runs the kernel for these tensors (device / shape / dtype checks only); with
-    `prologue` (`triton_gemm.Prologue`'s fields), `decode_linear_gated` / `decode_linear_head_norm`."""
+def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None) -> bool:
+    """Whether `decode_linear` runs the kernel for these tensors (device / shape / dtype checks only)."""
     if mode == "torch":
         return False
     if not (x.is_cuda or (mode == "triton" and os.environ.get("TRITON_INTERPRET") == "1")):
         return False
     kernel = _kernel()
-    return kernel is not None and kernel.unsupported(x, weight, bias, kernel.Prologue(*prologue)) is None
+    return kernel is not None and kernel.unsupported(x, weight, bias) is None
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -75,43 +67,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def decode_linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        mode: str | None = None) -> torch.Tensor:
-    """`F.linear(F.silu(gate) * up, weight, bias)` for `gate_up` = [gate | up] `[..., 2K]` and weight `[N, K]`: a
-    gated MLP's down projection. Through the kernel (the activation made in its input loads, no elementwise
-    kernel before it) when it applies, in PyTorch otherwise."""
-    mode = _ACTIVE if mode is None else mode
-    if applies(gate_up, weight, mode, bias, ("gated",)):
-        return _GATED_OP(gate_up, weight, bias)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weight, bias)
-
-
-def decode_linear_head_norm(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            mode: str | None = None) -> torch.Tensor:
-    """`F.linear(rms_norm(x per head) * F.silu(gate), weight, bias)`: x `[..., H * D]` normed over each head's D
-    channels with gain `norm_weight` `[D]`, gate `[..., H * D]` (SSE's output before o_proj). Through the kernel
-    (the norm and gate made in its input loads) when it applies, in PyTorch otherwise."""
-    mode = _ACTIVE if mode is None else mode
-    if applies(x, weight, mode, bias, ("head_norm", gate, norm_weight, eps)):
-        return _HEAD_NORM_OP(x, gate, norm_weight, eps, weight, bias)
-    D = norm_weight.shape[0]
-    normed = F.rms_norm(x.unflatten(-1, (-1, D)), (D,), norm_weight, eps).flatten(-2)
-    return F.linear(normed * F.silu(gate), weight, bias)
-
-
-def kept_forward(module: nn.Module, attr: str, key, make):
-    """`make()`'s forward for (module, key), made once and kept in `module.__dict__[attr]`: the same function object
+def kept_forward(module: nn.Module, attr: str, mode: str, make):
+    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]`: the same function object
     at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id: a deep
     copy of the module (TRL's reference model) carries the dict but gets its own functions."""
     owner, cache = module.__dict__.get(attr, (None, None))
     if owner != id(module):
         cache = {}
         module.__dict__[attr] = (id(module), cache)
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    if mode not in cache:
+        cache[mode] = make()
+    return cache[mode]
 
 
 def _routed_forward(module: nn.Linear, mode: str):
@@ -119,18 +85,8 @@ def _routed_forward(module: nn.Linear, mode: str):
     def make():
         def forward(x):
             return decode_linear(x, module.weight, module.bias, mode)
-        forward.routed_linear = True   # still F.linear: `is_plain_linear`
         return forward
     return kept_forward(module, "_decode_linear_forwards", mode, make)
-
-
-def is_plain_linear(module: nn.Module) -> bool:
-    """An `nn.Linear` (exact type) whose forward is `F.linear(x, weight, bias)`: no hooks, no forward of its own
-    other than `linears_routed`'s. A caller may then compute its product from the weights directly (an adapter
-    wrapper, e.g. PEFT's LoRA, or a hook keeps the module's own call)."""
-    own = module.__dict__.get("forward")
-    return (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
-            and (own is None or getattr(own, "routed_linear", False)))
 
 
 @contextmanager

@@ -15,9 +15,6 @@ fewer per layer, for a teacher and its hybrid alike (the MLPs are the teacher's 
   GEMM through `decode_linear` for inputs of at most 16 rows on CUDA (or anywhere with mode "triton", to test
   the wiring on CPU); prefill calls and CPU calls run the MLP's own forward, so the CPU's exact path keeps HF's
   bits. `refresh(model)` brings every cache up to date (the decode loop calls it before replaying a graph).
-- With kernel option `gemm_prologues` (default on), a SiLU MLP whose down projection is a plain `nn.Linear`
-  (`gated_down`) hands `[gate | up]` to it as is: the down GEMM makes `silu(gate) * up` in its loads
-  (`route.decode_linear_gated`), one elementwise kernel per layer fewer.
 
 Measured on one H100 (`python3 -m benchmarks.generation.compile_auto --new-tokens 64 --calls 2 --modes off,on
 [--stack-mlp off]`; benchmarks/RESULTS.md, "The speed table"): the compiled step at the Qwen3-1.7B shape, 16k x 8,
@@ -33,9 +30,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.decode_gemm.route import decode_linear, decode_linear_gated, is_plain_linear, kept_forward
+from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
 
 #: transformers classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (checked against each
 #: class's own forward in tests/ops/decode_gemm/test_stacked.py)
@@ -46,8 +42,6 @@ GATED_MLPS = frozenset({
 #: at most this many rows run stacked (the decode GEMM's limit); more rows (a prefill) keep the MLP's forward
 MAX_ROWS = 16
 _CACHE = "_stacked_decode_weight"
-#: activation classes that compute F.silu (transformers' ACT2FN["silu"] / ["swish"], torch's nn.SiLU)
-_SILU = frozenset({"SiLUActivation", "SiLU"})
 
 
 def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -84,22 +78,13 @@ def stackable(mlp: nn.Module) -> bool:
     return projs[0].weight.dtype == projs[1].weight.dtype and projs[0].in_features == projs[1].in_features
 
 
-def gated_down(mlp: nn.Module) -> bool:
-    """Whether the MLP's down projection can take `[gate | up]` and make the activation in its GEMM
-    (`decode_linear_gated`): a SiLU MLP, gate and up of one width, down a plain `nn.Linear`."""
-    down = mlp.down_proj
-    return (type(mlp.act_fn).__name__ in _SILU and mlp.gate_proj.out_features == mlp.up_proj.out_features
-            and is_plain_linear(down) and down.in_features == mlp.up_proj.out_features)
-
-
 def _runs_stacked(x: torch.Tensor, mode: str) -> bool:
     return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and (x.is_cuda or mode == "triton")
 
 
-def _stacked_forward(mlp: nn.Module, mode: str, gated: bool):
-    """The MLP's forward within `mlps_stacked`, made once per (module, mode, gated) and kept on it
-    (`route.kept_forward`): the same function object at every call, so a compiled decode step that traced it is
-    not recompiled. `gated`: the down GEMM makes the activation (`gated_down`)."""
+def _stacked_forward(mlp: nn.Module, mode: str):
+    """The MLP's forward within `mlps_stacked`, made once per (module, mode) and kept on it (`route.kept_forward`):
+    the same function object at every call, so a compiled decode step that traced it is not recompiled."""
     def make():
         own = type(mlp).forward
         split = mlp.gate_proj.out_features
@@ -108,14 +93,11 @@ def _stacked_forward(mlp: nn.Module, mode: str, gated: bool):
             if not _runs_stacked(x, mode):
                 return own(mlp, x)
             W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj))
-            gate_up = decode_linear(x, W, b, mode)
-            if gated:
-                return decode_linear_gated(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, mode)
-            gate, up = gate_up.split([split, W.shape[0] - split], dim=-1)
+            gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
             return mlp.down_proj(mlp.act_fn(gate) * up)
         forward.stacked_mode = mode   # tells `refresh` the forward is ours and where it will run stacked
         return forward
-    return kept_forward(mlp, "_stacked_forwards", (mode, gated), make)
+    return kept_forward(mlp, "_stacked_forwards", mode, make)
 
 
 @contextmanager
@@ -125,10 +107,9 @@ def mlps_stacked(model: nn.Module, mode: str = "auto", on: bool = True):
     `decode_linear`'s ("torch": the stacked GEMM through `F.linear`)."""
     changed = []
     if on:
-        gated = current_kernel_options().gemm_prologues
         for mod in model.modules():
             if stackable(mod):
-                mod.forward = _stacked_forward(mod, mode, gated and gated_down(mod))
+                mod.forward = _stacked_forward(mod, mode)
                 changed.append(mod)
     try:
         yield len(changed)

@@ -45,7 +45,6 @@ def clean(monkeypatch):
     ("HYBRIDIZE_SSE_FUSED_PREFILL", "0", False),
     ("HYBRIDIZE_PDL", "0", False),
     ("HYBRIDIZE_SSE_MERGED_LOWRANK", "on", "on"),
-    ("HYBRIDIZE_GEMM_PROLOGUES", "0", False),
 ])
 def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
     field = ENV[var]
@@ -62,12 +61,12 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
                         "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
-                        "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_GEMM_PROLOGUES"}
+                        "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK"}
     assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
     d = KernelOptions().to_dict()
     assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
     assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"]
-    assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto" and d["gemm_prologues"]
+    assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto"
     assert all(help_ for _, _, _, help_ in KernelOptions.describe())
 
 
@@ -77,7 +76,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     ("HYBRIDIZE_CCQ_TUNE_TOP", "x"), ("HYBRIDIZE_FLA_DQKWG", "ours"), ("HYBRIDIZE_GLA_PRODUCTS", "tf32"),
     ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
     ("HYBRIDIZE_SSE_FUSED_STEP", "sometimes"), ("HYBRIDIZE_WINDOW_STEP", "2"), ("HYBRIDIZE_SSE_FUSED_PREFILL", "x"),
-    ("HYBRIDIZE_PDL", "yes please"), ("HYBRIDIZE_SSE_MERGED_LOWRANK", "sometimes"), ("HYBRIDIZE_GEMM_PROLOGUES", "2"),
+    ("HYBRIDIZE_PDL", "yes please"), ("HYBRIDIZE_SSE_MERGED_LOWRANK", "sometimes"),
 ])
 def test_bad_value_is_one_clear_line(var, raw, monkeypatch):
     with pytest.raises(UserError) as e:

@@ -57,165 +57,6 @@ def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
     assert torch.allclose(y.float(), ref, rtol=2 * ulp, atol=2 * ulp * ref.abs().max().item())
 
 
-def _gated_reference(gate_up, w, b):
-    """F.linear(F.silu(gate) * up) with PyTorch's roundings of a 16-bit MLP (activation, then product, each rounded
-    to the input dtype), the GEMM in fp32."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    h = (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
-    return _reference(h, w, b)
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,N,K", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("config", CONFIGS, ids=["picked", "split2", "split3"])
-def test_gated_kernel_matches_reference(dtype, rows, N, K, bias, config):
-    """`gated`: x is [gate | up] `[rows, 2K]`, the product F.linear(F.silu(gate) * up); the activation is made in the
-    kernel's input loads. Against the reference with PyTorch's roundings (the activation rounded in the same places),
-    and far from the product with gate and up swapped."""
-    from hybridize.ops.decode_gemm.triton_gemm import Prologue, decode_linear_triton
-
-    torch.manual_seed(rows * 1000 + N + K + 7)
-    gate_up = (2 * torch.randn(rows, 2 * K, device=DEVICE)).to(dtype)
-    w = torch.randn(N, K, device=DEVICE).to(dtype)
-    b = torch.randn(N, device=DEVICE).to(dtype) if bias else None
-    y = decode_linear_triton(gate_up, w, b, config=config, pro=Prologue("gated"))
-    ref = _gated_reference(gate_up, w, b)
-    assert y.shape == (rows, N) and y.dtype == dtype
-    ulp = torch.finfo(dtype).eps
-    scale = ref.abs().max().item()
-    # an activation rounded to another neighbour now and then (exp's last bit): a few ulps of the largest output
-    assert torch.allclose(y.float(), ref, rtol=2 * ulp, atol=8 * ulp * scale)
-    swapped = _gated_reference(torch.cat(gate_up.chunk(2, dim=-1)[::-1], dim=-1), w, b)
-    assert (y.float() - swapped).abs().max().item() > 0.05 * scale
-
-
-@needs_kernel
-def test_gated_rows_strided_and_shape_errors():
-    """[gate | up] as a column slice of a wider tensor (row stride past 2K); a width that is not 2K is refused in one
-    line."""
-    from hybridize.ops.decode_gemm.triton_gemm import Prologue, decode_linear_triton
-
-    torch.manual_seed(1)
-    wide = torch.randn(3, 1, 100, device=DEVICE).bfloat16()
-    gate_up = wide[..., 4:84]                           # 2K = 80, row stride 100
-    w = torch.randn(24, 40, device=DEVICE).bfloat16()
-    y = decode_linear_triton(gate_up, w, pro=Prologue("gated"))
-    ref = _gated_reference(gate_up.reshape(3, 80), w, None)
-    assert y.shape == (3, 1, 24)
-    assert torch.allclose(y.reshape(3, 24).float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
-    with pytest.raises(ValueError, match=r"\[gate \| up\] \[\.\.\., 2K\]"):
-        decode_linear_triton(wide[..., :40], w, pro=Prologue("gated"))
-
-
-def _head_norm_reference(x, gate, nw, eps, w, b):
-    """F.linear(rms_norm(x per head, nw) * F.silu(gate)) with PyTorch's roundings in 16 bits (the normed x, the
-    activation and the product each rounded to x's dtype), in fp32 otherwise."""
-    M, K = x.shape
-    D = nw.shape[0]
-    xf = x.float().view(M, K // D, D)
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()).to(x.dtype).view(M, K)
-    h = (normed.float() * F.silu(gate.float()).to(x.dtype).float()).to(x.dtype)
-    return _reference(h, w, b)
-
-
-# (rows, N, heads, head dim, config): K = heads x D below, at and past the K tile (a partial last tile of whole
-# heads), split-K slices of whole heads
-HEAD_NORM_CASES = [(1, 33, 3, 32, None), (3, 70, 5, 16, None), (8, 50, 9, 64, None), (16, 64, 4, 32, None),
-                   (8, 130, 3, 32, dict(BN=16, BK=32, SPLIT=2)), (5, 40, 7, 16, dict(BN=32, BK=16, SPLIT=3)),
-                   (2, 24, 4, 64, dict(BN=16, BK=64, SPLIT=1, num_warps=2))]
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,N,H,D,config", HEAD_NORM_CASES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_head_norm_kernel_matches_reference(dtype, rows, N, H, D, config, bias):
-    """Prologue "head_norm" (SSE's output): each head's D channels RMS-normed with the gain, times silu(gate), then
-    the GEMM. Against the reference with PyTorch's roundings, with the gate a column slice of a wider tensor (as the
-    fused step's projection gives it); far from the result of a norm over the whole row."""
-    from hybridize.ops.decode_gemm.triton_gemm import Prologue, decode_linear_triton
-
-    torch.manual_seed(rows * 1000 + N + H * D)
-    K = H * D
-    x = (torch.randn(rows, K, device=DEVICE) * torch.linspace(0.2, 5, H, device=DEVICE).repeat_interleave(D)).to(dtype)
-    wide = torch.randn(rows, 2 * K + 3, device=DEVICE).to(dtype)
-    gate = wide[:, 3:3 + K]
-    nw = (1 + 0.3 * torch.randn(D, device=DEVICE)).to(dtype)
-    w = torch.randn(N, K, device=DEVICE).to(dtype)
-    b = torch.randn(N, device=DEVICE).to(dtype) if bias else None
-    y = decode_linear_triton(x, w, b, config=config, pro=Prologue("head_norm", gate, nw, 1e-6))
-    ref = _head_norm_reference(x, gate, nw, 1e-6, w, b)
-    assert y.shape == (rows, N) and y.dtype == dtype
-    ulp = torch.finfo(dtype).eps
-    scale = ref.abs().max().item()
-    assert torch.allclose(y.float(), ref, rtol=2 * ulp, atol=8 * ulp * scale)
-    whole_row = _head_norm_reference(x, gate, nw.repeat(H), 1e-6, w, b)
-    assert (y.float() - whole_row).abs().max().item() > 0.05 * scale
-
-
-@needs_kernel
-def test_head_norm_refuses_what_it_cannot_do():
-    """One line each: a head dim that does not divide K, is not a power of two or is below a K tile, a gate of another
-    shape, a config whose K tile is not one head."""
-    from hybridize.ops.decode_gemm.triton_gemm import Prologue, decode_linear_triton
-
-    x = torch.randn(2, 96, device=DEVICE).bfloat16()
-    w = torch.randn(8, 96, device=DEVICE).bfloat16()
-    for nw, gate, match in [(torch.ones(24), x, "power-of-two head dim"), (torch.ones(64), x, "dividing K"),
-                            (torch.ones(8), x, "head dim >= 16"), (torch.ones(32), x[:, :48], "gate like x")]:
-        with pytest.raises(ValueError, match=match):
-            decode_linear_triton(x, w, pro=Prologue("head_norm", gate, nw.to(x), 1e-6))
-    with pytest.raises(ValueError, match="one head wide"):
-        decode_linear_triton(x, w, config=dict(BN=16, BK=64, SPLIT=1), pro=Prologue("head_norm", x, torch.ones(32).to(x), 1e-6))
-
-
-def test_head_norm_route_falls_back_to_pytorch():
-    """`decode_linear_head_norm` without the kernel is SSE's own output path (its o_norm, silu gate, o_proj), bit for
-    bit."""
-    from hybridize.mixers.base import RMSNorm
-
-    torch.manual_seed(3)
-    B, H, D = 3, 4, 8
-    o = torch.randn(B, 1, H, D).bfloat16()
-    gate = torch.randn(B, 1, H * D).bfloat16()
-    norm = RMSNorm(D, 1e-5).bfloat16()
-    with torch.no_grad():
-        norm.weight.normal_()
-    proj = nn.Linear(H * D, 6).bfloat16()
-    with torch.no_grad():
-        ref = proj((norm(o) * F.silu(gate).view(B, 1, H, D)).reshape(B, 1, -1))
-        for mode in ("torch", "auto"):
-            out = dl.decode_linear_head_norm(o.reshape(B, 1, -1), gate, norm.weight, norm.eps, proj.weight,
-                                             proj.bias, mode)
-            assert torch.equal(out, ref)
-
-
-def test_plain_linear_is_an_unhooked_linear_or_a_routed_one():
-    lin = nn.Linear(4, 4)
-    assert dl.is_plain_linear(lin)
-    with dl.linears_routed(lin, "triton"):
-        assert "forward" in lin.__dict__ and dl.is_plain_linear(lin)
-    hooked = nn.Linear(4, 4)
-    hooked.register_forward_pre_hook(lambda *a: None)
-    own = nn.Linear(4, 4)
-    own.forward = lambda x: x
-    assert not any(dl.is_plain_linear(m) for m in (hooked, own, nn.Sequential(nn.Linear(4, 4))))
-
-
-def test_gated_route_falls_back_to_pytorch():
-    """`decode_linear_gated` without the kernel (mode torch, or CPU under auto) is F.silu(gate) * up then F.linear,
-    bit for bit."""
-    torch.manual_seed(2)
-    gate_up = torch.randn(4, 1, 2 * 12).bfloat16()
-    w, b = torch.randn(5, 12).bfloat16(), torch.randn(5).bfloat16()
-    gate, up = gate_up.chunk(2, dim=-1)
-    ref = F.linear(F.silu(gate) * up, w, b)
-    for mode in ("torch", "auto"):
-        assert torch.equal(dl.decode_linear_gated(gate_up, w, b, mode), ref)
-
-
 @needs_kernel
 def test_kernel_strided_rows_and_leading_dims():
     """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
@@ -255,7 +96,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(kern, "_CHOICE", {})
     monkeypatch.setattr(kern, "_TIMINGS", {})
-    key = (48, 64, 4, torch.bfloat16, False, "plain", 0)
+    key = (48, 64, 4, torch.bfloat16, False)
     best = kern._choose(x, w, None, key)
     assert best == kern.CONFIGS[4] and kern._CHOICE[key] == best
     assert len(timed) == 1 + len(kern.CONFIGS)
@@ -286,7 +127,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x5 = torch.randn(5, 64, device=DEVICE).bfloat16()
     assert kern._picked(x5, w, None) == "cublas"
-    assert (48, 64, 5, torch.bfloat16, False, "plain", 0) not in kern._CHOICE
+    assert (48, 64, 5, torch.bfloat16, False) not in kern._CHOICE
 
 
 @needs_kernel

@@ -84,44 +84,6 @@ def test_stacked_forward_equals_the_mlp_on_decode_rows(bias):
         assert torch.equal(mlp(x), ref)
 
 
-def test_down_gemm_makes_the_activation_of_silu_mlps(monkeypatch):
-    """Kernel option gemm_prologues: a SiLU MLP's down projection gets [gate | up] (`decode_linear_gated`, the activation
-    made in the GEMM's input loads); off, or for another activation or a wrapped down projection, the activation
-    runs on its own and down_proj is called."""
-    from hybridize.ops.common.options import use_kernel_options
-
-    calls = []
-    real = st.decode_linear_gated
-
-    def spy(gate_up, weight, bias=None, mode=None):
-        calls.append(gate_up.shape[-1])
-        return real(gate_up, weight, bias, mode)
-
-    monkeypatch.setattr(st, "decode_linear_gated", spy)
-    x = torch.randn(3, 1, 24)
-    gelu = _mlp()
-    gelu.act_fn = nn.GELU(approximate="tanh")
-    wrapped = _mlp()
-    wrapped.down_proj = nn.Sequential(wrapped.down_proj)
-    assert st.gated_down(_mlp()) and not st.gated_down(gelu) and not st.gated_down(wrapped)
-    for mlp, on, fused in [(_mlp(bias=True), True, True), (_mlp(), False, False), (gelu, True, False),
-                           (wrapped, True, False)]:
-        calls.clear()
-        with torch.no_grad():
-            ref = mlp(x)
-            with use_kernel_options(gemm_prologues=on), st.mlps_stacked(mlp, "triton") as n:
-                out = mlp(x)
-        assert n == 1 and calls == ([80] if fused else [])
-        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
-    mlp = _mlp()                                  # the option picks another kept forward, and back
-    with use_kernel_options(gemm_prologues=True), st.mlps_stacked(mlp, "triton"):
-        on = mlp.forward
-    with use_kernel_options(gemm_prologues=False), st.mlps_stacked(mlp, "triton"):
-        assert mlp.forward is not on
-    with use_kernel_options(gemm_prologues=True), st.mlps_stacked(mlp, "triton"):
-        assert mlp.forward is on
-
-
 def test_prefill_rows_and_cpu_auto_keep_the_mlps_own_forward():
     mlp = _mlp()
     x_long = torch.randn(2, st.MAX_ROWS, 24)                  # 32 rows: a prefill
