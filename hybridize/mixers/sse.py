@@ -53,7 +53,8 @@ Layouts (`layout`, ops/sse/reference.py): "masking" (partitions folded into head
 mean sequence length reaches `varlen_min_len`). `mode="recurrent"` gathers only the selected
 partitions per token (decode); unselected partitions stay bit-identical. On the GPU a decode token of SSE (GLA
 backbone, top-1, shared partition) with a writable state (the fast engine's cache) runs everything between the
-two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`).
+two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`); at
+small shapes the two matmuls are one, the low-rank up-projections merged into stage 1 (`merged_lowrank`).
 Without gradient (prefill, evaluation, decode) the front end is `fused_inputs`: every projection of x in one
 cached matmul, the LoRA and gate up-projections in a second, the shared and sparse q/k normed, rotated and
 feature-mapped together (`ops/sse/qk_front.py`; on CUDA one kernel, `triton_qk_front.py`). The same values as
