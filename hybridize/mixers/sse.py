@@ -524,7 +524,8 @@ class SSE(Mixer):
         match): what a decode loop that replays a captured graph calls before replaying."""
         if self._fused_ok():
             self._fused_weights()
-            if self.merged_lowrank():
+            # the merged stage 1 only where the one-kernel step runs (CUDA): on the CPU nothing reads it
+            if self.merged_lowrank() and sse_ops.fused_step_applies(self.o_proj.weight):
                 self._merged_weights()
 
     def _decode_columns(self) -> dict[str, tuple[int, int]]:

@@ -113,6 +113,20 @@ def test_merged_lowrank_auto_merges_when_the_extra_weight_is_small(monkeypatch):
             assert m.merged_lowrank() == want, (choice, limit)
 
 
+def test_refresh_builds_the_merged_stage_only_where_the_step_runs(monkeypatch):
+    """The decode loop's refresh builds the merged stage-1 weight where the one-kernel step runs (CUDA; here the
+    check patched), not on the CPU, where nothing reads it."""
+    from hybridize.ops.sse import reference as sse_ops
+
+    m = _mixer(SSE)
+    with use_kernel_options(sse_merged_lowrank="on"):
+        m.refresh_decode_weights()
+        assert "_merged_cache" not in m.__dict__
+        monkeypatch.setattr(sse_ops, "fused_step_applies", lambda x: True)
+        m.refresh_decode_weights()
+        assert "_merged_cache" in m.__dict__
+
+
 @needs_kernel
 @pytest.mark.parametrize("merged", [False, True], ids=["two-stage", "merged"])
 @pytest.mark.parametrize("kw", CASES)
