@@ -375,6 +375,14 @@ def test_cuda_graphs_same_tokens(mixer, settings, compile_):
     n = len(graphs._sessions)
     _both(model, graphs, dict(do_sample=False, max_new_tokens=24), ids=ids, am=am)
     assert len(graphs._sessions) == n
+    # other kernel options (which kernels a graph launches): another session, not the captured one
+    from hybridize.ops.common.options import current_kernel_options, use_kernel_options
+
+    before, flipped = list(graphs._sessions), not current_kernel_options().pdl
+    with use_kernel_options(pdl=flipped):
+        _both(model, graphs, dict(do_sample=False, max_new_tokens=24), ids=ids, am=am)
+    newest = list(graphs._sessions)[-1]
+    assert newest not in before and newest[-1].pdl == flipped
 
 
 def test_compile_auto_switches_after_the_uncompiled_decode_time():

@@ -301,4 +301,3 @@ def test_fused_prefill_option_keeps_the_per_projection_path(monkeypatch):
             out = m(x, output_state=True)
             m(x[:, -1:], state=out.state)
         assert calls == ["features", "fused_inputs"]
-
