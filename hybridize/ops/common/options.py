@@ -139,6 +139,9 @@ def _kind(f: dataclasses.Field) -> str:
     return "bool" if f.type == "bool" else "int" if str(f.type).startswith("int") else "str"
 
 
+_SWITCH = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+
+
 def _check(f: dataclasses.Field, value, where: str):
     """`value` as the field's type (strings from the environment or a command line parsed), or UserError."""
     choices, low, kind = f.metadata["choices"], f.metadata["min"], _kind(f)
@@ -163,6 +166,10 @@ def _check(f: dataclasses.Field, value, where: str):
             if low is not None and value < low:
                 raise UserError(f"{where}: must be >= {low}, got {value}")
             return value
+        if choices is not None and {"on", "off"} <= set(choices):
+            # a switch with more settings than two ("auto"): booleans are on / off, so a config that recorded it
+            # when it was a bool (sse_merged_lowrank before 582b1cc) and `=1` / `=0` in the environment still work
+            value = _SWITCH.get(str(value).strip().lower(), value)
         value = str(value)
         if choices is not None and value not in choices:
             raise UserError(f"{where}: must be one of {' | '.join(choices)}, got {value!r}")

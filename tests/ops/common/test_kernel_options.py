@@ -45,6 +45,7 @@ def clean(monkeypatch):
     ("HYBRIDIZE_SSE_FUSED_PREFILL", "0", False),
     ("HYBRIDIZE_PDL", "0", False),
     ("HYBRIDIZE_SSE_MERGED_LOWRANK", "on", "on"),
+    ("HYBRIDIZE_SSE_MERGED_LOWRANK", "1", "on"),
 ])
 def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
     field = ENV[var]
@@ -274,3 +275,13 @@ def test_grpo_run_records_and_uses_kernel_options(tmp_path, monkeypatch):
     assert seen and {o.gla_rows for o in seen} == {512} and options._CURRENT is None
     r = CliRunner().invoke(_app(), args[:-1] + ["kernel_options.gla_rows=0"])
     assert r.exit_code != 0 and "kernel_options.gla_rows: must be >= 1" in str(r.exception)
+
+
+def test_an_auto_switch_takes_booleans_as_on_and_off():
+    """sse_merged_lowrank was a bool before it had "auto": a config or variable that set it so still works."""
+    assert KernelOptions(sse_merged_lowrank=False).sse_merged_lowrank == "off"
+    assert KernelOptions(sse_merged_lowrank=True).sse_merged_lowrank == "on"
+    assert KernelOptions.from_env({"HYBRIDIZE_SSE_MERGED_LOWRANK": "0"}).sse_merged_lowrank == "off"
+    assert KernelOptions(sse_merged_lowrank="auto").sse_merged_lowrank == "auto"
+    with pytest.raises(UserError, match="on \\| off"):
+        KernelOptions(sse_merged_lowrank="sometimes")
