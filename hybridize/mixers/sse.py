@@ -53,8 +53,9 @@ Layouts (`layout`, ops/sse/reference.py): "masking" (partitions folded into head
 mean sequence length reaches `varlen_min_len`). `mode="recurrent"` gathers only the selected
 partitions per token (decode); unselected partitions stay bit-identical. On the GPU a decode token of SSE (GLA
 backbone, top-1, shared partition) with a writable state (the fast engine's cache) runs everything between the
-two fused projection matmuls and the output norm as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`); at
-small shapes the two matmuls are one, the low-rank up-projections merged into stage 1 (`merged_lowrank`).
+two fused projection matmuls and o_proj as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`), the output
+norm and gate included (kernel option `sse_step_finish`); at small shapes the two matmuls are one, the low-rank
+up-projections merged into stage 1 (`merged_lowrank`).
 Without gradient (prefill, evaluation, decode) the front end is `fused_inputs`: every projection of x in one
 cached matmul, the LoRA and gate up-projections in a second, the shared and sparse q/k normed, rotated and
 feature-mapped together (`ops/sse/qk_front.py`; on CUDA one kernel, `triton_qk_front.py`). The same values as
@@ -349,8 +350,8 @@ class SSE(Mixer):
         gate = None
         if mode == "recurrent" and T == 1 and cu_seqlens is None and self.fused_step_ok(x, state, attention_mask,
                                                                                          position_embeddings):
-            o, gate = self.fused_step(x, state, position_embeddings)
-            return MixerOutput(hidden=self.finish(o, x, gate), state=state if output_state else None)
+            return MixerOutput(hidden=self.fused_step(x, state, position_embeddings),
+                               state=state if output_state else None)
         if self._fused_ok() and (T == 1 or current_kernel_options().sse_fused_prefill):
             # no gradient (decode, or prefill): the fused front end (no short conv: no conv state)
             shared, sparse, logits, gate = self.fused_inputs(x, attention_mask, position_embeddings)
@@ -617,26 +618,33 @@ class SSE(Mixer):
                           gate_normalizer=c.gate_normalizer, norm_eps=self.q_norm.eps if c.qk_norm else None,
                           emulq=c.emulq, emulk=c.emulk)
 
-    def fused_step(self, x, state: SSEState, position_embeddings=None):
-        """One decode token through the one-kernel step: x `[B, 1, hidden]` -> (o `[B, 1, H, D]`, output-gate
-        pre-activation `[B, 1, H * D]` or None); `state` is updated in place."""
+    def fused_step(self, x, state: SSEState, position_embeddings=None) -> torch.Tensor:
+        """One decode token through the one-kernel step: x `[B, 1, hidden]` -> the mixer's output `[B, 1, hidden]`;
+        `state` is updated in place. With kernel option `sse_step_finish` the kernel also applies the output norm
+        and gate, and only o_proj follows it."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
-        merged = self.merged_lowrank()
+        merged, finish = self.merged_lowrank(), current_kernel_options().sse_step_finish
         if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
             W, b = self._merged_weights()
             wn, cols = self._fused_weights()[4], self._decode_columns()
             y = u = decode_linear(x, W, b)
         else:
             y, u, wn, cols = self._decode_projections(x)
-        layouts = self.__dict__.setdefault("_step_layouts", {})   # {merged: StepLayout}
-        if merged not in layouts:
-            layouts[merged] = self.merged_layout() if merged else self.step_layout()
-        layout = layouts[merged]
+        layouts = self.__dict__.setdefault("_step_layouts", {})   # {(merged, finish): StepLayout}
+        if (merged, finish) not in layouts:
+            layout = self.merged_layout() if merged else self.step_layout()
+            if finish:
+                layout = dataclasses.replace(layout, out_norm_eps=self.o_norm.eps, out_gate_col=cols["gate"][0]
+                                             if self.config.output_gate else None)
+            layouts[merged, finish] = layout
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
-        o = sse_gla_step(y, u, state.shared, state.sparse, layout, wn, cos, sin)
+        o = sse_gla_step(y, u, state.shared, state.sparse, layouts[merged, finish], wn, cos, sin,
+                         out_weight=self.o_norm.gain() if finish else None)
+        if finish:
+            return self.o_proj(o.reshape(*x.shape[:2], -1))
         lo, width = cols["gate"] if self.config.output_gate else (0, 0)
-        return o, (y[..., lo:lo + width] if width else None)
+        return self.finish(o, x, y[..., lo:lo + width] if width else None)
 
     def decode_gates(self, z, direct, B: int, T: int):
         """((g, beta) shared, (g, beta) sparse) from the fused projections: z `[B, T, P * H * D]` the gate

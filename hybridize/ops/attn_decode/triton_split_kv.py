@@ -288,16 +288,38 @@ def combine(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, o: torch.Ten
                                     **clear)
 
 
-@torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
+def launch_settings(kv_bytes: int) -> tuple[int, int]:
+    """(keys per block, pipeline stages) of phase 1 for K/V of `kv_bytes` bytes an element. 16-bit: 128 keys in 3
+    stages, the fastest of the sweep on an H100 at the 1.7B shape's 16k x 8 (2.91 TB/s, 1.20x the former 64 keys in
+    2 stages) and at 1k x 1 of both shapes (1.25x / 1.36x); fp32 (tests, fp32 checks): 64 keys in 2 stages, as 128 in
+    3 stages need more shared memory than an H100 has."""
+    return (128, 3) if kv_bytes <= 2 else (64, 2)
+
+
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start=None,
                 window: int | None = None, scale: float | None = None, splits: int | None = None,
-                block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """Triton split-KV attention, same contract as `attn_decode_reference`: q `[B, Hq, D]`, k/v
     `[B, Hkv, L, D]` (any strides with a unit last stride), `length` int or device tensor `[1]`/`[B]`,
     `start` `[B]` or None, `window` None or >= 1 -> `[B, Hq, D]` in q's dtype. `splits` overrides
-    `num_splits` (tests). No host synchronisation: safe inside CUDA-graph capture once compiled."""
+    `num_splits` (tests). No host synchronisation: safe inside CUDA-graph capture once compiled.
+    Launch settings (None: `launch_settings`) are the fastest of `benchmarks/ops/attn_decode.py`'s sweep on an H100
+    for 16-bit K/V."""
     if triton is None:
         raise ImportError("attn_decode needs triton; use attn_decode_reference on machines without it")
+    B = _check(q, k, v)[0]
+    auto_n, auto_stages = launch_settings(k.element_size())
+    block_n, num_stages = block_n or auto_n, num_stages or auto_stages
+    return attn_decode_op(q, k, v, _length_tensor(length, B, q.device), _start_tensor(start, B, q.device), window,
+                          scale, splits, block_n, num_warps, num_stages)
+
+
+@torch.library.custom_op("hybridize::attn_decode", mutates_args=())
+def attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, start: torch.Tensor,
+                   window: int | None, scale: float | None, splits: int | None, block_n: int, num_warps: int,
+                   num_stages: int) -> torch.Tensor:
+    """`attn_decode` as a custom op: torch.compile keeps it as one call inside a compiled step's graph (no graph
+    break around it, so the ops on both sides fuse across it)."""
     B, Hq, Hkv, L, D = _check(q, k, v)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attn_decode needs a unit stride on the head dim of q, k and v (call .contiguous())")
@@ -329,6 +351,11 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
     return o
 
 
+@attn_decode_op.register_fake
+def _(q, k, v, length, start, window, scale, splits, block_n, num_warps, num_stages):
+    return torch.empty_like(q)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU check + timing: python -m hybridize.ops.attn_decode.triton_split_kv
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +385,7 @@ def _bench(B: int = 8, Hq: int = 16, Hkv: int = 8, D: int = 128, L: int = 16640,
     floor = 2 * k.numel() * k.element_size() * (T / L) / 3.35e12 * 1e3
     print(f"B={B} Hq={Hq} Hkv={Hkv} D={D} L_buf={L} length={T} bf16, splits={num_splits(L, B, Hkv, dev)}; "
           f"masked sdpa {do_bench(sdpa):.3f} ms; H100 HBM floor ~{floor:.3f} ms")
-    for bn, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3)):
+    for bn, warps, stages in ((128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3)):
         kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
         try:
             err = ((attn_decode(q, k, v, length, start, **kw).float() - ref).abs().max() / ref.abs().max()).item()

@@ -82,6 +82,9 @@ class KernelOptions:
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "
                                       "paths' state updates in one Triton kernel (false: the separate kernels, for "
                                       "benchmarks)", "HYBRIDIZE_SSE_FUSED_STEP")
+    sse_step_finish: bool = _opt(True, "SSE's one-kernel decode step also applies the output norm and gate (two "
+                                       "kernels fewer per layer; false: they run after it, for benchmarks)",
+                                 "HYBRIDIZE_SSE_STEP_FINISH")
     sse_fused_prefill: bool = _opt(True, "SSE without gradient over several tokens (prefill, evaluation): the fused "
                                          "front end, every projection of x in one matmul and both paths' q/k normed "
                                          "and rotated together (false: one matmul per projection, for benchmarks; "

@@ -8,6 +8,7 @@ import here: the mixer builds its layout without it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,27 @@ class StepLayout:
     norm_eps: float | None   # None: no q/k norm
     emulq: bool
     emulk: bool
+    out_norm_eps: float | None = None   # set: the step also applies the output norm (and gate) the mixer's finish does
+    out_gate_col: int | None = None     # first output-gate pre-activation column in y (silu gate); None: no gate
+
+    def pack(self) -> tuple[list[int], list[float], str]:
+        """The layout as a custom op's arguments (`triton_fused_step`'s `hybridize::sse_gla_step`): ints, floats and
+        the feature maps ("q,k,v"), None as -1 (a column) or NaN (an eps). `unpack` inverts it."""
+        ints = [self.heads, self.kv_heads, self.head_dim, self.partitions, self.v_col, self.router_col, self.gate_col,
+                self.delta_col, int(self.emulq), int(self.emulk), -1 if self.out_gate_col is None else self.out_gate_col]
+        floats = [self.gate_normalizer, math.nan if self.norm_eps is None else self.norm_eps,
+                  math.nan if self.out_norm_eps is None else self.out_norm_eps]
+        return ints, floats, f"{self.q_map},{self.k_map},{self.v_map}"
+
+    @classmethod
+    def unpack(cls, ints: list[int], floats: list[float], maps: str) -> "StepLayout":
+        h, hk, d, p, v_col, r_col, g_col, delta_col, emulq, emulk, og_col = ints
+        gn, eps, o_eps = floats
+        maps = maps.split(",")
+        return cls(heads=h, kv_heads=hk, head_dim=d, partitions=p, v_col=v_col, router_col=r_col, gate_col=g_col,
+                   delta_col=delta_col, q_map=maps[0], k_map=maps[1], v_map=maps[2], gate_normalizer=gn,
+                   norm_eps=None if math.isnan(eps) else eps, emulq=bool(emulq), emulk=bool(emulk),
+                   out_norm_eps=None if math.isnan(o_eps) else o_eps, out_gate_col=None if og_col < 0 else og_col)
 
 
 def _feature(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -44,7 +66,7 @@ def _feature(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def sse_gla_step_reference(y, u, shared, sparse, layout: StepLayout, norm_weight=None, cos=None, sin=None,
-                           scale=None, bv=None):
+                           scale=None, bv=None, out_weight=None):
     """`triton_fused_step.sse_gla_step` in PyTorch, fp32 (`bv`, the kernel's block width, is ignored)."""
     L = layout
     B, H, Hk, D = y.shape[0], L.heads, L.kv_heads, L.head_dim
@@ -78,4 +100,8 @@ def sse_gla_step_reference(y, u, shared, sparse, layout: StepLayout, norm_weight
         else:
             sparse[rows, part] = state
         o += torch.einsum("bhkv,bhk->bhv", state, q) * scale
+    if L.out_norm_eps is not None:   # the mixer's finish before o_proj: per-head RMSNorm, silu output gate
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + L.out_norm_eps) * out_weight.float()
+        if L.out_gate_col is not None:
+            o = o * F.silu(yf[:, L.out_gate_col:L.out_gate_col + H * D].view(B, H, D))
     return o.to(y.dtype).unsqueeze(1)

@@ -14,7 +14,12 @@ program per (value block, row, query head) does all of it in registers:
     shared:  S = exp(g_sh) S + k_sh v^T,                 o  = scale S^T q_sh
     sparse:  S_i = exp(g_sp) S_i + (w k_sp) v^T,         o += scale S_i^T (w q_sp)     (emulk / emulq)
 
-and writes o `[B, 1, H, D]` in the inputs' dtype; the output norm, gate and o_proj stay with the caller.
+and writes o `[B, 1, H, D]` in the inputs' dtype. With `layout.out_norm_eps` set it also finishes the head as the
+mixer's `finish` does before o_proj (the output RMSNorm over the head's D values, gain `out_weight`, and the silu
+output gate from y's gate columns): two kernels fewer per layer in the decode step's chain. A head's value columns are
+split over `D / BV` programs, so each writes its fp32 block to a scratch row through L2 (atomics) and bumps a per-head
+counter; the program that brings the counter to `D / BV` reads the whole row, finishes it and sets the counter back to
+zero (`head_counters`: one buffer per device, zero between steps, so no memset launch). o_proj stays with the caller.
 States are updated in place; partitions nobody selected are never touched. The math is that of the
 separate kernels, in fp32 from the loaded 16-bit projections on (the separate path rounds q/k to 16 bits
 between its kernels), so in fp32 the two agree to rounding and in bf16 to the inputs' rounding.
@@ -91,10 +96,11 @@ def _update(state, q, k, v, g, d, ov, scale, D: tl.constexpr):
 
 @triton.jit
 def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_delta, v_col, r_col, g_col,
-                         eps, inv_gn, scale, H, NREP, P,
+                         eps, inv_gn, scale, H, NREP, P, onw, o_eps, og_col, part_o, count,
                          D: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
                          ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
-                         EMULQ: tl.constexpr, EMULK: tl.constexpr, PDL: tl.constexpr):
+                         EMULQ: tl.constexpr, EMULK: tl.constexpr, FINISH: tl.constexpr, GATE: tl.constexpr,
+                         NB: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
         tl.extra.cuda.gdc_wait()
     i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -134,7 +140,43 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
         k = k * w
     g = _logsigmoid(tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)) * inv_gn
     o_sum += _update(st_sp + ((i_b * P + part) * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
-    tl.store(o + (i_b * H + i_h) * D + ov, o_sum.to(o.dtype.element_ty))
+    row = i_b * H + i_h
+    if not FINISH:
+        tl.store(o + row * D + ov, o_sum.to(o.dtype.element_ty))
+    elif NB == 1:   # the program holds the whole head
+        _finish(o_sum, o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
+    else:           # the head's last program to finish normalises it: partial rows through L2, a counter per head
+        # (the fp32 rows travel as int32 bits: atomics, so they are read where they were written, in L2)
+        tl.atomic_xchg(part_o + row * D + ov, o_sum.to(tl.int32, bitcast=True), sem="release")
+        tl.debug_barrier()                       # every thread's row written before the count goes up
+        if tl.atomic_add(count + row, 1, sem="acq_rel") == NB - 1:
+            full = tl.atomic_add(part_o + row * D + d, tl.zeros([D], dtype=tl.int32), sem="acquire")
+            _finish(full.to(tl.float32, bitcast=True), o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
+            tl.atomic_xchg(count + row, 0)       # ready for the next step (and the next graph replay)
+
+
+@triton.jit
+def _finish(x, o_row, gate_row, onw, eps, d, GATE: tl.constexpr, D: tl.constexpr):
+    """The mixer's output norm (RMSNorm over the head, gain `onw`) and silu output gate on one head's summed
+    output x `[D]` fp32, stored at o_row in o's dtype."""
+    x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(onw + d).to(tl.float32)
+    if GATE:
+        z = tl.load(gate_row + d).to(tl.float32)
+        x = x * (z / (1.0 + tl.exp(-z)))
+    tl.store(o_row + d, x.to(o_row.dtype.element_ty))
+
+
+_COUNTS: dict = {}
+
+
+def head_counters(n: int, device) -> torch.Tensor:
+    """Zeroed int32 counters, at least `n`, one per (row, head), that the finishing step leaves at zero again; kept
+    per device across calls and layers (the layers' steps run one after another on one stream), so a step needs no
+    memset of its own."""
+    have = _COUNTS.get(device)
+    if have is None or have.numel() < n:
+        have = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def block_v(rows: int, heads: int, dim: int) -> int:
@@ -145,11 +187,32 @@ def block_v(rows: int, heads: int, dim: int) -> int:
     return min(dim, bv)
 
 
-@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
 def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
-                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None) -> torch.Tensor:
-    """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`."""
+                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
+                 out_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
+    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set. Runs as the custom op
+    `hybridize::sse_gla_step` (it declares the two states it writes), so torch.compile keeps it as one call inside
+    the step's graph instead of breaking the graph around it."""
+    return sse_gla_step_op(y, u, shared, sparse, norm_weight, cos, sin, out_weight, scale, bv, *layout.pack())
+
+
+@torch.library.custom_op("hybridize::sse_gla_step", mutates_args=("shared", "sparse"))
+def sse_gla_step_op(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor,
+                    norm_weight: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                    out_weight: torch.Tensor | None, scale: float | None, bv: int | None, ints: list[int],
+                    floats: list[float], maps: str) -> torch.Tensor:
+    return _launch(y, u, shared, sparse, StepLayout.unpack(ints, floats, maps), norm_weight, cos, sin, scale, bv,
+                   out_weight)
+
+
+@sse_gla_step_op.register_fake
+def _(y, u, shared, sparse, norm_weight, cos, sin, out_weight, scale, bv, ints, floats, maps):
+    return y.new_empty(y.shape[0], 1, ints[0], ints[2])
+
+
+def _launch(y, u, shared, sparse, layout: StepLayout, norm_weight, cos, sin, scale, bv, out_weight) -> torch.Tensor:
     L = layout
     B, H, D = y.shape[0], L.heads, L.head_dim
     if y.shape[1] != 1 or u.shape[:2] != (B, 1):
@@ -171,15 +234,23 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
     norm = L.norm_eps is not None
     if norm and (norm_weight is None or tuple(norm_weight.shape) != (H + L.kv_heads, D)):
         raise ValueError(f"sse_gla_step's q/k norm needs a weight [H + Hk, D] = {(H + L.kv_heads, D)}")
+    finish = L.out_norm_eps is not None
+    if finish and (out_weight is None or tuple(out_weight.shape) != (D,)):
+        raise ValueError(f"sse_gla_step's output norm needs a gain [D] = [{D}]")
     o = torch.empty(B, 1, H, D, dtype=y.dtype, device=y.device)
     bv = block_v(B, H, D) if bv is None else bv
+    nb = triton.cdiv(D, bv)
     dummy = y   # never read: constexpr branches skip absent inputs
-    grid = (triton.cdiv(D, bv), B, H)
+    split = finish and nb > 1   # a head over several programs: its last one finishes it
+    part_o = torch.empty(B * H * D, dtype=torch.int32, device=y.device) if split else dummy   # fp32 bits
+    count = head_counters(B * H, y.device) if split else dummy
+    grid = (nb, B, H)
     _sse_gla_step_kernel[grid](
         y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
         y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
         L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
-        H, H // L.kv_heads, L.partitions, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
+        H, H // L.kv_heads, L.partitions, out_weight if finish else dummy, float(L.out_norm_eps or 0.0),
+        L.out_gate_col or 0, part_o, count, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
         ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,
-        **pdl_args(y.device))
+        FINISH=finish, GATE=L.out_gate_col is not None, NB=nb, **pdl_args(y.device))
     return o

@@ -83,10 +83,10 @@ CASES = [
 ]
 
 
-def _check_against_separate(kw, path, merged=False):
+def _check_against_separate(kw, path, merged=False, finish=True):
     m = _mixer(SSE, **kw).to(DEVICE)
     x = torch.randn(3, 9, 24, device=DEVICE)
-    with use_kernel_options(sse_merged_lowrank="on" if merged else "off"):
+    with use_kernel_options(sse_merged_lowrank="on" if merged else "off", sse_step_finish=finish):
         o_f, s_f, first = _decode(m, x, path, steps=4)
     assert ("_merged_cache" in m.__dict__) == merged                                   # the path asked for ran
     o_g, s_g, _ = _decode(m, x, "separate", steps=4)
@@ -127,28 +127,37 @@ def test_refresh_builds_the_merged_stage_only_where_the_step_runs(monkeypatch):
         assert "_merged_cache" in m.__dict__
 
 
+VARIANTS = pytest.mark.parametrize("merged,finish", [(False, True), (True, True), (False, False)],
+                                   ids=["two-stage", "merged", "unfinished"])
+
+
 @needs_kernel
-@pytest.mark.parametrize("merged", [False, True], ids=["two-stage", "merged"])
+@VARIANTS
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_kernel_equals_separate_path(kw, merged):
-    _check_against_separate(kw, "kernel", merged)
+def test_fused_step_kernel_equals_separate_path(kw, merged, finish):
+    _check_against_separate(kw, "kernel", merged, finish)
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["two-stage", "merged"])
+@VARIANTS
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_reference_equals_separate_path(kw, merged):
+def test_fused_step_reference_equals_separate_path(kw, merged, finish):
     """The kernel's PyTorch reference, in the mixer's one-kernel path (no triton needed): the contract the kernel
     is tested against below, wired as the mixer uses it. merged: kernel option sse_merged_lowrank, the LoRA and gate
-    up-projections merged into the stage-1 matmul (u is y)."""
-    _check_against_separate(kw, "reference", merged)
+    up-projections merged into the stage-1 matmul (u is y); finish: option sse_step_finish, the output norm and gate
+    in the step (off: the mixer's `finish` applies them after it)."""
+    _check_against_separate(kw, "reference", merged, finish)
 
 
 @needs_kernel
+@pytest.mark.parametrize("finish,bv", [(None, None), ("norm", None), ("norm+gate", None), ("norm+gate", 4),
+                                       ("norm", 8)], ids=["plain", "norm", "norm+gate", "norm+gate-split4", "norm-split2"])
 @pytest.mark.parametrize("norm,rope,maps,heads", [(True, True, ("silu", "softmax", "silu"), (4, 2)),
                                                    (False, False, ("softmax", "silu", "identity"), (3, 3)),
                                                    (True, False, ("identity", "identity", "silu"), (8, 2))])
-def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads):
-    """Op level, random inputs: outputs and both states (every partition) against `sse_gla_step_reference`."""
+def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish, bv):
+    """Op level, random inputs: outputs and both states (every partition) against `sse_gla_step_reference`. finish:
+    the step also applies the output norm (and the silu gate); bv < D splits a head over programs, the last of which
+    finishes it (twice in a row: the per-head counters must be left at zero for the next step)."""
     from hybridize.ops.sse.fused_step import StepLayout, sse_gla_step_reference
     from hybridize.ops.sse.triton_fused_step import sse_gla_step
 
@@ -156,21 +165,25 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads):
     n = (H + Hk) * D
     g = torch.Generator().manual_seed(7)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    gate_col = L_end = n + 3 + Hk * D + P + 5            # the output gate's columns after the router's in y
     L = StepLayout(heads=H, kv_heads=Hk, head_dim=D, partitions=P, v_col=n + 3, router_col=n + 3 + Hk * D,
                    gate_col=2 * n + 3, delta_col=n + 3, q_map=maps[0], k_map=maps[1], v_map=maps[2],
                    gate_normalizer=16.0,
-                   norm_eps=1e-6 if norm else None, emulq=True, emulk=True)
-    y, u = rnd(B, 1, L.router_col + P + 5), rnd(B, 1, 2 * n + 3 + 2 * H * D)   # the delta at an odd column
+                   norm_eps=1e-6 if norm else None, emulq=True, emulk=True,
+                   out_norm_eps=1e-5 if finish else None, out_gate_col=gate_col if finish == "norm+gate" else None)
+    y, u = rnd(B, 1, L_end + H * D), rnd(B, 1, 2 * n + 3 + 2 * H * D)   # the delta at an odd column
     wn = rnd(H + Hk, D) if norm else None
+    wo = rnd(D) if finish else None
     ang = rnd(B, 1, D)
     cos, sin = (ang.cos(), ang.sin()) if rope else (None, None)
     states = [(rnd(B, H, D, D), rnd(B, P, H, D, D)) for _ in range(2)]
     states[1] = (states[0][0].clone(), states[0][1].clone())
-    with use_kernel_options(force_triton=not cuda):
-        o = sse_gla_step(y, u, *states[0], L, wn, cos, sin)
-    o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin)
-    assert rel(o, o_ref) < 1e-5
-    assert rel(states[0][0], states[1][0]) < 1e-5 and rel(states[0][1], states[1][1]) < 1e-5
+    for _ in range(2):
+        with use_kernel_options(force_triton=not cuda):
+            o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo)
+        o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin, out_weight=wo)
+        assert rel(o, o_ref) < 1e-5
+        assert rel(states[0][0], states[1][0]) < 1e-5 and rel(states[0][1], states[1][1]) < 1e-5
 
 
 def test_fused_step_taken_only_where_it_applies():
