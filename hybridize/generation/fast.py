@@ -124,9 +124,9 @@ class FastGenConfig:
                 "(benchmarks/RESULTS.md, 'compile=auto'). Each new batch size or buffer length compiles again "
                 "(the teacher 13-27 s, the hybrid 0.3-2.3 s after its first), which the rule does not count, so "
                 "auto suits jobs of few shapes. On the CPU's exact path nothing compiles. Under auto a compile that "
-                "fails warns once and the call is redone uncompiled (compile_failed says why). Our decode kernels are "
-                "custom ops, so the step is one graph where fla's kernels are not in it; dynamo's recompile limits "
-                "are still raised to 8 entries per layer (32 in all) during the call, for steps that do break"})
+                "fails warns once and the call is redone uncompiled (compile_failed says why). Each decoder layer is "
+                "compiled on its own (our kernels are graph breaks), so dynamo's recompile limits are raised to 8 "
+                "entries per layer (32 in all) during the call; shapes past that run uncompiled"})
     compile_after_s: float = field(default=20.0, metadata={
         "help": "compile=auto: seconds of uncompiled decode on the masked / CUDA-graph path after which the next "
                 "session compiles; about the compile's own cost (8-27 s for a first compile on an H100, "
@@ -893,13 +893,12 @@ class FastGenerator:
 
 
 def _compile_limits(model, on: bool):
-    """torch._dynamo's recompile limits raised for the call. Where a step has graph breaks (a Triton launcher that
-    is not a custom op, e.g. fla's or the separate SSE path's), dynamo compiles each decoder layer's frames on their
-    own, guarded on the layer (`layer_idx` is a static int): one cache entry per layer and session shape. Under the
-    default limit (8 per code object) every layer past the 8th silently ran uncompiled (a process's second compiled
-    session decoded slower than its first). The default steps have no break since the decode kernels became custom
-    ops (the split-KV attention, SSE's one-kernel step, the window step). Scoped to the call, so the user's own
-    compiled code keeps its limits."""
+    """torch._dynamo's recompile limits raised for the call. Our Triton launchers are graph breaks, so
+    dynamo compiles each decoder layer's frames on their own, guarded on the layer (`layer_idx` is a static
+    int): one cache entry per layer and session shape. Under the default limit (8 per code object) every
+    layer past the 8th silently ran uncompiled (a process's second compiled session decoded slower than
+    its first). Scoped to the call, so
+    the user's own compiled code keeps its limits."""
     if not on:
         return nullcontext()
     import torch._dynamo   # deferred on purpose: slow to import, needed only with compile="on"

@@ -296,6 +296,7 @@ def launch_settings(kv_bytes: int) -> tuple[int, int]:
     return (128, 3) if kv_bytes <= 2 else (64, 2)
 
 
+@torch.compiler.disable   # opaque to torch.compile: dynamo re-types its Python scalars (fp32 -> fp64)
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start=None,
                 window: int | None = None, scale: float | None = None, splits: int | None = None,
                 block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
@@ -307,20 +308,9 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length, start
     for 16-bit K/V."""
     if triton is None:
         raise ImportError("attn_decode needs triton; use attn_decode_reference on machines without it")
-    B = _check(q, k, v)[0]
+    B, Hq, Hkv, L, D = _check(q, k, v)
     auto_n, auto_stages = launch_settings(k.element_size())
     block_n, num_stages = block_n or auto_n, num_stages or auto_stages
-    return attn_decode_op(q, k, v, _length_tensor(length, B, q.device), _start_tensor(start, B, q.device), window,
-                          scale, splits, block_n, num_warps, num_stages)
-
-
-@torch.library.custom_op("hybridize::attn_decode", mutates_args=())
-def attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, start: torch.Tensor,
-                   window: int | None, scale: float | None, splits: int | None, block_n: int, num_warps: int,
-                   num_stages: int) -> torch.Tensor:
-    """`attn_decode` as a custom op: torch.compile keeps it as one call inside a compiled step's graph (no graph
-    break around it, so the ops on both sides fuse across it)."""
-    B, Hq, Hkv, L, D = _check(q, k, v)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attn_decode needs a unit stride on the head dim of q, k and v (call .contiguous())")
     if k.dtype != v.dtype:
@@ -349,11 +339,6 @@ def attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     o = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o)
     return o
-
-
-@attn_decode_op.register_fake
-def _(q, k, v, length, start, window, scale, splits, block_n, num_warps, num_stages):
-    return torch.empty_like(q)
 
 
 # ---------------------------------------------------------------------------------------------

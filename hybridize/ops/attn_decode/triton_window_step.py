@@ -101,20 +101,13 @@ def window_splits(L: int, rows: int, device, block_n: int) -> int:
     return max(1, min(-(-4 * sm_count(device) // max(1, rows)), -(-L // (2 * block_n))))
 
 
+@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the state in place
 def window_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                 seen: torch.Tensor, window: int, sinks: int, scale: float, block_n: int | None = None) -> torch.Tensor:
     """q `[B, 1, H, D]`, k, v `[B, 1, Hkv, D]` (after RoPE / norms), ring state ks, vs `[B, Hkv, sinks + window, D]`
-    (contiguous, written in place), seen `[B]` int64 (read only) -> o `[B, 1, H, D]` in q's dtype. Runs as the custom
-    op `hybridize::window_step` (it declares the ring it writes): one call inside a compiled step's graph."""
+    (contiguous, written in place), seen `[B]` int64 (read only) -> o `[B, 1, H, D]` in q's dtype."""
     if triton is None:
         raise ImportError("window_step needs triton; the window layer's PyTorch step runs without it")
-    B, _, H, D = q.shape
-    return window_step_op(q, k, v, ks, vs, seen, window, sinks, float(scale), block_n or BLOCK_N).view(B, 1, H, D)
-
-
-@torch.library.custom_op("hybridize::window_step", mutates_args=("ks", "vs"))
-def window_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                   seen: torch.Tensor, window: int, sinks: int, scale: float, block_n: int) -> torch.Tensor:
     B, _, H, D = q.shape
     Hkv, L = ks.shape[1], ks.shape[2]
     if (D & (D - 1) or H % Hkv or L != sinks + window or vs.shape != ks.shape or vs.dtype != ks.dtype
@@ -124,6 +117,7 @@ def window_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.
                          f"{tuple(ks.shape)} {ks.dtype} / {tuple(vs.shape)} {vs.dtype}")
     G = H // Hkv
     dev = q.device
+    block_n = block_n or BLOCK_N
     chunk, S, (m, lsum, acc) = split_plan(L, window_splits(L, B * Hkv, dev, block_n), block_n, B, H, D, dev)
     qk = q.to(ks.dtype).contiguous()
     ieee = ks.dtype == torch.float32
@@ -134,9 +128,4 @@ def window_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.
         **pdl_args(dev))
     o = torch.empty(B, H, D, dtype=q.dtype, device=dev)
     combine(m, lsum, acc, o, ks=ks, vs=vs, seen=seen, G=G, L=L, window=window, sinks=sinks, CLEAR=True)
-    return o
-
-
-@window_step_op.register_fake
-def _(q, k, v, ks, vs, seen, window, sinks, scale, block_n):
-    return q.new_empty(q.shape[0], q.shape[2], q.shape[3])
+    return o.view(B, 1, H, D)

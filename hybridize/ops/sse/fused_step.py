@@ -8,7 +8,6 @@ import here: the mixer builds its layout without it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -36,25 +35,6 @@ class StepLayout:
     emulk: bool
     out_norm_eps: float | None = None   # set: the step also applies the output norm (and gate) the mixer's finish does
     out_gate_col: int | None = None     # first output-gate pre-activation column in y (silu gate); None: no gate
-
-    def pack(self) -> tuple[list[int], list[float], str]:
-        """The layout as a custom op's arguments (`triton_fused_step`'s `hybridize::sse_gla_step`): ints, floats and
-        the feature maps ("q,k,v"), None as -1 (a column) or NaN (an eps). `unpack` inverts it."""
-        ints = [self.heads, self.kv_heads, self.head_dim, self.partitions, self.v_col, self.router_col, self.gate_col,
-                self.delta_col, int(self.emulq), int(self.emulk), -1 if self.out_gate_col is None else self.out_gate_col]
-        floats = [self.gate_normalizer, math.nan if self.norm_eps is None else self.norm_eps,
-                  math.nan if self.out_norm_eps is None else self.out_norm_eps]
-        return ints, floats, f"{self.q_map},{self.k_map},{self.v_map}"
-
-    @classmethod
-    def unpack(cls, ints: list[int], floats: list[float], maps: str) -> "StepLayout":
-        h, hk, d, p, v_col, r_col, g_col, delta_col, emulq, emulk, og_col = ints
-        gn, eps, o_eps = floats
-        maps = maps.split(",")
-        return cls(heads=h, kv_heads=hk, head_dim=d, partitions=p, v_col=v_col, router_col=r_col, gate_col=g_col,
-                   delta_col=delta_col, q_map=maps[0], k_map=maps[1], v_map=maps[2], gate_normalizer=gn,
-                   norm_eps=None if math.isnan(eps) else eps, emulq=bool(emulq), emulk=bool(emulk),
-                   out_norm_eps=None if math.isnan(o_eps) else o_eps, out_gate_col=None if og_col < 0 else og_col)
 
 
 def _feature(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -187,32 +187,13 @@ def block_v(rows: int, heads: int, dim: int) -> int:
     return min(dim, bv)
 
 
+@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
 def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
                  out_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
-    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set. Runs as the custom op
-    `hybridize::sse_gla_step` (it declares the two states it writes), so torch.compile keeps it as one call inside
-    the step's graph instead of breaking the graph around it."""
-    return sse_gla_step_op(y, u, shared, sparse, norm_weight, cos, sin, out_weight, scale, bv, *layout.pack())
-
-
-@torch.library.custom_op("hybridize::sse_gla_step", mutates_args=("shared", "sparse"))
-def sse_gla_step_op(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor,
-                    norm_weight: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                    out_weight: torch.Tensor | None, scale: float | None, bv: int | None, ints: list[int],
-                    floats: list[float], maps: str) -> torch.Tensor:
-    return _launch(y, u, shared, sparse, StepLayout.unpack(ints, floats, maps), norm_weight, cos, sin, scale, bv,
-                   out_weight)
-
-
-@sse_gla_step_op.register_fake
-def _(y, u, shared, sparse, norm_weight, cos, sin, out_weight, scale, bv, ints, floats, maps):
-    return y.new_empty(y.shape[0], 1, ints[0], ints[2])
-
-
-def _launch(y, u, shared, sparse, layout: StepLayout, norm_weight, cos, sin, scale, bv, out_weight) -> torch.Tensor:
+    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set."""
     L = layout
     B, H, D = y.shape[0], L.heads, L.head_dim
     if y.shape[1] != 1 or u.shape[:2] != (B, 1):
