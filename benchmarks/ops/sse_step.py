@@ -5,13 +5,15 @@
 Per shape and batch, microseconds per decode token of one SSE mixer (random weights, bf16, fp32 states, the fused
 projection matmuls through the decode GEMM as in the fast engine), each the mean over a CUDA graph of back-to-back
 steps (launch overhead out, as in the engine's graph replays): the whole mixer step with the separate path
-(`sse_fused_step=False`: front-end kernels + two decode-kernel calls + sum) and with the fused step, then the fused
-kernel alone at each value-block width (`--bv`; "auto" is `block_v`'s choice). The output norm, gate and o_proj are
-in both whole-step columns. Prints a markdown table and writes `--out` JSON.
+(`sse_fused_step=False`: front-end kernels + two decode-kernel calls + sum) and with the fused step (with the output
+norm and gate in it, option `sse_step_finish`, and without), then the fused kernel alone at each value-block width
+(`--bv`; "auto" is `block_v`'s choice), plain and finishing the heads. The output norm, gate and o_proj are in every
+whole-step column. Prints a markdown table and writes `--out` JSON.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -61,28 +63,39 @@ def main(argv=None):
     from hybridize.ops.sse.triton_fused_step import block_v, sse_gla_step
     device, dtype = torch.device("cuda"), torch.bfloat16
     bvs = args.bv.split(",")
-    cols = ["shape", "batch", "separate us", "fused us", "fused / separate"] + [f"kernel bv={b} us" for b in bvs]
+    cols = (["shape", "batch", "separate us", "fused us", "fused unfinished us", "fused / separate"]
+            + [f"kernel bv={b} us" for b in bvs] + [f"finishing bv={b} us" for b in bvs])
     rows, out = [], []
     for shape in args.shapes.split(","):
         m = build(shape, device, dtype)
         layout = m.step_layout()
+        c = m.config
+        finishing = dataclasses.replace(layout, out_norm_eps=m.o_norm.eps,
+                                        out_gate_col=m._decode_columns()["gate"][0] if c.output_gate else None)
         for B in (int(b) for b in args.batches.split(",")):
             fn, (x, st, pe) = step_fn(m, B, device, dtype)
             times = {}
             with torch.no_grad(), linears_routed(m, "auto"):
-                for name, fused in (("separate", False), ("fused", True)):
-                    with use_kernel_options(sse_fused_step=fused):
+                for name, fused, finish in (("separate", False, True), ("fused", True, True),
+                                            ("fused unfinished", True, False)):
+                    with use_kernel_options(sse_fused_step=fused, sse_step_finish=finish):
                         assert m.fused_step_ok(x, st, None, pe) == fused
                         times[name] = graph_time_us([fn], reps=50)
                 y, u, wn, _ = m._decode_projections(x)
+                gain = m.o_norm.gain()
                 for b in bvs:
                     bv = block_v(B, layout.heads, layout.head_dim) if b == "auto" else int(b)
                     times[f"bv={b}"] = graph_time_us(
                         [lambda bv=bv: sse_gla_step(y, u, st.shared, st.sparse, layout, wn, *pe, bv=bv)], reps=50)
+                    bv = block_v(B, layout.heads, layout.head_dim, finish=True) if b == "auto" else int(b)
+                    times[f"finishing bv={b}"] = graph_time_us(
+                        [lambda bv=bv: sse_gla_step(y, u, st.shared, st.sparse, finishing, wn, *pe, bv=bv,
+                                                    out_weight=gain)], reps=50)
             rec = dict(shape=shape, batch=B, **{k: round(v, 2) for k, v in times.items()})
             out.append(rec)
             rows.append([shape, B, f"{times['separate']:.1f}", f"{times['fused']:.1f}",
-                         f"{times['fused'] / times['separate']:.2f}x"] + [f"{times[f'bv={b}']:.1f}" for b in bvs])
+                         f"{times['fused unfinished']:.1f}", f"{times['fused'] / times['separate']:.2f}x"]
+                        + [f"{times[f'bv={b}']:.1f}" for b in bvs] + [f"{times[f'finishing bv={b}']:.1f}" for b in bvs])
             print(rows[-1], flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out}, indent=1))
