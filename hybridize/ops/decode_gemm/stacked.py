@@ -20,7 +20,9 @@ Measured on one H100 (`python3 -m benchmarks.generation.compile_auto --new-token
 [--stack-mlp off]`; benchmarks/RESULTS.md, "The speed table"): the compiled step at the Qwen3-1.7B shape, 16k x 8,
 unchanged for the teacher and 2% shorter for the 5:1 SSE hybrid; at the SmolLM2-135M shape, 2k x 1, 3% and 8% shorter.
 Cost: the cache holds gate and up once more (the Qwen3-1.7B shape: 1.41 GB in bf16); `FastGenConfig.stack_mlp=False`
-keeps the two GEMMs.
+keeps the two GEMMs. Kernel option `decode_glu` (off by default: not yet timed on a GPU) interleaves the rows instead
+(`glu_weight`) and has the GEMM's epilogue compute `silu(gate) * up` (`route.decode_glu`) for SiLU MLPs, so the
+activation is not a kernel of its own in the step's chain.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ import torch
 from torch import nn
 
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
+from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.decode_gemm.route import decode_glu, decode_linear, kept_forward
 
 #: transformers classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (checked against each
 #: class's own forward in tests/ops/decode_gemm/test_stacked.py)
@@ -42,6 +45,9 @@ GATED_MLPS = frozenset({
 #: at most this many rows run stacked (the decode GEMM's limit); more rows (a prefill) keep the MLP's forward
 MAX_ROWS = 16
 _CACHE = "_stacked_decode_weight"
+_GLU_CACHE = "_glu_decode_weight"
+#: activation classes that are SiLU (transformers' ACT2FN["silu"], torch's): the ones the GEMM's GLU epilogue computes
+SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
 
 
 def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,6 +68,35 @@ def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torc
             torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], out=b)
         return W, b
     return derived_weights(owner, _CACHE, params, build)
+
+
+def glu_weight(owner: nn.Module, gate: nn.Linear, up: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W `[2 I, K]`, b `[2 I]` or None): gate and up rows interleaved (gate_0, up_0, gate_1, ...), the layout of the
+    decode GEMM's GLU epilogue (`route.decode_glu`); cached and refreshed in place as `stacked_weight` is."""
+    params = [p for m in (gate, up) for p in (m.weight, m.bias) if p is not None]
+
+    def build(old):
+        w = gate.weight
+        shape = (2 * gate.out_features, w.shape[1])
+        old_w, old_b = old if old is not None else (None, None)
+        fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
+        W = old_w if fits else w.new_empty(shape)
+        pairs = W.view(gate.out_features, 2, -1)
+        pairs[:, 0].copy_(gate.weight)
+        pairs[:, 1].copy_(up.weight)
+        b = None
+        if gate.bias is not None or up.bias is not None:
+            b = old_b if fits and old_b is not None else w.new_empty(shape[0])
+            for i, m in enumerate((gate, up)):
+                b.view(-1, 2)[:, i].copy_(m.bias if m.bias is not None else w.new_zeros(m.out_features))
+        return W, b
+    return derived_weights(owner, _GLU_CACHE, params, build)
+
+
+def _glu(mlp: nn.Module) -> bool:
+    """Whether the MLP's gate and up run as one GEMM with the activation in its epilogue (kernel option `decode_glu`,
+    SiLU MLPs)."""
+    return current_kernel_options().decode_glu and type(mlp.act_fn).__name__ in SILU_ACTS
 
 
 def _plain(mod: nn.Module) -> bool:
@@ -92,6 +127,9 @@ def _stacked_forward(mlp: nn.Module, mode: str):
         def forward(x):
             if not _runs_stacked(x, mode):
                 return own(mlp, x)
+            if _glu(mlp):
+                W, b = glu_weight(mlp, mlp.gate_proj, mlp.up_proj)
+                return mlp.down_proj(decode_glu(x, W, b, mode))
             W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj))
             gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
             return mlp.down_proj(mlp.act_fn(gate) * up)
@@ -124,4 +162,7 @@ def refresh(model: nn.Module) -> None:
     for mod in model.modules():
         mode = getattr(mod.__dict__.get("forward"), "stacked_mode", None)
         if mode is not None and (mode == "triton" or mod.gate_proj.weight.is_cuda):
-            stacked_weight(mod, (mod.gate_proj, mod.up_proj))
+            if _glu(mod):
+                glu_weight(mod, mod.gate_proj, mod.up_proj)
+            else:
+                stacked_weight(mod, (mod.gate_proj, mod.up_proj))
