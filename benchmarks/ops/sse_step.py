@@ -13,7 +13,6 @@ whole-step column. Prints a markdown table and writes `--out` JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -68,10 +67,7 @@ def main(argv=None):
     rows, out = [], []
     for shape in args.shapes.split(","):
         m = build(shape, device, dtype)
-        layout = m.step_layout()
-        c = m.config
-        finishing = dataclasses.replace(layout, out_norm_eps=m.o_norm.eps,
-                                        out_gate_col=m._decode_columns()["gate"][0] if c.output_gate else None)
+        layout, finishing = m.step_layout(), m.step_layout(finish=True)
         for B in (int(b) for b in args.batches.split(",")):
             fn, (x, st, pe) = step_fn(m, B, device, dtype)
             times = {}

@@ -512,12 +512,12 @@ class SSE(Mixer):
             r0 = r1
         return W, b
 
-    def merged_layout(self) -> StepLayout:
-        """`step_layout()` for the merged stage 1 (`_merged_weights`): u is y itself, the deltas and gates below
+    def merged_layout(self, finish: bool = False) -> StepLayout:
+        """`step_layout(finish)` for the merged stage 1 (`_merged_weights`): u is y itself, the deltas and gates below
         the stage-1 rows."""
         n = (self.config.num_heads + self.config.num_kv_heads) * self.config.head_dim
         start = self._fused_weights()[0].shape[0]
-        return dataclasses.replace(self.step_layout(), delta_col=start, gate_col=start + n)
+        return dataclasses.replace(self.step_layout(finish), delta_col=start, gate_col=start + n)
 
     @torch.no_grad()
     def refresh_decode_weights(self) -> None:
@@ -607,16 +607,19 @@ class SSE(Mixer):
             return False
         return sse_ops.fused_step_applies(x) and self._fused_ok()   # looked up per call: the CPU profile stands in
 
-    def step_layout(self) -> StepLayout:
-        """The fused step's `StepLayout`: where its kernel finds each input, and this mixer's settings."""
+    def step_layout(self, finish: bool = False) -> StepLayout:
+        """The fused step's `StepLayout`: where its kernel finds each input, and this mixer's settings; `finish`: the
+        step also applies the output norm and gate (kernel option `sse_step_finish`)."""
         c = self.config
         cols = self._decode_columns()
+        gate_col = cols["gate"][0] if finish and c.output_gate else None
         return StepLayout(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                           partitions=c.num_partitions, v_col=cols["v"][0], router_col=cols["router"][0],
                           gate_col=2 * cols["qk"][1], delta_col=cols["qk"][1], q_map=c.q_map, k_map=c.k_map,
                           v_map=c.v_map,
                           gate_normalizer=c.gate_normalizer, norm_eps=self.q_norm.eps if c.qk_norm else None,
-                          emulq=c.emulq, emulk=c.emulk)
+                          emulq=c.emulq, emulk=c.emulk, out_norm_eps=self.o_norm.eps if finish else None,
+                          out_gate_col=gate_col)
 
     def fused_step(self, x, state: SSEState, position_embeddings=None) -> torch.Tensor:
         """One decode token through the one-kernel step: x `[B, 1, hidden]` -> the mixer's output `[B, 1, hidden]`;
@@ -633,11 +636,7 @@ class SSE(Mixer):
             y, u, wn, cols = self._decode_projections(x)
         layouts = self.__dict__.setdefault("_step_layouts", {})   # {(merged, finish): StepLayout}
         if (merged, finish) not in layouts:
-            layout = self.merged_layout() if merged else self.step_layout()
-            if finish:
-                layout = dataclasses.replace(layout, out_norm_eps=self.o_norm.eps, out_gate_col=cols["gate"][0]
-                                             if self.config.output_gate else None)
-            layouts[merged, finish] = layout
+            layouts[merged, finish] = self.merged_layout(finish) if merged else self.step_layout(finish)
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
         o = sse_gla_step(y, u, state.shared, state.sparse, layouts[merged, finish], wn, cos, sin,
                          out_weight=self.o_norm.gain() if finish else None)

@@ -72,7 +72,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def decode_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                mode: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` of a gated MLP whose gate and up rows are interleaved in `weight` `[2 I, K]`: `[..., I]`, the
-    activation in the decode GEMM's epilogue when the kernel applies (`triton_gemm.glu_reference` otherwise)."""
+    activation in the decode GEMM's epilogue when the kernel applies (`glu_reference` otherwise)."""
     mode = _ACTIVE if mode is None else mode
     if applies(x, weight, mode, bias):
         return _GLU_OP(x, weight, bias)

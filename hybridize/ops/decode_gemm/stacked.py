@@ -20,9 +20,9 @@ Measured on one H100 (`python3 -m benchmarks.generation.compile_auto --new-token
 [--stack-mlp off]`; benchmarks/RESULTS.md, "The speed table"): the compiled step at the Qwen3-1.7B shape, 16k x 8,
 unchanged for the teacher and 2% shorter for the 5:1 SSE hybrid; at the SmolLM2-135M shape, 2k x 1, 3% and 8% shorter.
 Cost: the cache holds gate and up once more (the Qwen3-1.7B shape: 1.41 GB in bf16); `FastGenConfig.stack_mlp=False`
-keeps the two GEMMs. Kernel option `decode_glu` (off by default: not yet timed on a GPU) interleaves the rows instead
-(`glu_weight`) and has the GEMM's epilogue compute `silu(gate) * up` (`route.decode_glu`) for SiLU MLPs, so the
-activation is not a kernel of its own in the step's chain.
+keeps the two GEMMs. Kernel option `decode_glu` (off by default: not yet timed on a GPU) interleaves the rows
+instead (`stacked_weight(..., interleave=True)`) and has the GEMM's epilogue compute `silu(gate) * up`
+(`route.decode_glu`) for SiLU MLPs, so the activation is not a kernel of its own in the step's chain.
 """
 from __future__ import annotations
 
@@ -50,10 +50,18 @@ _GLU_CACHE = "_glu_decode_weight"
 SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
 
 
-def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear],
+                   interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W `[sum N_i, K]`, b `[sum N_i]` or None): the linears' weights stacked along the rows, cached on `owner` and
-    refreshed in place (`derived.derived_weights`)."""
+    refreshed in place (`derived.derived_weights`). `interleave` (linears of one width): row j of every linear in turn
+    (gate_0, up_0, gate_1, ...), the layout of the decode GEMM's GLU epilogue (`route.decode_glu`), cached apart."""
     params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+
+    def put(parts, out):   # the linears' rows (or biases) into `out`, one after another or interleaved
+        if interleave:
+            torch.stack(parts, dim=1, out=out.view(parts[0].shape[0], len(parts), *parts[0].shape[1:]))
+        else:
+            torch.cat(parts, out=out)
 
     def build(old):
         w = linears[0].weight
@@ -61,36 +69,13 @@ def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torc
         old_w, old_b = old if old is not None else (None, None)
         fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
         W = old_w if fits else w.new_empty(shape)
-        torch.cat([m.weight for m in linears], out=W)
+        put([m.weight for m in linears], W)
         b = None
         if any(m.bias is not None for m in linears):
             b = old_b if fits and old_b is not None else w.new_empty(shape[0])
-            torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], out=b)
+            put([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], b)
         return W, b
-    return derived_weights(owner, _CACHE, params, build)
-
-
-def glu_weight(owner: nn.Module, gate: nn.Linear, up: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(W `[2 I, K]`, b `[2 I]` or None): gate and up rows interleaved (gate_0, up_0, gate_1, ...), the layout of the
-    decode GEMM's GLU epilogue (`route.decode_glu`); cached and refreshed in place as `stacked_weight` is."""
-    params = [p for m in (gate, up) for p in (m.weight, m.bias) if p is not None]
-
-    def build(old):
-        w = gate.weight
-        shape = (2 * gate.out_features, w.shape[1])
-        old_w, old_b = old if old is not None else (None, None)
-        fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
-        W = old_w if fits else w.new_empty(shape)
-        pairs = W.view(gate.out_features, 2, -1)
-        pairs[:, 0].copy_(gate.weight)
-        pairs[:, 1].copy_(up.weight)
-        b = None
-        if gate.bias is not None or up.bias is not None:
-            b = old_b if fits and old_b is not None else w.new_empty(shape[0])
-            for i, m in enumerate((gate, up)):
-                b.view(-1, 2)[:, i].copy_(m.bias if m.bias is not None else w.new_zeros(m.out_features))
-        return W, b
-    return derived_weights(owner, _GLU_CACHE, params, build)
+    return derived_weights(owner, _GLU_CACHE if interleave else _CACHE, params, build)
 
 
 def _glu(mlp: nn.Module) -> bool:
@@ -128,7 +113,7 @@ def _stacked_forward(mlp: nn.Module, mode: str):
             if not _runs_stacked(x, mode):
                 return own(mlp, x)
             if _glu(mlp):
-                W, b = glu_weight(mlp, mlp.gate_proj, mlp.up_proj)
+                W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj), interleave=True)
                 return mlp.down_proj(decode_glu(x, W, b, mode))
             W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj))
             gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
@@ -162,7 +147,4 @@ def refresh(model: nn.Module) -> None:
     for mod in model.modules():
         mode = getattr(mod.__dict__.get("forward"), "stacked_mode", None)
         if mode is not None and (mode == "triton" or mod.gate_proj.weight.is_cuda):
-            if _glu(mod):
-                glu_weight(mod, mod.gate_proj, mod.up_proj)
-            else:
-                stacked_weight(mod, (mod.gate_proj, mod.up_proj))
+            stacked_weight(mod, (mod.gate_proj, mod.up_proj), interleave=_glu(mod))
