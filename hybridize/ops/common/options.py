@@ -82,9 +82,6 @@ class KernelOptions:
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "
                                       "paths' state updates in one Triton kernel (false: the separate kernels, for "
                                       "benchmarks)", "HYBRIDIZE_SSE_FUSED_STEP")
-    decode_glu: bool = _opt(False, "decode steps: a SiLU gated MLP's gate / up GEMM computes silu(gate) * up in its "
-                                   "epilogue (one kernel fewer per layer; off: not yet timed on a GPU)",
-                            "HYBRIDIZE_DECODE_GLU")
     sse_step_finish: bool = _opt(True, "SSE's one-kernel decode step also applies the output norm and gate (two "
                                        "kernels fewer per layer; false: they run after it, for benchmarks)",
                                  "HYBRIDIZE_SSE_STEP_FINISH")

@@ -25,13 +25,12 @@ from torch import nn
 MODES = ("auto", "triton", "torch")
 _KERNEL = None      # the kernel module, or False without triton
 _OP = None          # its custom op, torch.ops.hybridize.decode_linear (registered by the module's import)
-_GLU_OP = None      # and torch.ops.hybridize.decode_glu
 _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
     """`hybridize.ops.decode_gemm.triton_gemm`, or None without triton."""
-    global _KERNEL, _OP, _GLU_OP
+    global _KERNEL, _OP
     if _KERNEL is None:
         try:
             from hybridize.ops.decode_gemm import triton_gemm as mod  # deferred: imports triton (optional, GPU only)
@@ -39,7 +38,6 @@ def _kernel():
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False
         _OP = torch.ops.hybridize.decode_linear if _KERNEL else None
-        _GLU_OP = torch.ops.hybridize.decode_glu if _KERNEL else None
     return _KERNEL or None
 
 
@@ -67,24 +65,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if applies(x, weight, mode, bias):
         return _OP(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def decode_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               mode: str | None = None) -> torch.Tensor:
-    """`silu(gate) * up` of a gated MLP whose gate and up rows are interleaved in `weight` `[2 I, K]`: `[..., I]`, the
-    activation in the decode GEMM's epilogue when the kernel applies (`glu_reference` otherwise)."""
-    mode = _ACTIVE if mode is None else mode
-    if applies(x, weight, mode, bias):
-        return _GLU_OP(x, weight, bias)
-    return glu_reference(x, weight, bias)
-
-
-def glu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`silu(gate) * up` of `F.linear(x, weight, bias)` whose output columns interleave (gate, up): `[..., N // 2]`,
-    the GEMM's output and silu rounded to x's dtype as separate PyTorch ops round them. `decode_glu`'s path where the
-    kernel does not run, and cuBLAS's candidate in the kernel's timed choice."""
-    y = F.linear(x, weight, bias).unflatten(-1, (-1, 2))
-    return F.silu(y[..., 0]) * y[..., 1]
 
 
 def kept_forward(module: nn.Module, attr: str, mode: str, make):

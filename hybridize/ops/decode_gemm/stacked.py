@@ -20,9 +20,7 @@ Measured on one H100 (`python3 -m benchmarks.generation.compile_auto --new-token
 [--stack-mlp off]`; benchmarks/RESULTS.md, "The speed table"): the compiled step at the Qwen3-1.7B shape, 16k x 8,
 unchanged for the teacher and 2% shorter for the 5:1 SSE hybrid; at the SmolLM2-135M shape, 2k x 1, 3% and 8% shorter.
 Cost: the cache holds gate and up once more (the Qwen3-1.7B shape: 1.41 GB in bf16); `FastGenConfig.stack_mlp=False`
-keeps the two GEMMs. Kernel option `decode_glu` (off by default: not yet timed on a GPU) interleaves the rows
-instead (`stacked_weight(..., interleave=True)`) and has the GEMM's epilogue compute `silu(gate) * up`
-(`route.decode_glu`) for SiLU MLPs, so the activation is not a kernel of its own in the step's chain.
+keeps the two GEMMs.
 """
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ import torch
 from torch import nn
 
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.common.options import current_kernel_options
-from hybridize.ops.decode_gemm.route import decode_glu, decode_linear, kept_forward
+from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
 
 #: transformers classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (checked against each
 #: class's own forward in tests/ops/decode_gemm/test_stacked.py)
@@ -45,23 +42,12 @@ GATED_MLPS = frozenset({
 #: at most this many rows run stacked (the decode GEMM's limit); more rows (a prefill) keep the MLP's forward
 MAX_ROWS = 16
 _CACHE = "_stacked_decode_weight"
-_GLU_CACHE = "_glu_decode_weight"
-#: activation classes that are SiLU (transformers' ACT2FN["silu"], torch's): the ones the GEMM's GLU epilogue computes
-SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
 
 
-def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear],
-                   interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W `[sum N_i, K]`, b `[sum N_i]` or None): the linears' weights stacked along the rows, cached on `owner` and
-    refreshed in place (`derived.derived_weights`). `interleave` (linears of one width): row j of every linear in turn
-    (gate_0, up_0, gate_1, ...), the layout of the decode GEMM's GLU epilogue (`route.decode_glu`), cached apart."""
+    refreshed in place (`derived.derived_weights`)."""
     params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-
-    def put(parts, out):   # the linears' rows (or biases) into `out`, one after another or interleaved
-        if interleave:
-            torch.stack(parts, dim=1, out=out.view(parts[0].shape[0], len(parts), *parts[0].shape[1:]))
-        else:
-            torch.cat(parts, out=out)
 
     def build(old):
         w = linears[0].weight
@@ -69,19 +55,13 @@ def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear],
         old_w, old_b = old if old is not None else (None, None)
         fits = old_w is not None and old_w.shape == shape and old_w.dtype == w.dtype and old_w.device == w.device
         W = old_w if fits else w.new_empty(shape)
-        put([m.weight for m in linears], W)
+        torch.cat([m.weight for m in linears], out=W)
         b = None
         if any(m.bias is not None for m in linears):
             b = old_b if fits and old_b is not None else w.new_empty(shape[0])
-            put([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], b)
+            torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears], out=b)
         return W, b
-    return derived_weights(owner, _GLU_CACHE if interleave else _CACHE, params, build)
-
-
-def _glu(mlp: nn.Module) -> bool:
-    """Whether the MLP's gate and up run as one GEMM with the activation in its epilogue (kernel option `decode_glu`,
-    SiLU MLPs)."""
-    return current_kernel_options().decode_glu and type(mlp.act_fn).__name__ in SILU_ACTS
+    return derived_weights(owner, _CACHE, params, build)
 
 
 def _plain(mod: nn.Module) -> bool:
@@ -112,9 +92,6 @@ def _stacked_forward(mlp: nn.Module, mode: str):
         def forward(x):
             if not _runs_stacked(x, mode):
                 return own(mlp, x)
-            if _glu(mlp):
-                W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj), interleave=True)
-                return mlp.down_proj(decode_glu(x, W, b, mode))
             W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj))
             gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
             return mlp.down_proj(mlp.act_fn(gate) * up)
@@ -147,4 +124,4 @@ def refresh(model: nn.Module) -> None:
     for mod in model.modules():
         mode = getattr(mod.__dict__.get("forward"), "stacked_mode", None)
         if mode is not None and (mode == "triton" or mod.gate_proj.weight.is_cuda):
-            stacked_weight(mod, (mod.gate_proj, mod.up_proj), interleave=_glu(mod))
+            stacked_weight(mod, (mod.gate_proj, mod.up_proj))

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridize.ops.common.pdl import pdl_launch
-from hybridize.ops.decode_gemm.route import glu_reference
 
 try:
     import triton
@@ -61,7 +60,7 @@ if triton is not None:
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False):
+                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         # UPCAST: fp32 dots, for the interpreter, whose bf16 dot is wrong (numpy has no bf16).
         # K is a compile-time constant: static loop bounds (the interpreter takes no tensor bounds in
         # range()) and no K mask when the slice is a multiple of BK.
@@ -99,28 +98,15 @@ if triton is not None:
         if SPLIT == 1:
             if HAS_BIAS:
                 acc += tl.load(b + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
-            if GLU:   # weight rows interleaved (gate, up): out[:, j] = silu(gate_j) * up_j, N // 2 columns
-                g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))   # [BN // 2, BM] each
-                offs_h = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-                p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_h[:, None]
-                tl.store(p_o, _glu(g, u, out.dtype.element_ty), mask=(offs_h < N // 2)[:, None] & m_m[None, :])
-            else:
-                p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-                tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
+            p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
         else:
             p_o = out + (i_s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
             tl.store(p_o, acc, mask=m_n[:, None] & m_m[None, :])
 
     @triton.jit
-    def _glu(g, u, dtype):
-        """silu(g) * u with the rounding of the unfused path (the GEMM's output, then silu, rounded to `dtype`)."""
-        g = g.to(dtype).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        return (a * u.to(dtype).to(tl.float32)).to(dtype)
-
-    @triton.jit
     def _split_sum_kernel(part, b, out, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
         # out[m, n] = sum_s part[s, m, n] (+ b[n]), one program per BLOCK outputs of one row
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -132,17 +118,11 @@ if triton is not None:
             acc += tl.load(part + (s * M + m).to(tl.int64) * N + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b + offs, mask=mask, other=0.0).to(tl.float32)
-        if GLU:
-            g, u = tl.split(tl.reshape(acc, (BLOCK // 2, 2)))
-            offs_h = tl.program_id(0) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-            tl.store(out + m.to(tl.int64) * stride_om + offs_h, _glu(g, u, out.dtype.element_ty),
-                     mask=offs_h < N // 2)
-        else:
-            tl.store(out + m.to(tl.int64) * stride_om + offs, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + m.to(tl.int64) * stride_om + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict, pdl: bool = False, glu: bool = False) -> None:
+            cfg: dict, pdl: bool = False) -> None:
     M, K = x2.shape
     N = weight.shape[0]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -153,11 +133,11 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _decode_linear_kernel[grid](x2, weight, b, dst, M, N, x2.stride(0), weight.stride(0), out.stride(0), K,
                                 HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret, PDL=pdl,
-                                GLU=glu and split == 1, num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
+                                num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(N, block), M)](dst, b, out, M, N, out.stride(0), HAS_BIAS=bias is not None,
-                                                      SPLIT=split, BLOCK=block, PDL=pdl, GLU=glu, launch_pdl=pdl)
+                                                      SPLIT=split, BLOCK=block, PDL=pdl, launch_pdl=pdl)
 
 
 def _name(cfg) -> str:
@@ -166,20 +146,19 @@ def _name(cfg) -> str:
     return "BN{BN}_BK{BK}_S{SPLIT}_w{num_warps}_s{num_stages}".format(**cfg)
 
 
-def _choose(x2, weight, bias, key, glu: bool = False) -> dict | str:
+def _choose(x2, weight, bias, key) -> dict | str:
     """Time cuBLAS and every config on these tensors with a cold L2; remember and return the fastest."""
     from triton.testing import do_bench
 
-    out = torch.empty(x2.shape[0], weight.shape[0] // (2 if glu else 1), dtype=x2.dtype, device=x2.device)
-    ref = glu_reference if glu else F.linear
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
     try:   # do_bench flushes L2 with a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
-        times = {"cublas": do_bench(lambda: ref(x2, weight, bias), warmup=5, rep=20, return_mode="median")}
+        times = {"cublas": do_bench(lambda: F.linear(x2, weight, bias), warmup=5, rep=20, return_mode="median")}
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
     for cfg in CONFIGS if times else []:
         try:
-            t = do_bench(lambda: _launch(x2, weight, bias, out, cfg, glu=glu), warmup=5, rep=20, return_mode="median")
+            t = do_bench(lambda: _launch(x2, weight, bias, out, cfg), warmup=5, rep=20, return_mode="median")
         except Exception:  # a config this GPU cannot run (shared memory), or out of memory: skip it
             continue
         times[_name(cfg)] = t
@@ -190,22 +169,21 @@ def _choose(x2, weight, bias, key, glu: bool = False) -> dict | str:
     return best
 
 
-def _picked(x2, weight, bias, glu: bool = False) -> dict | str:
+def _picked(x2, weight, bias) -> dict | str:
     """The kept choice for this shape, timed now if there is none; never timed inside a CUDA graph
     capture (an untimed shape runs cuBLAS there, and is timed at its next call outside one)."""
-    key = (weight.shape[0], x2.shape[1], x2.shape[0], x2.dtype, bias is not None) + (("glu",) if glu else ())
+    key = (weight.shape[0], x2.shape[1], x2.shape[0], x2.dtype, bias is not None)
     config = _CHOICE.get(key)
     if config is None:
-        config = "cublas" if torch.cuda.is_current_stream_capturing() else _choose(x2, weight, bias, key, glu)
+        config = "cublas" if torch.cuda.is_current_stream_capturing() else _choose(x2, weight, bias, key)
     return config
 
 
 def choices() -> dict[str, dict]:
-    """What was picked per shape so far: {"NxK m=rows dtype bias [glu]": {"choice": name, "us": {...}}}."""
-    return {f"{key[0]}x{key[1]} m={key[2]} {str(key[3]).replace('torch.', '')}{' bias' if key[4] else ''}"
-            f"{' glu' if len(key) > 5 else ''}":
-            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get(key, {}).items()}}
-            for key, c in _CHOICE.items()}
+    """What was picked per shape so far: {"NxK m=rows dtype bias": {"choice": name, "us": {...}}}."""
+    return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}":
+            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()}}
+            for (n, k, m, dt, hb), c in _CHOICE.items()}
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -232,25 +210,21 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: dict | str | None = None, glu: bool = False) -> torch.Tensor:
+                         config: dict | str | None = None) -> torch.Tensor:
     """x `[..., K]` (<= 16 rows) -> `[..., N]` in x's dtype, by the config picked for this shape (timed on
-    the first call, see the module docstring), or by `config` when given ("cublas": F.linear). glu: the weight's rows
-    interleave a gated MLP's gate and up projections, and the GEMM's epilogue returns `silu(gate) * up`
-    `[..., N // 2]` (`glu_reference`), so the activation is not a kernel of its own."""
+    the first call, see the module docstring), or by `config` when given ("cublas": F.linear)."""
     check_args(x, weight, bias)
-    if glu and weight.shape[0] % 2:
-        raise ValueError(f"decode_linear with glu needs interleaved (gate, up) rows, an even N; got {weight.shape[0]}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M, N = x2.shape[0], weight.shape[0] // (2 if glu else 1)
+    M, N = x2.shape[0], weight.shape[0]
     if config is None:   # CPU tensors (the interpreter): no timing, one small config
-        config = _picked(x2, weight, bias, glu) if x.is_cuda else dict(BN=16, BK=32, SPLIT=1)
+        config = _picked(x2, weight, bias) if x.is_cuda else dict(BN=16, BK=32, SPLIT=1)
     if config == "cublas":
-        return glu_reference(x, weight, bias) if glu else F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device), glu=glu)
+        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)
 
 
@@ -262,11 +236,3 @@ if triton is not None:
     @decode_linear_op.register_fake
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.custom_op("hybridize::decode_glu", mutates_args=())
-    def decode_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return decode_linear_triton(x, weight, bias, glu=True)
-
-    @decode_glu_op.register_fake
-    def _(x, weight, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)

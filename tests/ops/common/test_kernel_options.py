@@ -42,7 +42,6 @@ def clean(monkeypatch):
     ("HYBRIDIZE_SSE_GLA_PIECES", "0", False),
     ("HYBRIDIZE_SSE_FUSED_STEP", "0", False),
     ("HYBRIDIZE_SSE_STEP_FINISH", "0", False),
-    ("HYBRIDIZE_DECODE_GLU", "1", True),
     ("HYBRIDIZE_WINDOW_STEP", "0", False),
     ("HYBRIDIZE_SSE_FUSED_PREFILL", "0", False),
     ("HYBRIDIZE_PDL", "0", False),
@@ -64,12 +63,11 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
                         "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
-                        "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH",
-                        "HYBRIDIZE_DECODE_GLU"}
+                        "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH"}
     assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
     d = KernelOptions().to_dict()
     assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
-    assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"] and d["sse_step_finish"] and not d["decode_glu"]
+    assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"] and d["sse_step_finish"]
     assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto"
     assert all(help_ for _, _, _, help_ in KernelOptions.describe())
 

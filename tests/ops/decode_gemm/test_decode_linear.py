@@ -58,31 +58,6 @@ def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,N,K", [(1, 34, 17), (8, 100, 200), (16, 64, 96), (5, 2050, 64)])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("config", CONFIGS, ids=["picked", "split2", "split3"])
-def test_glu_epilogue_matches_the_separate_ops(rows, N, K, bias, config):
-    """glu=True: the weight's rows interleave (gate, up) and the epilogue (the split-K sum's, with SPLIT > 1) returns
-    silu(gate) * up `[rows, N / 2]`, as `route.glu_reference` computes it from the fp32 GEMM rounded to bf16; a partial
-    last column block (N / 2 = 17, 50, 32, 1025) and odd K included."""
-    from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
-
-    torch.manual_seed(rows * 1000 + N + K)
-    x = torch.randn(rows, K, device=DEVICE).bfloat16()
-    w = torch.randn(N, K, device=DEVICE).bfloat16()
-    b = torch.randn(N, device=DEVICE).bfloat16() if bias else None
-    y = decode_linear_triton(x, w, b, config=config, glu=True)
-    gu = _reference(x, w, b).bfloat16().unflatten(-1, (-1, 2))
-    ref = (F.silu(gu[..., 0]) * gu[..., 1]).float()
-    assert y.shape == (rows, N // 2) and y.dtype == torch.bfloat16
-    # the GEMM's rounding can differ by an ulp, which silu * up carries: a few bf16 ulps of |ref|
-    ulp = torch.finfo(torch.bfloat16).eps
-    assert torch.allclose(y.float(), ref, rtol=8 * ulp, atol=8 * ulp * ref.abs().max().item())
-    with pytest.raises(ValueError, match="even N"):
-        decode_linear_triton(x, w[:-1], None, config=config, glu=True)
-
-
-@needs_kernel
 def test_kernel_strided_rows_and_leading_dims():
     """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
     from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton

@@ -84,36 +84,6 @@ def test_stacked_forward_equals_the_mlp_on_decode_rows(bias):
         assert torch.equal(mlp(x), ref)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_glu_forward_equals_the_mlp_and_interleaves_gate_and_up(bias):
-    """Kernel option decode_glu: a SiLU MLP's decode rows run one GEMM over (gate, up) interleaved rows with the
-    activation in its epilogue (here its PyTorch form, `route.glu_reference`); the cache and `refresh` follow it. An
-    MLP of another activation keeps the stacked GEMM."""
-    from hybridize.ops.common.options import use_kernel_options
-
-    block = _Block(bias=bias)
-    mlp = block.mlp
-    x = torch.randn(3, 1, 24)
-    ref = mlp(x)
-    with torch.no_grad(), use_kernel_options(decode_glu=True), st.mlps_stacked(block, "triton"):
-        out = mlp(x)
-        W, b = mlp.__dict__[st._GLU_CACHE][1:]
-        assert st._CACHE not in mlp.__dict__
-        assert torch.equal(W[0::2], mlp.gate_proj.weight) and torch.equal(W[1::2], mlp.up_proj.weight)
-        assert (b is None) != bias and (not bias or torch.equal(b[1::2], mlp.up_proj.bias))
-        mlp.up_proj.weight.mul_(2.0)                          # an in-place update: refresh rebuilds in the same buffer
-        st.refresh(block)
-        assert mlp.__dict__[st._GLU_CACHE][1].data_ptr() == W.data_ptr() and torch.equal(W[1::2], mlp.up_proj.weight)
-        mlp.up_proj.weight.div_(2.0)
-        st.refresh(block)
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
-    gelu = _mlp()
-    gelu.act_fn = nn.GELU()
-    with torch.no_grad(), use_kernel_options(decode_glu=True), st.mlps_stacked(gelu, "triton"):
-        gelu(x)
-    assert st._CACHE in gelu.__dict__ and st._GLU_CACHE not in gelu.__dict__
-
-
 def test_prefill_rows_and_cpu_auto_keep_the_mlps_own_forward():
     mlp = _mlp()
     x_long = torch.randn(2, st.MAX_ROWS, 24)                  # 32 rows: a prefill
@@ -196,19 +166,11 @@ def test_same_forward_object_across_blocks():
         assert mlp.forward is first
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["stacked", "glu"])
 @pytest.mark.parametrize("mixer", ["sse", "swa"])
-def test_fast_generate_with_stacked_mlps_matches_two_gemms(mixer, glu):
+def test_fast_generate_with_stacked_mlps_matches_two_gemms(mixer):
     """A tiny hybrid decodes the same tokens with every MLP stacked (the teacher's kept layers and the mixer
-    layers' MLPs alike; glu: interleaved, the activation in the GEMM's epilogue, kernel option decode_glu), its logits
-    within fp32 rounding; then after an in-place weight update (a GRPO step) the stacked run follows the new weights."""
-    from hybridize.ops.common.options import use_kernel_options
-
-    with use_kernel_options(decode_glu=glu):
-        _generate_stacked_and_not(mixer, st._GLU_CACHE if glu else st._CACHE)
-
-
-def _generate_stacked_and_not(mixer: str, cache: str):
+    layers' MLPs alike), its logits within fp32 rounding; then after an in-place weight update (a GRPO step) the
+    stacked run follows the new weights."""
     from hybridize.generation.fast import FastGenConfig, FastGenerator
     from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
 
@@ -230,16 +192,16 @@ def _generate_stacked_and_not(mixer: str, cache: str):
 
     first = run()
     mlps = [layer.mlp for layer in model.model.layers]
-    assert all(cache in m.__dict__ for m in mlps) and all("forward" not in m.__dict__ for m in mlps)
+    assert all(st._CACHE in m.__dict__ for m in mlps) and all("forward" not in m.__dict__ for m in mlps)
     with torch.no_grad():
         mlps[0].up_proj.weight.mul_(-2)
     second = run()
     assert not torch.allclose(first[-1], second[-1])
     exact = FastGenerator(model, FastGenConfig(gemm="triton"))   # the exact path keeps HF's ops: nothing stacked
     for m in mlps:
-        m.__dict__.pop(cache)
+        m.__dict__.pop(st._CACHE)
     exact(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=3)
-    assert not any(cache in m.__dict__ for m in mlps)
+    assert not any(st._CACHE in m.__dict__ for m in mlps)
 
 
 @pytest.mark.gpu
