@@ -12,6 +12,7 @@ them), every path in one process:
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --report        # table + plot only
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --code abc1234 --remeasure-engine
         # after a change to our code: every engine row again (HF's kept), resumable across calls
+    python -m benchmarks.generation.speed_table --out /root/speed.jsonl --gpus 8       # one worker per GPU
     python -m benchmarks.generation.speed_table --shapes tiny --lens 64,128 --batches 1,2 --new-tokens 8 \\
         --dtype float32 --out /tmp/speed.jsonl                                           # CPU smoke run
 
@@ -33,11 +34,13 @@ import argparse
 import json
 from collections import Counter
 import platform
+import sys
 from pathlib import Path
 
 import torch
 
 from benchmarks.generation.rollouts import SHAPES, Budget, bench_model, build_pair
+from benchmarks.generation.shards import merge_shards, parse_shard, run_workers, shard_path, shard_todo
 from benchmarks.timing import free_memory, md_header
 from hybridize.errors import read_jsonl
 from hybridize.eval.speed import cache_bytes
@@ -72,6 +75,10 @@ def args_parser():
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
     ap.add_argument("--hbm-gbs", type=float, default=3350.0,
                     help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
+    ap.add_argument("--gpus", type=int, default=0,
+                    help="fill the table with one worker process per GPU of this host, each taking every N-th cell "
+                         "(benchmarks/generation/shards.py); 0 = this process alone")
+    ap.add_argument("--shard", default="", help="I/N: be worker I of N (set by --gpus; rows go to <out>.shard<I>.jsonl)")
     ap.add_argument("--out", default="speed_table.jsonl")
     ap.add_argument("--report", action="store_true", help="only write the table and plot from --out")
     return ap
@@ -166,7 +173,14 @@ def measure(a) -> None:
            "kernel_options": current_kernel_options().to_dict()}   # pdl and the other switches in force
     if a.remeasure_engine and not a.code:
         raise SystemExit("--remeasure-engine needs --code LABEL (the rows of this code are kept across calls)")
-    done = done_paths(out, a.prefill_tokens, a.remeasure_unsynced, a.code if a.remeasure_engine else None)
+    shard = parse_shard(a.shard)
+    if shard is None:
+        merge_shards(out)   # rows a cut-short --gpus call left behind
+    rows_to = shard_path(out, shard[0]) if shard else out
+    env["concurrent_workers"] = shard[1] if shard else 1
+    done = set()
+    for f in {out, rows_to}:
+        done |= done_paths(f, a.prefill_tokens, a.remeasure_unsynced, a.code if a.remeasure_engine else None)
     budget = Budget(a.budget)
     shapes, lens = a.shapes.split(","), [int(t) for t in a.lens.split(",")]
     # batch-major: the first --batches entry fills both shapes at every context before the next batch starts,
@@ -174,6 +188,8 @@ def measure(a) -> None:
     todo = [(B, shape, T, m, paths, kw) for B in map(int, a.batches.split(",")) for shape in shapes for T in lens
             for m in ("teacher", "hybrid") for paths, kw in path_groups(m)
             if any((shape, T, B, m, p) not in done for p in paths)]
+    if shard:
+        todo = shard_todo(todo, *shard)
     built, models, floors = None, {}, {}   # one shape's teacher and hybrid at a time, and their bytes floors
     for B, shape, T, m, paths, kw in todo:
         if budget.left() <= 0:
@@ -191,7 +207,7 @@ def measure(a) -> None:
         except torch.cuda.OutOfMemoryError as e:
             rows = [{"model": m, "path": "OOM", "oom_paths": list(paths), "error": str(e)[:160]}]
         free_memory(device)
-        with out.open("a") as f:
+        with rows_to.open("a") as f:
             for r in rows:
                 r.update(shape=shape, prompt_len=T, batch=B, new_tokens=a.new_tokens, plan=a.plan,
                          mixer=a.mixer, table_path=path_name(m, r), prefill_tokens=a.prefill_tokens, code=a.code,
@@ -270,6 +286,16 @@ def _code_note(cells: dict) -> str:
     return " Engine rows by code (`--code`): " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())) + "."
 
 
+def _workers_note(cells: dict) -> str:
+    """How many of the shown rows ran beside other workers (`--gpus`): a GPU each, the host shared."""
+    shown = [r for paths in cells.values() for r in paths.values() if r["table_path"] != "OOM"]
+    beside = Counter(r["concurrent_workers"] for r in shown if r.get("concurrent_workers", 1) > 1)
+    if not beside:
+        return ""
+    return (" Rows measured beside other workers, a GPU each on one host (`--gpus`; host-bound paths and warm-ups "
+            "can be slower than alone): " + ", ".join(f"{v} with {k} workers" for k, v in sorted(beside.items())) + ".")
+
+
 def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
     head = rows[0]
@@ -285,7 +311,7 @@ def markdown(rows: list[dict]) -> str:
              + (" Cells marked * were prefilled in several row groups before that fix: the last group's forward "
                 "ran in the decode, so their prefill rate and decode time are not valid (no ratio is taken from them)."
                 if any(split_invalid(r) for r in rows) else "")
-             + _code_note(cells),
+             + _code_note(cells) + _workers_note(cells),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),
@@ -357,10 +383,18 @@ def report(out: Path) -> None:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = args_parser().parse_args(argv)
-    if not a.report:
+    if a.gpus < 0 or (a.gpus and a.shard):
+        raise SystemExit("--gpus takes the number of workers (0: this process alone) and is not given with --shard")
+    if a.gpus and torch.cuda.is_available() and a.gpus > torch.cuda.device_count():
+        raise SystemExit(f"--gpus {a.gpus}: this host has {torch.cuda.device_count()} GPUs")
+    if a.gpus and not a.report:
+        run_workers(argv, a.gpus, Path(a.out))
+    elif not a.report:
         measure(a)
-    report(Path(a.out))
+    if not a.shard:
+        report(Path(a.out))
 
 
 if __name__ == "__main__":
