@@ -39,8 +39,9 @@ def parse_shard(text: str) -> tuple[int, int] | None:
     return i, n
 
 
-def shard_path(out: Path, i: int) -> Path:
-    return out.with_name(f"{out.name}.shard{i}.jsonl")
+def shard_path(out: Path, i: int, suffix: str = "jsonl") -> Path:
+    """Worker i's rows (`jsonl`) or screen output (`log`) beside `out`."""
+    return out.with_name(f"{out.name}.shard{i}.{suffix}")
 
 
 def shard_todo(todo: list[tuple], i: int, n: int) -> list[tuple]:
@@ -89,7 +90,7 @@ def run_workers(argv: list[str], n: int, out: Path) -> None:
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or n) // n)))
     procs = []
     for i in range(n):
-        log = out.with_name(f"{out.name}.shard{i}.log").open("w")
+        log = shard_path(out, i, "log").open("w")
         cmd = [sys.executable, "-m", "benchmarks.generation.speed_table", *worker_argv(argv, i, n)]
         procs.append((subprocess.Popen(cmd, env={**env, "CUDA_VISIBLE_DEVICES": str(i)}, stdout=log,
                                        stderr=subprocess.STDOUT), log))
@@ -101,12 +102,11 @@ def run_workers(argv: list[str], n: int, out: Path) -> None:
         raise KeyboardInterrupt
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for i, (p, log) in enumerate(procs):
+        for i, (p, _) in enumerate(procs):
             rc = p.wait()
-            log.close()
             print(f"worker {i}/{n} finished (exit {rc})", flush=True)
             if rc:
-                tail = out.with_name(f"{out.name}.shard{i}.log").read_text().strip().splitlines()[-3:]
+                tail = shard_path(out, i, "log").read_text().strip().splitlines()[-3:]
                 print(f"worker {i} failed: " + " | ".join(tail), flush=True)
     except KeyboardInterrupt:
         for p, _ in procs:
@@ -115,4 +115,6 @@ def run_workers(argv: list[str], n: int, out: Path) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        for _, log in procs:
+            log.close()
         print(f"{merge_shards(out)} rows merged into {out}", flush=True)

@@ -59,7 +59,8 @@ def main(argv=None):
         raise SystemExit("benchmarks/ops/sse_step.py needs a CUDA device")
     from hybridize.ops.common.options import use_kernel_options
     from hybridize.ops.decode_gemm.route import linears_routed
-    from hybridize.ops.sse.triton_fused_step import block_v, sse_gla_step
+    from hybridize.ops.sse.fused_step import block_v
+    from hybridize.ops.sse.triton_fused_step import sse_gla_step
     device, dtype = torch.device("cuda"), torch.bfloat16
     bvs = args.bv.split(",")
     cols = (["shape", "batch", "separate us", "fused us", "fused unfinished us", "fused / separate"]

@@ -3,8 +3,8 @@
 `triton_fused_step.sse_gla_step` (the kernel, its module docstring gives the math) and `sse_gla_step_reference` (here,
 plain PyTorch, fp32) take the same arguments and give the same results: o `[B, 1, H, D]` in y's dtype, the shared and
 the selected partition's states updated in place. The reference is what the kernel's op-level test compares against,
-and what `hybridize.generation.profile` runs on the CPU in place of the kernel (counted as one kernel). No triton
-import here: the mixer builds its layout without it.
+and what `hybridize.generation.profile` runs on the CPU in place of the kernel (counted as one kernel). `block_v` is
+the kernel's value columns per program. No triton import here: the mixer builds its layout without it.
 """
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ class StepLayout:
     emulk: bool
     out_norm_eps: float | None = None   # set: the step also applies the output norm (and gate) the mixer's finish does
     out_gate_col: int | None = None     # first output-gate pre-activation column in y (silu gate); None: no gate
+
+
+def block_v(rows: int, heads: int, dim: int, finish: bool = False) -> int:
+    """Value columns per program: narrow blocks when rows x heads are few, so more programs share the
+    state traffic (the step is latency-bound at batch 1); wide ones otherwise (fewer repeated front ends).
+    A step that finishes its heads takes a whole head per program when the head is at most 64 wide: its two state
+    blocks are then 32 KB, and streaming them costs less than the last-program handshake (an H100, one SSE layer's
+    kernel: 5.7 against 6.6 us at the SmolLM2-135M shape, batch 1; at the Qwen3-1.7B shape, 128 wide, 11.9
+    against 8.2 us the other way; `python -m benchmarks.ops.sse_step`)."""
+    if finish and dim <= 64:
+        return dim
+    programs_per_block = rows * heads
+    bv = 16 if programs_per_block <= 64 else (32 if programs_per_block <= 256 else 64)
+    return min(dim, bv)
 
 
 def _feature(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.pdl import pdl_args
-from hybridize.ops.sse.fused_step import StepLayout
+from hybridize.ops.sse.fused_step import StepLayout, block_v
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
 
@@ -177,20 +177,6 @@ def head_counters(n: int, device) -> torch.Tensor:
     if have is None or have.numel() < n:
         have = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return have
-
-
-def block_v(rows: int, heads: int, dim: int, finish: bool = False) -> int:
-    """Value columns per program: narrow blocks when rows x heads are few, so more programs share the
-    state traffic (the step is latency-bound at batch 1); wide ones otherwise (fewer repeated front ends).
-    A step that finishes its heads takes a whole head per program when the head is at most 64 wide: its two state
-    blocks are then 32 KB, and streaming them costs less than the last-program handshake (an H100, one SSE layer's
-    kernel: 5.7 against 6.6 us at the SmolLM2-135M shape, batch 1; at the Qwen3-1.7B shape, 128 wide, 11.9
-    against 8.2 us the other way; `python -m benchmarks.ops.sse_step`)."""
-    if finish and dim <= 64:
-        return dim
-    programs_per_block = rows * heads
-    bv = 16 if programs_per_block <= 64 else (32 if programs_per_block <= 256 else 64)
-    return min(dim, bv)
 
 
 @torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place

@@ -207,11 +207,10 @@ def test_fused_step_taken_only_where_it_applies():
         assert not m.fused_step_ok(x, s, None, None)                                  # gradients on
 
 
-@pytest.mark.skipif(not triton_ok, reason="needs triton (the kernel's module)")
 def test_finishing_step_takes_whole_heads_when_they_are_narrow():
     """`block_v`: a step that finishes its heads runs a head of at most 64 value columns in one program (no last-program
     handshake), wider heads split as the plain step does."""
-    from hybridize.ops.sse.triton_fused_step import block_v
+    from hybridize.ops.sse.fused_step import block_v
 
     assert block_v(1, 9, 64, finish=True) == 64 and block_v(1, 9, 64) == 16
     assert block_v(8, 16, 128, finish=True) == block_v(8, 16, 128) == 32
