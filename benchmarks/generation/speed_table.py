@@ -286,6 +286,13 @@ def _code_note(cells: dict) -> str:
     return " Engine rows by code (`--code`): " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())) + "."
 
 
+def engine_codes(paths: dict) -> str:
+    """The code labels (`--code`) of a cell's engine rows, both models, e.g. "8db8097" or "37f81b6, da3d309"
+    for a cell measured at two commits: a table of rows from several calls says which code each cell timed."""
+    return ", ".join(sorted({r.get("code") or "unlabelled" for (_, p), r in paths.items()
+                             if p in ENGINE_PATHS.values()})) or "-"
+
+
 def _workers_note(cells: dict) -> str:
     """How many of the shown rows ran beside other workers (`--gpus`): a GPU each, the host shared."""
     shown = [r for paths in cells.values() for r in paths.values() if r["table_path"] != "OOM"]
@@ -298,6 +305,7 @@ def _workers_note(cells: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
+    labelled = any(r.get("code") for r in rows)   # a code column once any row carries a --code label
     head = rows[0]
     lines = [f"Device {head['device']}, torch {head['torch']}, {head['dtype']}, {head['new_tokens']} decode steps "
              f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory."
@@ -324,6 +332,8 @@ def markdown(rows: list[dict]) -> str:
             heads += ["hybrid vs teacher (engine, best of each)", "hybrid (best) vs HF static"]
         if metric == "prefill_tok_s":
             heads += ["hybrid vs teacher (engine, best of each's two prefills)"]
+        if labelled and metric in ("prefill_tok_s", "decode_ms"):
+            heads += ["engine rows' code"]
         lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
             vals = [cell(paths.get((m, p)), metric, spec) for m, p in COLUMNS]
@@ -334,6 +344,8 @@ def markdown(rows: list[dict]) -> str:
                 line += f" {ratio(t_eng, h)} | {ratio(t_hf, h)} |"
             if metric == "prefill_tok_s":
                 line += f" {ratio(best_engine_prefill(paths, 'hybrid'), best_engine_prefill(paths, 'teacher'))} |"
+            if labelled and metric in ("prefill_tok_s", "decode_ms"):
+                line += f" {engine_codes(paths)} |"
             lines.append(line)
         lines.append("")
     return "\n".join(lines)

@@ -167,3 +167,19 @@ def test_prefill_ratio_is_best_of_each_models_two_engine_prefills():
     lines = [l for l in prefill.splitlines() if l.startswith("| s |")]
     assert lines[0].endswith("| 1.25x |")   # (8192 / 0.2) / (8192 / 0.25), not 0.5 / 1.0
     assert lines[1].endswith("| - |")       # the teacher's compiled path unmeasured
+
+
+def test_a_cell_names_the_code_of_its_engine_rows_once_rows_are_labelled():
+    """A table filled over several calls mixes code: each decode and prefill line names its engine rows' labels
+    (HF rows run none of our code and are left out); without any label the column is not there."""
+    rows = [row("teacher", "HF static compiled", 30.0, code="hf"), row("teacher", "engine", 11.0, code="new"),
+            row("teacher", "engine compiled", 8.0, code="new"), row("hybrid", "engine", 6.0, code="new"),
+            row("hybrid", "engine compiled", 4.0, code="old"), row("hybrid", "engine", 6.0, T=2048, code="new")]
+    md = markdown(rows)
+    for table in ("**decode ms per step**", "**prefill tokens/s**"):
+        lines = [l for l in md.split(table)[1].split("**")[0].splitlines() if l.startswith("| s |")]
+        assert lines[0].endswith("| new, old |") and lines[1].endswith("| new |")
+    peak = md.split("**peak memory GiB**")[1].split("**")[0]
+    assert "new" not in peak
+    unlabelled = markdown([{k: v for k, v in r.items() if k != "code"} for r in rows])
+    assert "engine rows' code" not in unlabelled.split("**decode ms per step**")[1]
