@@ -73,8 +73,9 @@ def args_parser():
                          "not --code, in this process beside each other: after a change to the engine or the mixers. "
                          "HF's rows are kept (they run none of our code); needs --code")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no path starts after it (one started runs to its end)")
-    ap.add_argument("--hbm-gbs", type=float, default=3350.0,
-                    help="memory bandwidth in GB/s for the bytes floor (3350: H100 SXM's data sheet figure)")
+    ap.add_argument("--hbm-gbs", type=float, default=0.0,
+                    help="memory bandwidth in GB/s for the bytes floor; 0 = the data sheet figure of the GPU by its "
+                         f"name ({', '.join(f'{k} {v:.0f}' for k, v in HBM_GBS.items())}), kept in each row (a CPU smoke run: 100)")
     ap.add_argument("--gpus", type=int, default=0,
                     help="fill the table with one worker process per GPU of this host, each taking every N-th cell "
                          "(benchmarks/generation/shards.py); 0 = this process alone")
@@ -82,6 +83,20 @@ def args_parser():
     ap.add_argument("--out", default="speed_table.jsonl")
     ap.add_argument("--report", action="store_true", help="only write the table and plot from --out")
     return ap
+
+
+#: HBM bandwidth in GB/s by a word of the GPU's name (SXM data sheets), for the bytes floor
+HBM_GBS = {"H100": 3350.0, "H200": 4800.0}
+
+
+def hbm_gbs(device_name: str, given: float = 0.0) -> float:
+    """`given` if set, else the data sheet bandwidth of the named GPU; one clear error for a GPU not listed."""
+    if given > 0:
+        return given
+    for word, gbs in HBM_GBS.items():
+        if word in device_name:
+            return gbs
+    raise SystemExit(f"no memory bandwidth known for {device_name!r}: pass --hbm-gbs (GB/s) for its bytes floor")
 
 
 HF_PATHS = tuple(TEACHER_PATHS.values())
@@ -171,6 +186,8 @@ def measure(a) -> None:
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": a.dtype,
            "kernel_options": current_kernel_options().to_dict()}   # pdl and the other switches in force
+    gbs = hbm_gbs(env["device"], a.hbm_gbs) if device.type == "cuda" else (a.hbm_gbs or 100.0)
+    env["hbm_gbs"] = gbs
     if a.remeasure_engine and not a.code:
         raise SystemExit("--remeasure-engine needs --code LABEL (the rows of this code are kept across calls)")
     shard = parse_shard(a.shard)
@@ -213,7 +230,7 @@ def measure(a) -> None:
                          mixer=a.mixer, table_path=path_name(m, r), prefill_tokens=a.prefill_tokens, code=a.code,
                          **env)
                 r["prefill_tok_s"] = B * T / r["prefill_s"] if r.get("prefill_s") else None
-                r["floor_ms"] = floor_ms(floors[m], T, B, a.hbm_gbs)
+                r["floor_ms"] = floor_ms(floors[m], T, B, gbs)
                 r["step_bytes"] = floors[m]
                 r["of_floor"] = r["decode_ms"] / r["floor_ms"] if r.get("decode_ms") else None
                 f.write(json.dumps(r) + "\n")
@@ -324,7 +341,7 @@ def markdown(rows: list[dict]) -> str:
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),
                                 ("of_floor", "decode step / bytes floor (weights + states + softmax KV read once "
-                                             "per step, at the --hbm-gbs bandwidth)", ".2f"),
+                                             "per step, at the row's `hbm_gbs`: the GPU's data sheet bandwidth)", ".2f"),
                                 ("warmup_s", "warm-up seconds (HF: the untimed calls; engine: the first call at the shape, "
                                              "graph capture and compilation included)", ".1f")):
         heads = ["shape", "context", "batch", *(f"{m}: {p}" for m, p in COLUMNS)]

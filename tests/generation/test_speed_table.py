@@ -3,6 +3,8 @@ out-of-memory group is shown, and that the hybrid's speed-up is taken best engin
 path (the teacher's compiled engine included). The measurement itself needs a GPU and is not run here."""
 import json
 
+import pytest
+
 from benchmarks.generation.speed_table import COLUMNS, done_paths, markdown, path_groups, split_invalid
 
 
@@ -183,3 +185,11 @@ def test_a_cell_names_the_code_of_its_engine_rows_once_rows_are_labelled():
     assert "new" not in peak
     unlabelled = markdown([{k: v for k, v in r.items() if k != "code"} for r in rows])
     assert "engine rows' code" not in unlabelled.split("**decode ms per step**")[1]
+
+
+def test_bytes_floor_bandwidth_is_the_named_gpus_unless_given():
+    from benchmarks.generation.speed_table import hbm_gbs
+    assert hbm_gbs("NVIDIA H100 80GB HBM3") == 3350.0 and hbm_gbs("NVIDIA H200") == 4800.0
+    assert hbm_gbs("NVIDIA H200", 4000.0) == 4000.0
+    with pytest.raises(SystemExit, match="--hbm-gbs"):
+        hbm_gbs("NVIDIA A10G")
