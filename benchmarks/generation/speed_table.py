@@ -322,20 +322,21 @@ def _workers_note(cells: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
-    labelled = any(r.get("code") for r in rows)   # a code column once any row carries a --code label
+    shown = [r for paths in cells.values() for r in paths.values()]   # a rerun's row hides the one it replaced
+    labelled = any(r.get("code") for r in shown)   # a code column once any shown row carries a --code label
     head = rows[0]
     lines = [f"Device {head['device']}, torch {head['torch']}, {head['dtype']}, {head['new_tokens']} decode steps "
              f"timed per call, hybrid plan {head['plan']} {head['mixer']}; random weights. 'OOM': out of GPU memory."
              + "".join(f" Rows measured with `--prefill-tokens {n}`: our engine prefilled at most {n} tokens per "
                        f"forward (both models; the JSONL's `prefill_tokens`)." for n in sorted(
-                           {r.get("prefill_tokens", 0) for r in rows if r["table_path"] != "OOM"} - {0}))
+                           {r.get("prefill_tokens", 0) for r in shown if r["table_path"] != "OOM"} - {0}))
              + (" Engine rows measured before the engine synced the device at the end of its prefill (no "
                 "`prefill_synced` in the JSONL) count the prefill's last copies into the static buffers in the "
                 "decode: up to a few percent more per step, the teacher (whole KV cache) more than the hybrid."
-                if any(unsynced(r) for r in rows) else "")
+                if any(unsynced(r) for r in shown) else "")
              + (" Cells marked * were prefilled in several row groups before that fix: the last group's forward "
                 "ran in the decode, so their prefill rate and decode time are not valid (no ratio is taken from them)."
-                if any(split_invalid(r) for r in rows) else "")
+                if any(split_invalid(r) for r in shown) else "")
              + _code_note(cells) + _workers_note(cells),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
@@ -377,7 +378,8 @@ def plot(rows: list[dict], png: Path) -> None:
     shapes = sorted({s for s, _, _ in cells})
     batches = sorted({b for _, _, b in cells})
     metrics = (("prefill_tok_s", "prefill tokens/s"), ("decode_ms", "decode ms / step"), ("peak_gib", "peak GiB"))
-    fig, axes = plt.subplots(len(shapes), len(metrics), figsize=(5 * len(metrics), 3.8 * len(shapes)), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), len(metrics) + 1, figsize=(5 * (len(metrics) + 1), 3.8 * len(shapes)),
+                             squeeze=False)
     styles = ["-", "--", ":", "-."]
     for i, shape in enumerate(shapes):
         for j, (metric, title) in enumerate(metrics):
@@ -395,10 +397,43 @@ def plot(rows: list[dict], png: Path) -> None:
             ax.set_title(f"{shape}: {title}")
             if metric in ("prefill_tok_s", "decode_ms"):   # HF's dynamic cache decodes 10-30x slower than the rest
                 ax.set_yscale("log")
+        speedup_panel(axes[i][-1], shape, cells, batches)
     axes[0][0].legend(fontsize=7, title="line style: batch " + ", ".join(map(str, batches)), title_fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def speedups(cells: dict, shape: str, B: int) -> dict[str, list[tuple[int, float]]]:
+    """The hybrid over its teacher on our engine at each context of (shape, batch), best path against best path:
+    {"decode": [(T, teacher ms / hybrid ms)], "prefill": [(T, hybrid tok/s / teacher tok/s)]}; cells without a
+    ratio (a path unmeasured, out of memory or invalid) are left out."""
+    out: dict[str, list[tuple[int, float]]] = {"decode": [], "prefill": []}
+    for (s, T, b), paths in sorted(cells.items()):
+        if s != shape or b != B:
+            continue
+        h, t = best_engine(paths, "hybrid"), best_engine(paths, "teacher")
+        if h and t:
+            out["decode"].append((T, t / h))
+        h, t = best_engine_prefill(paths, "hybrid"), best_engine_prefill(paths, "teacher")
+        if h and t:
+            out["prefill"].append((T, h / t))
+    return out
+
+
+def speedup_panel(ax, shape: str, cells: dict, batches: list[int]) -> None:
+    """What the table is for, at a glance: the hybrid's decode and prefill speed over its teacher's (same engine),
+    one colour per batch, 1.0 marked."""
+    for k, B in enumerate(batches):
+        for what, style in (("decode", "-"), ("prefill", "--")):
+            pts = speedups(cells, shape, B)[what]
+            if pts:
+                ax.plot(*zip(*pts), style, marker=".", color=f"C{k}", label=f"{what}, batch {B}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_title(f"{shape}: hybrid / teacher speed, our engine")
+    ax.legend(fontsize=7)
 
 
 def report(out: Path) -> None:

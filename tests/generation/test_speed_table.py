@@ -193,3 +193,22 @@ def test_bytes_floor_bandwidth_is_the_named_gpus_unless_given():
     assert hbm_gbs("NVIDIA H200", 4000.0) == 4000.0
     with pytest.raises(SystemExit, match="--hbm-gbs"):
         hbm_gbs("NVIDIA A10G")
+
+
+def test_header_notes_speak_of_the_shown_rows_not_the_ones_a_rerun_replaced():
+    old = row("teacher", "engine", 11.0)                       # before the prefill sync (no `prefill_synced`)
+    new = row("teacher", "engine", 10.0, prefill_synced=True)  # its rerun
+    assert "before the engine synced" in markdown([old]).splitlines()[0]
+    assert "before the engine synced" not in markdown([old, new]).splitlines()[0]
+
+
+def test_speedups_are_the_tables_ratios_per_context():
+    from benchmarks.generation.speed_table import cell_rows, speedups
+    rows = [row("teacher", "engine", 11.0, prefill_s=0.5), row("teacher", "engine compiled", 8.0, prefill_s=0.25),
+            row("hybrid", "engine", 6.0, prefill_s=1.0), row("hybrid", "engine compiled", 4.0, prefill_s=0.2),
+            row("teacher", "engine", 11.0, T=2048), row("hybrid", "engine", 6.0, T=2048)]   # 2048: unmeasured paths
+    for r in rows:
+        r["prefill_tok_s"] = r["batch"] * r["prompt_len"] / r["prefill_s"]
+    got = speedups(cell_rows(rows), "s", 8)
+    assert got["decode"] == [(1024, 2.0)] and [(T, round(v, 6)) for T, v in got["prefill"]] == [(1024, 1.25)]
+    assert speedups(cell_rows(rows), "s", 1) == {"decode": [], "prefill": []}
