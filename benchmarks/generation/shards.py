@@ -10,9 +10,17 @@ too, since a call cut short leaves them behind. On SIGTERM or SIGINT it stops th
 they finished.
 
 Timing: each worker has a GPU of its own and replays its decode steps from CUDA graphs, so the workers do not share
-the device. They share the host's cores and memory bandwidth, though. HF generate's host-bound steps and every
-path's warm-up (inductor compiles, `TORCHINDUCTOR_COMPILE_THREADS` set to the host's cores / N unless given) can be
-slower than alone. Each row records `concurrent_workers`, so the report can say which rows ran beside others.
+the device. They share the host, though: its cores, memory bandwidth and power. Every path's warm-up (inductor
+compiles, `TORCHINDUCTOR_COMPILE_THREADS` set to the host's cores / N unless given) is slower than alone. So are
+the steps themselves, and not evenly.
+
+Measured on 4 x H100 at 8db8097, against one process alone on one H100 (benchmarks/RESULTS.md, "The speed table"):
+- uncompiled engine paths, whose steps are host-bound: 6-19% slower;
+- compiled paths: 0-9% slower.
+
+A cell's hybrid / teacher ratio can therefore be off by up to about 10%. Use the workers to fill the grid, and one
+process (or `compile_auto`) to decide a single cell. Each row records `concurrent_workers`, so the report names the
+rows that ran beside others.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ them), every path in one process:
     python -m benchmarks.generation.speed_table --out $OUT/speed.jsonl --code abc1234 --remeasure-engine
         # after a change to our code: every engine row again (HF's kept), resumable across calls
     python -m benchmarks.generation.speed_table --out /root/speed.jsonl --gpus 8       # one worker per GPU
+        # (fast, but four workers on one host timed each path 0-19% slower than one process: shards.py)
     python -m benchmarks.generation.speed_table --shapes tiny --lens 64,128 --batches 1,2 --new-tokens 8 \\
         --dtype float32 --out /tmp/speed.jsonl                                           # CPU smoke run
 
