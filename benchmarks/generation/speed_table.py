@@ -317,8 +317,8 @@ def _workers_note(cells: dict) -> str:
     beside = Counter(r["concurrent_workers"] for r in shown if r.get("concurrent_workers", 1) > 1)
     if not beside:
         return ""
-    return (" Rows measured beside other workers, a GPU each on one host (`--gpus`; host-bound paths and warm-ups "
-            "can be slower than alone): " + ", ".join(f"{v} with {k} workers" for k, v in sorted(beside.items())) + ".")
+    return (" Rows measured beside other workers, a GPU each on one host (`--gpus`; each path can be slower than "
+            "alone: 0-19% on 4 x H100, benchmarks/generation/shards.py): " + ", ".join(f"{v} with {k} workers" for k, v in sorted(beside.items())) + ".")
 
 
 def markdown(rows: list[dict]) -> str:
