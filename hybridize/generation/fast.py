@@ -56,6 +56,8 @@ model (and SSE's fused decode projections) goes through `hybridize.ops.decode_ge
 use (prefill calls have more rows and keep F.linear). Gated MLPs (Llama layout) run gate and up as one
 GEMM over their stacked weights in those steps (`FastGenConfig.stack_mlp`, `ops.decode_gemm.stacked`):
 one launch fewer per layer, for the teacher and the hybrid alike (not on the exact path, which keeps HF's ops).
+Attention's q, k and v can run as one GEMM the same way (`FastGenConfig.stack_qkv`, `ops.decode_gemm.stacked_qkv`;
+off until timed on a GPU).
 
 Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
 config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
@@ -94,6 +96,7 @@ from hybridize.families import known_family
 from hybridize.ops.common.options import current_kernel_options, use_kernel_options
 from hybridize.ops.decode_gemm import route as decode_linear
 from hybridize.ops.decode_gemm import stacked as stacked_mlp
+from hybridize.ops.decode_gemm import stacked_qkv
 from hybridize.modeling import AttentionSlot, HybridCache, HybridConfig, MixerCacheLayer
 
 log = logging.getLogger(__name__)
@@ -140,6 +143,12 @@ class FastGenConfig:
                 "weights (one launch fewer per layer, teacher and hybrid alike); the stacked copy costs gate + up "
                 "once more in memory (Qwen3-1.7B shape: 1.41 GB bf16), kept for reuse across calls. False keeps "
                 "two GEMMs"})
+    stack_qkv: bool = field(default=False, metadata={
+        "help": "decode steps on CUDA run each attention module's q, k and v projections as one GEMM over their "
+                "stacked weights (two launches fewer per softmax layer: the teacher's 28 at the Qwen3-1.7B shape, "
+                "its hybrid's kept ones); the stacked copy costs q + k + v once more in memory (470 MB bf16 at that "
+                "shape). Off until timed on a GPU: it makes the teacher baseline stronger, and the speed table's "
+                "rows do not have it (ops/decode_gemm/stacked_qkv.py)"})
     prefill_tokens: int = field(default=0, metadata={
         "help": "at most this many prompt tokens (rows x prompt length, at least one row) per prefill forward: the "
                 "batch is prefilled a few rows at a time, each straight into the static buffers, so neither the "
@@ -653,13 +662,14 @@ class FastGenerator:
             return type(m).generate(m, input_ids=input_ids, attention_mask=attention_mask,
                                     generation_config=generation_config, **kwargs)
         self._gc, sampling, max_new = resolved
-        # the exact path runs HF's own ops (its bits); the MLPs are stacked before linears_routed, whose forwards
-        # on gate/up would make them look overridden
-        stack = self.config.stack_mlp and not self._exact(input_ids.device)
+        # the exact path runs HF's own ops (its bits); the MLPs and q/k/v are stacked before linears_routed, whose
+        # forwards on gate/up and q/k/v would make them look overridden
+        exact = self._exact(input_ids.device)
         # the kernel options read once for the call (the environment's read per op was ~100 reads of every
         # HYBRIDIZE_* variable per prefill at the 135M shape)
         with torch.no_grad(), use_kernel_options(current_kernel_options()), _no_checkpointing(m), \
-                stacked_mlp.mlps_stacked(m, self.config.gemm, stack), \
+                stacked_mlp.mlps_stacked(m, self.config.gemm, self.config.stack_mlp and not exact), \
+                stacked_qkv.qkv_stacked(m, self.config.gemm, self.config.stack_qkv and not exact), \
                 decode_linear.linears_routed(m, self.config.gemm), \
                 _compile_limits(m, self.config.compile != "off"):
             try:
@@ -910,13 +920,15 @@ def _compile_limits(model, on: bool):
 
 
 def _refresh_decode_weights(model) -> None:
-    """Derived decode weights (SSE's fused projections, the MLPs' stacked gate/up) brought up to date with the
-    parameters, in place: a replayed graph reads the cache, and GRPO updates the parameters in place."""
+    """Derived decode weights (SSE's fused projections, the MLPs' stacked gate/up, attention's stacked q/k/v) brought
+    up to date with the parameters, in place: a replayed graph reads the cache, and GRPO updates the parameters in
+    place."""
     for layer in model.model.layers:
         fn = getattr(layer.self_attn, "refresh_decode_weights", None)
         if fn is not None:
             fn()
     stacked_mlp.refresh(model)
+    stacked_qkv.refresh(model)
 
 
 def _sampling_key(s: _Sampling) -> tuple:
