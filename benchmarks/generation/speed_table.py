@@ -351,7 +351,8 @@ def markdown(rows: list[dict]) -> str:
             heads += ["hybrid vs teacher (engine, best of each)", "hybrid (best) vs HF static"]
         if metric == "prefill_tok_s":
             heads += ["hybrid vs teacher (engine, best of each's two prefills)"]
-        if labelled and metric in ("prefill_tok_s", "decode_ms"):
+        code_column = labelled and metric in ("prefill_tok_s", "decode_ms")
+        if code_column:
             heads += ["engine rows' code"]
         lines += [f"**{title}**", "", md_header(heads)]
         for (shape, T, B), paths in sorted(cells.items()):
@@ -363,7 +364,7 @@ def markdown(rows: list[dict]) -> str:
                 line += f" {ratio(t_eng, h)} | {ratio(t_hf, h)} |"
             if metric == "prefill_tok_s":
                 line += f" {ratio(best_engine_prefill(paths, 'hybrid'), best_engine_prefill(paths, 'teacher'))} |"
-            if labelled and metric in ("prefill_tok_s", "decode_ms"):
+            if code_column:
                 line += f" {engine_codes(paths)} |"
             lines.append(line)
         lines.append("")
@@ -426,8 +427,9 @@ def speedup_panel(ax, shape: str, cells: dict, batches: list[int]) -> None:
     """What the table is for, at a glance: the hybrid's decode and prefill speed over its teacher's (same engine),
     one colour per batch, 1.0 marked."""
     for k, B in enumerate(batches):
+        ratios = speedups(cells, shape, B)
         for what, style in (("decode", "-"), ("prefill", "--")):
-            pts = speedups(cells, shape, B)[what]
+            pts = ratios[what]
             if pts:
                 ax.plot(*zip(*pts), style, marker=".", color=f"C{k}", label=f"{what}, batch {B}")
     ax.axhline(1.0, color="grey", linewidth=0.8)

@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from hybridize.ops.decode_gemm import stacked as st
+from tests.ops.decode_gemm.helpers import stacked_run_agrees
 
 GATED_FORM = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 
@@ -177,18 +178,7 @@ def test_fast_generate_with_stacked_mlps_matches_two_gemms(mixer):
     model, _ = tiny_hybrid(mixer=mixer)
     pad = byte_tokenizer().pad_token_id
     ids, am = left_padded_batch()
-    gens = {on: FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm="triton",
-                                                   stack_mlp=on)) for on in (True, False)}
-
-    def run():
-        outs = {}
-        for on, gen in gens.items():
-            toks = gen(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=5)
-            outs[on] = (toks, gen.last_logits)
-        assert torch.equal(outs[True][0], outs[False][0])
-        for a, b in zip(outs[True][1], outs[False][1]):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-        return outs[True][1]
+    run = stacked_run_agrees(model, "stack_mlp")
 
     first = run()
     mlps = [layer.mlp for layer in model.model.layers]

@@ -17,6 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hybridize.ops.decode_gemm import stacked_qkv as sq
 from hybridize.ops.decode_gemm.stacked import _CACHE
+from tests.ops.decode_gemm.helpers import stacked_run_agrees
 
 FAMILIES = {"llama": (LlamaConfig, LlamaAttention), "qwen2": (Qwen2Config, Qwen2Attention),   # qwen2: q/k/v biases
             "qwen3": (Qwen3Config, Qwen3Attention)}                                         # qwen3: q/k norms
@@ -148,24 +149,10 @@ def test_same_forwards_across_blocks_and_dynamo_traces_them_whole():
 def test_fast_generate_with_stacked_qkv_matches_three_gemms(mixer):
     """A tiny hybrid decodes the same tokens with q/k/v stacked in its kept softmax layers, its logits within fp32
     rounding; after an in-place weight update (a GRPO step) the stacked run follows the new weights."""
-    from hybridize.generation.fast import FastGenConfig, FastGenerator
-    from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
+    from tests.rl.helpers import tiny_hybrid
 
     model, _ = tiny_hybrid(mixer=mixer)
-    pad = byte_tokenizer().pad_token_id
-    ids, am = left_padded_batch()
-    gens = {on: FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm="triton",
-                                                   stack_qkv=on)) for on in (True, False)}
-
-    def run():
-        outs = {}
-        for on, gen in gens.items():
-            toks = gen(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=5)
-            outs[on] = (toks, gen.last_logits)
-        assert torch.equal(outs[True][0], outs[False][0])
-        for a, b in zip(outs[True][1], outs[False][1]):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-        return outs[True][1]
+    run = stacked_run_agrees(model, "stack_qkv")
 
     first = run()
     stacked = [m for m in model.modules() if _CACHE in m.__dict__ and hasattr(m, "q_proj")]
