@@ -55,7 +55,8 @@ partitions per token (decode); unselected partitions stay bit-identical. On the 
 backbone, top-1, shared partition) with a writable state (the fast engine's cache) runs everything between the
 two fused projection matmuls and o_proj as one kernel (`ops/sse/triton_fused_step.py`, `fused_step`), the output
 norm and gate included (kernel option `sse_step_finish`); at small shapes the two matmuls are one, the low-rank
-up-projections merged into stage 1 (`merged_lowrank`).
+up-projections merged into stage 1 (`merged_lowrank`); otherwise the step kernel can apply those up-projections
+itself (kernel option `sse_step_lowrank`, `step_ups`), so stage 1 is the one matmul without added weight.
 Without gradient (prefill, evaluation, decode) the front end is `fused_inputs`: every projection of x in one
 cached matmul, the LoRA and gate up-projections in a second, the shared and sparse q/k normed, rotated and
 feature-mapped together (`ops/sse/qk_front.py`; on CUDA one kernel, `triton_qk_front.py`). The same values as
@@ -80,7 +81,7 @@ from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.decode_gemm.derived import derived_weights
 from hybridize.ops.decode_gemm.route import decode_linear
 from hybridize.ops.sse import reference as sse_ops
-from hybridize.ops.sse.fused_step import StepLayout
+from hybridize.ops.sse.fused_step import StepLayout, StepUps
 from hybridize.ops.sse.qk_front import feature_map, qk_front
 from hybridize.ops.sse.reference import LAYOUTS, PathInputs, balance_loss, naive_recurrent_sse, pick_layout, route
 
@@ -607,43 +608,59 @@ class SSE(Mixer):
             return False
         return sse_ops.fused_step_applies(x) and self._fused_ok()   # looked up per call: the CPU profile stands in
 
-    def step_layout(self, finish: bool = False) -> StepLayout:
+    def step_layout(self, finish: bool = False, in_step: bool = False) -> StepLayout:
         """The fused step's `StepLayout`: where its kernel finds each input, and this mixer's settings; `finish`: the
-        step also applies the output norm and gate (kernel option `sse_step_finish`)."""
+        step also applies the output norm and gate (kernel option `sse_step_finish`); `in_step`: it also applies the
+        low-rank up-projections (`step_ups`) to y's low-rank columns (kernel option `sse_step_lowrank`)."""
         c = self.config
         cols = self._decode_columns()
         gate_col = cols["gate"][0] if finish and c.output_gate else None
+        low = dict(low_col=cols["low"][0], lora_rank=c.lora_rank, gate_rank=c.gate_rank) if in_step else {}
         return StepLayout(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                           partitions=c.num_partitions, v_col=cols["v"][0], router_col=cols["router"][0],
                           gate_col=2 * cols["qk"][1], delta_col=cols["qk"][1], q_map=c.q_map, k_map=c.k_map,
                           v_map=c.v_map,
                           gate_normalizer=c.gate_normalizer, norm_eps=self.q_norm.eps if c.qk_norm else None,
                           emulq=c.emulq, emulk=c.emulk, out_norm_eps=self.o_norm.eps if finish else None,
-                          out_gate_col=gate_col)
+                          out_gate_col=gate_col, **low)
 
     def fused_step(self, x, state: SSEState, position_embeddings=None) -> torch.Tensor:
         """One decode token through the one-kernel step: x `[B, 1, hidden]` -> the mixer's output `[B, 1, hidden]`;
         `state` is updated in place. With kernel option `sse_step_finish` the kernel also applies the output norm
-        and gate, and only o_proj follows it."""
+        and gate, and only o_proj follows it. The LoRA and gate up-projections run merged into stage 1
+        (`sse_merged_lowrank`), in the step kernel (`sse_step_lowrank`), or as a stage-2 matmul."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
-        merged, finish = self.merged_lowrank(), current_kernel_options().sse_step_finish
+        opts = current_kernel_options()
+        merged, finish = self.merged_lowrank(), opts.sse_step_finish
+        in_step = not merged and opts.sse_step_lowrank
         if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
             W, b = self._merged_weights()
             wn, cols = self._fused_weights()[4], self._decode_columns()
             y = u = decode_linear(x, W, b)
+        elif in_step:   # stage 1 only: the step reads the low-rank columns of y and the up-projection weights
+            W1, b1, _, _, wn = self._fused_weights()
+            y = u = decode_linear(x, W1, b1)
         else:
             y, u, wn, cols = self._decode_projections(x)
-        layouts = self.__dict__.setdefault("_step_layouts", {})   # {(merged, finish): StepLayout}
-        if (merged, finish) not in layouts:
-            layouts[merged, finish] = self.merged_layout(finish) if merged else self.step_layout(finish)
+        layouts = self.__dict__.setdefault("_step_layouts", {})   # {(merged, finish, in_step): StepLayout}
+        key = (merged, finish, in_step)
+        if key not in layouts:
+            layouts[key] = self.merged_layout(finish) if merged else self.step_layout(finish, in_step)
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
-        o = sse_gla_step(y, u, state.shared, state.sparse, layouts[merged, finish], wn, cos, sin,
-                         out_weight=self.o_norm.gain() if finish else None)
+        o = sse_gla_step(y, u, state.shared, state.sparse, layouts[key], wn, cos, sin,
+                         out_weight=self.o_norm.gain() if finish else None, ups=self.step_ups() if in_step else None)
         if finish:
             return self.o_proj(o.reshape(*x.shape[:2], -1))
-        lo, width = cols["gate"] if self.config.output_gate else (0, 0)
+        lo, width = self._decode_columns()["gate"] if self.config.output_gate else (0, 0)
         return self.finish(o, x, y[..., lo:lo + width] if width else None)
+
+    def step_ups(self) -> StepUps:
+        """The up-projection weights a step with `step_layout(in_step=True)` applies (the parameters themselves: an
+        in-place update is what a captured graph reads next)."""
+        g_sh, g_sp = self.lowrank_gates()
+        return StepUps(q=self.lora_q.up.weight, k=self.lora_k.up.weight, gate_shared=g_sh.up.weight,
+                       gate_sparse=g_sp.up.weight, bias_shared=g_sh.up.bias, bias_sparse=g_sp.up.bias)
 
     def decode_gates(self, z, direct, B: int, T: int):
         """((g, beta) shared, (g, beta) sparse) from the fused projections: z `[B, T, P * H * D]` the gate

@@ -8,6 +8,7 @@ the kernel's value columns per program. No triton import here: the mixer builds 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,25 @@ class StepLayout:
     emulk: bool
     out_norm_eps: float | None = None   # set: the step also applies the output norm (and gate) the mixer's finish does
     out_gate_col: int | None = None     # first output-gate pre-activation column in y (silu gate); None: no gate
+    # set: the step computes the sparse q|k LoRA deltas and both gates' pre-activations itself, from y's low-rank
+    # columns at low_col (the q LoRA's `lora_rank`, the k LoRA's, then the shared and the sparse gate's `gate_rank`)
+    # and the up-projection weights (`StepUps`); u is not read (kernel option `sse_step_lowrank`)
+    low_col: int | None = None
+    lora_rank: int = 0
+    gate_rank: int = 0
+
+
+@dataclass(frozen=True)
+class StepUps:
+    """The low-rank up-projections a step with `StepLayout.low_col` applies itself: the q and k LoRA ups
+    `[H D, r]` / `[Hk D, r]`, the shared and the sparse gate ups `[H D, r_g]` and their biases `[H D]` (or None)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    gate_shared: torch.Tensor
+    gate_sparse: torch.Tensor
+    bias_shared: torch.Tensor | None = None
+    bias_sparse: torch.Tensor | None = None
 
 
 def block_v(rows: int, heads: int, dim: int, finish: bool = False) -> int:
@@ -59,14 +79,33 @@ def _feature(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+def lowrank_ups(y: torch.Tensor, layout: StepLayout, ups: StepUps) -> tuple[torch.Tensor, StepLayout]:
+    """(u `[B, n + 2 H D]` fp32, its layout): the sparse q|k LoRA delta, then the shared and the sparse gate
+    pre-activations, from y's low-rank columns `[B, 1, ...]`, as a step with `layout.low_col` computes them (fp32,
+    no rounding between the low-rank input and the step)."""
+    L = layout
+    r, rg = L.lora_rank, L.gate_rank
+    low = y[:, 0, L.low_col:L.low_col + 2 * r + 2 * rg].float()
+    parts = [low[:, :r] @ ups.q.float().T, low[:, r:2 * r] @ ups.k.float().T]
+    for i, (w, b) in enumerate(((ups.gate_shared, ups.bias_shared), (ups.gate_sparse, ups.bias_sparse))):
+        z = low[:, 2 * r + i * rg:2 * r + (i + 1) * rg] @ w.float().T
+        parts.append(z + b.float() if b is not None else z)
+    n = (L.heads + L.kv_heads) * L.head_dim
+    return torch.cat(parts, dim=-1), dataclasses.replace(L, delta_col=0, gate_col=n, low_col=None)
+
+
 def sse_gla_step_reference(y, u, shared, sparse, layout: StepLayout, norm_weight=None, cos=None, sin=None,
-                           scale=None, bv=None, out_weight=None):
+                           scale=None, bv=None, out_weight=None, ups: StepUps | None = None):
     """`triton_fused_step.sse_gla_step` in PyTorch, fp32 (`bv`, the kernel's block width, is ignored)."""
     L = layout
     B, H, Hk, D = y.shape[0], L.heads, L.kv_heads, L.head_dim
     n, rep = (H + Hk) * D, H // Hk
     scale = D ** -0.5 if scale is None else scale
-    yf, uf = y[:, 0].float(), u[:, 0].float()
+    if L.low_col is not None:
+        uf, L = lowrank_ups(y, L, ups)
+    else:
+        uf = u[:, 0].float()
+    yf = y[:, 0].float()
     probs = torch.softmax(yf[:, L.router_col:L.router_col + L.partitions], dim=-1)
     w, part = probs.max(dim=-1)                                                        # [B]: top-1
     v = _feature(yf[:, L.v_col:L.v_col + Hk * D].view(B, Hk, D), L.v_map).repeat_interleave(rep, dim=1)

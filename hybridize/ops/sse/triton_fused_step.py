@@ -20,6 +20,10 @@ output gate from y's gate columns): two kernels fewer per layer in the decode st
 split over `D / BV` programs, so each writes its fp32 block to a scratch row through L2 (atomics) and bumps a per-head
 counter; the program that brings the counter to `D / BV` reads the whole row, finishes it and sets the counter back to
 zero (`head_counters`: one buffer per device, zero between steps, so no memset launch). o_proj stays with the caller.
+With `layout.low_col` set (kernel option `sse_step_lowrank`) the step also applies the low-rank up-projections, which
+the stage-2 matmul otherwise runs as a kernel of its own: each program multiplies y's low-rank columns by the rows of
+the LoRA and gate up-projection weights its head needs (`StepUps`: `[D, r]` panels, read from L2 by the head's other
+programs), in fp32. One GEMM launch fewer per layer, and the up-projections' zero blocks are not read.
 States are updated in place; partitions nobody selected are never touched. The math is that of the
 separate kernels, in fp32 from the loaded 16-bit projections on (the separate path rounds q/k to 16 bits
 between its kernels), so in fp32 the two agree to rounding and in bf16 to the inputs' rounding.
@@ -42,7 +46,7 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.pdl import pdl_args
-from hybridize.ops.sse.fused_step import StepLayout, block_v
+from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
 
@@ -58,17 +62,18 @@ def _feature(x, MAP: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _qk(y_row, u_row, w_row, c, s, eps, d, partner, sign, ADD_U: tl.constexpr, NORM: tl.constexpr,
+def _qk(y_row, delta, delta_p, w_row, c, s, eps, d, partner, sign, ADD: tl.constexpr, NORM: tl.constexpr,
         ROPE: tl.constexpr, MAP: tl.constexpr, D: tl.constexpr):
-    """One q or k head row `[D]` fp32: (+ LoRA delta), RMSNorm, RoPE, feature map."""
+    """One q or k head row `[D]` fp32: (+ LoRA delta: `delta` at d, `delta_p` at the RoPE partner), RMSNorm, RoPE,
+    feature map."""
     x = tl.load(y_row + d).to(tl.float32)
     xp = x
-    if ADD_U:
-        x += tl.load(u_row + d).to(tl.float32)
+    if ADD:
+        x += delta
     if ROPE:                                           # rotate_half's partner channel, through the same norm
         xp = tl.load(y_row + partner).to(tl.float32)
-        if ADD_U:
-            xp += tl.load(u_row + partner).to(tl.float32)
+        if ADD:
+            xp += delta_p
     if NORM:
         r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         x = x * r * tl.load(w_row + d).to(tl.float32)
@@ -77,6 +82,21 @@ def _qk(y_row, u_row, w_row, c, s, eps, d, partner, sign, ADD_U: tl.constexpr, N
     if ROPE:
         x = x * c + sign * xp * s
     return _feature(x, MAP, 0)
+
+
+@triton.jit
+def _low(y_row, R: tl.constexpr, RP: tl.constexpr):
+    """R low-rank inputs at y_row, fp32 `[RP]` (zero past R)."""
+    r = tl.arange(0, RP)
+    return tl.load(y_row + r, mask=r < R, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _up(w, a, rows, R: tl.constexpr, RP: tl.constexpr):
+    """Rows `rows` of a low-rank up-projection `w` `[*, R]` applied to a `[RP]`: fp32 `[len(rows)]`."""
+    r = tl.arange(0, RP)
+    b_w = tl.load(w + rows[:, None] * R + r[None, :], mask=r[None, :] < R, other=0.0).to(tl.float32)
+    return tl.sum(b_w * a[None, :], 1)
 
 
 @triton.jit
@@ -97,10 +117,12 @@ def _update(state, q, k, v, g, d, ov, scale, D: tl.constexpr):
 @triton.jit
 def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_delta, v_col, r_col, g_col,
                          eps, inv_gn, scale, H, NREP, P, onw, o_eps, og_col, part_o, count,
+                         w_uq, w_uk, w_ugs, w_ugp, b_ugs, b_ugp, low_col,
                          D: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
                          ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
                          EMULQ: tl.constexpr, EMULK: tl.constexpr, FINISH: tl.constexpr, GATE: tl.constexpr,
-                         NB: tl.constexpr, PDL: tl.constexpr):
+                         NB: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr,
+                         RG: tl.constexpr, RGP: tl.constexpr, GBIAS: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
         tl.extra.cuda.gdc_wait()
     i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -126,19 +148,45 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP, 0)
     q_col, k_col = i_h * D, (H + i_kh) * D
     wq_row, wk_row = wn + i_h * D, wn + (H + i_kh) * D
+    # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from u,
+    # or (UP) from y's low-rank columns and the up-projection weights, in fp32
+    if UP:
+        a = _low(y_row + low_col, RQ, RQP)
+        dq = _up(w_uq, a, i_h * D + d, RQ, RQP)
+        dq_p = dq
+        if ROPE:
+            dq_p = _up(w_uq, a, i_h * D + partner, RQ, RQP)
+        a = _low(y_row + low_col + RQ, RQ, RQP)
+        dk = _up(w_uk, a, i_kh * D + d, RQ, RQP)
+        dk_p = dk
+        if ROPE:
+            dk_p = _up(w_uk, a, i_kh * D + partner, RQ, RQP)
+        z_sh = _up(w_ugs, _low(y_row + low_col + 2 * RQ, RG, RGP), i_h * D + d, RG, RGP)
+        z_sp = _up(w_ugp, _low(y_row + low_col + 2 * RQ + RG, RG, RGP), i_h * D + d, RG, RGP)
+        if GBIAS:
+            z_sh += tl.load(b_ugs + i_h * D + d).to(tl.float32)
+            z_sp += tl.load(b_ugp + i_h * D + d).to(tl.float32)
+    else:
+        u_q, u_k = u_row + u_delta + q_col, u_row + u_delta + k_col
+        dq, dk = tl.load(u_q + d).to(tl.float32), tl.load(u_k + d).to(tl.float32)
+        dq_p, dk_p = dq, dk
+        if ROPE:
+            dq_p, dk_p = tl.load(u_q + partner).to(tl.float32), tl.load(u_k + partner).to(tl.float32)
+        z_sh = tl.load(u_row + g_col + i_h * D + d).to(tl.float32)
+        z_sp = tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)
     # shared partition: the base projections
-    q = _qk(y_row + q_col, u_row, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
-    k = _qk(y_row + k_col, u_row, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
-    g = _logsigmoid(tl.load(u_row + g_col + i_h * D + d).to(tl.float32)) * inv_gn
+    q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
+    g = _logsigmoid(z_sh) * inv_gn
     o_sum = _update(st_sh + (i_b * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
     # the selected partition: base + LoRA, scaled by the router probability
-    q = _qk(y_row + q_col, u_row + u_delta + q_col, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
-    k = _qk(y_row + k_col, u_row + u_delta + k_col, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
+    q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
     if EMULQ:
         q = q * w
     if EMULK:
         k = k * w
-    g = _logsigmoid(tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)) * inv_gn
+    g = _logsigmoid(z_sp) * inv_gn
     o_sum += _update(st_sp + ((i_b * P + part) * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
     row = i_b * H + i_h
     if not FINISH:
@@ -183,9 +231,10 @@ def head_counters(n: int, device) -> torch.Tensor:
 def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
-                 out_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> torch.Tensor:
     """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
-    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set."""
+    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set, and the low-rank
+    up-projections `ups` applied in the kernel when `layout.low_col` is set (u is then not read)."""
     L = layout
     B, H, D = y.shape[0], L.heads, L.head_dim
     if y.shape[1] != 1 or u.shape[:2] != (B, 1):
@@ -210,6 +259,9 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
     finish = L.out_norm_eps is not None
     if finish and (out_weight is None or tuple(out_weight.shape) != (D,)):
         raise ValueError(f"sse_gla_step's output norm needs a gain [D] = [{D}]")
+    up = L.low_col is not None
+    if up:
+        _check_ups(ups, L, y)
     o = torch.empty(B, 1, H, D, dtype=y.dtype, device=y.device)
     bv = block_v(B, H, D, finish) if bv is None else bv
     nb = triton.cdiv(D, bv)
@@ -223,7 +275,27 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
         y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
         L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
         H, H // L.kv_heads, L.partitions, out_weight if finish else dummy, float(L.out_norm_eps or 0.0),
-        L.out_gate_col or 0, part_o, count, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
+        L.out_gate_col or 0, part_o, count,
+        *(ups.q, ups.k, ups.gate_shared, ups.gate_sparse) if up else (dummy,) * 4,
+        ups.bias_shared if up and ups.bias_shared is not None else dummy,
+        ups.bias_sparse if up and ups.bias_sparse is not None else dummy, L.low_col or 0, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
         ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,
-        FINISH=finish, GATE=L.out_gate_col is not None, NB=nb, **pdl_args(y.device))
+        FINISH=finish, GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
+        RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank, RGP=triton.next_power_of_2(max(L.gate_rank, 1)),
+        GBIAS=up and ups.bias_shared is not None, **pdl_args(y.device))
     return o
+
+
+def _check_ups(ups: StepUps | None, L: StepLayout, y: torch.Tensor) -> None:
+    """One-line errors for up-projection weights the kernel cannot read as `[rows, rank]` row-major."""
+    if ups is None:
+        raise ValueError("sse_gla_step: a layout with low_col needs the up-projection weights (ups=StepUps(...))")
+    H, Hk, D = L.heads, L.kv_heads, L.head_dim
+    want = (("q", ups.q, (H * D, L.lora_rank)), ("k", ups.k, (Hk * D, L.lora_rank)),
+            ("gate_shared", ups.gate_shared, (H * D, L.gate_rank)), ("gate_sparse", ups.gate_sparse, (H * D, L.gate_rank)))
+    for name, t, shape in want:
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != y.device:
+            raise ValueError(f"sse_gla_step: ups.{name} must be a contiguous {shape} tensor on {y.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    if (ups.bias_shared is None) != (ups.bias_sparse is None):
+        raise ValueError("sse_gla_step: give both gate biases or neither")

@@ -83,12 +83,15 @@ CASES = [
 ]
 
 
-def _check_against_separate(kw, path, merged=False, finish=True):
+def _check_against_separate(kw, path, merged=False, finish=True, in_step=False):
     m = _mixer(SSE, **kw).to(DEVICE)
+    _nonzero_ups(m)
     x = torch.randn(3, 9, 24, device=DEVICE)
-    with use_kernel_options(sse_merged_lowrank="on" if merged else "off", sse_step_finish=finish):
+    with use_kernel_options(sse_merged_lowrank="on" if merged else "off", sse_step_finish=finish,
+                            sse_step_lowrank=in_step):
         o_f, s_f, first = _decode(m, x, path, steps=4)
     assert ("_merged_cache" in m.__dict__) == merged                                   # the path asked for ran
+    assert list(m.__dict__["_step_layouts"]) == [(merged, finish, in_step and not merged)]
     o_g, s_g, _ = _decode(m, x, "separate", steps=4)
     assert rel(o_f, o_g) < 1e-5
     assert rel(s_f.shared, s_g.shared) < 1e-5 and rel(s_f.sparse, s_g.sparse) < 1e-5
@@ -127,25 +130,42 @@ def test_refresh_builds_the_merged_stage_only_where_the_step_runs(monkeypatch):
         assert "_merged_cache" in m.__dict__
 
 
-VARIANTS = pytest.mark.parametrize("merged,finish", [(False, True), (True, True), (False, False)],
-                                   ids=["two-stage", "merged", "unfinished"])
+def _nonzero_ups(m):
+    """LoRA and gate up-projections away from their init (LoRA B = 0, gate weights 0), so the deltas and the
+    data-dependent gates the step computes are tested, not zeros."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for lin in [m.lora_q.up, m.lora_k.up] + [gate.up for gate in m.lowrank_gates()]:
+            lin.weight.copy_(0.3 * torch.randn(lin.weight.shape, generator=g))
+
+
+VARIANTS = pytest.mark.parametrize("merged,finish,in_step", [(False, True, False), (True, True, False),
+                                                             (False, False, False), (False, True, True),
+                                                             (False, False, True)],
+                                   ids=["two-stage", "merged", "unfinished", "in-step", "in-step-unfinished"])
 
 
 @needs_kernel
 @VARIANTS
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_kernel_equals_separate_path(kw, merged, finish):
-    _check_against_separate(kw, "kernel", merged, finish)
+def test_fused_step_kernel_equals_separate_path(kw, merged, finish, in_step):
+    _check_against_separate(kw, "kernel", merged, finish, in_step)
 
 
 @VARIANTS
 @pytest.mark.parametrize("kw", CASES)
-def test_fused_step_reference_equals_separate_path(kw, merged, finish):
+def test_fused_step_reference_equals_separate_path(kw, merged, finish, in_step):
     """The kernel's PyTorch reference, in the mixer's one-kernel path (no triton needed): the contract the kernel
     is tested against below, wired as the mixer uses it. merged: kernel option sse_merged_lowrank, the LoRA and gate
     up-projections merged into the stage-1 matmul (u is y); finish: option sse_step_finish, the output norm and gate
-    in the step (off: the mixer's `finish` applies them after it)."""
-    _check_against_separate(kw, "reference", merged, finish)
+    in the step (off: the mixer's `finish` applies them after it); in_step: option sse_step_lowrank, the step applies
+    the up-projections to stage 1's low-rank columns itself (no stage-2 matmul)."""
+    _check_against_separate(kw, "reference", merged, finish, in_step)
+
+
+def test_merged_stage_wins_over_the_step_lowrank_option():
+    """Both options on: the merged stage 1 runs (its u already holds the up-projections), the step does not apply them."""
+    _check_against_separate({}, "reference", merged=True, in_step=True)
 
 
 @needs_kernel
@@ -154,11 +174,15 @@ def test_fused_step_reference_equals_separate_path(kw, merged, finish):
 @pytest.mark.parametrize("norm,rope,maps,heads", [(True, True, ("silu", "softmax", "silu"), (4, 2)),
                                                    (False, False, ("softmax", "silu", "identity"), (3, 3)),
                                                    (True, False, ("identity", "identity", "silu"), (8, 2))])
-def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish, bv):
+@pytest.mark.parametrize("ups", [False, True], ids=["u", "ups-in-step"])
+def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish, bv, ups):
     """Op level, random inputs: outputs and both states (every partition) against `sse_gla_step_reference`. finish:
     the step also applies the output norm (and the silu gate); bv < D splits a head over programs, the last of which
-    finishes it (twice in a row: the per-head counters must be left at zero for the next step)."""
-    from hybridize.ops.sse.fused_step import StepLayout, sse_gla_step_reference
+    finishes it (twice in a row: the per-head counters must be left at zero for the next step). ups: the step applies
+    the LoRA and gate up-projections to y's low-rank columns itself (ranks that are not powers of two, gate biases)."""
+    import dataclasses
+
+    from hybridize.ops.sse.fused_step import StepLayout, StepUps, sse_gla_step_reference
     from hybridize.ops.sse.triton_fused_step import sse_gla_step
 
     H, Hk, D, P, B = *heads, 16, 5, 4
@@ -172,6 +196,12 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish,
                    norm_eps=1e-6 if norm else None, emulq=True, emulk=True,
                    out_norm_eps=1e-5 if finish else None, out_gate_col=gate_col if finish == "norm+gate" else None)
     y, u = rnd(B, 1, L_end + H * D), rnd(B, 1, 2 * n + 3 + 2 * H * D)   # the delta at an odd column
+    up = None
+    if ups:   # low-rank columns at an odd column of y (in the v block: any columns will do for the op)
+        r, rg = 5, 3
+        L = dataclasses.replace(L, low_col=n + 1, lora_rank=r, gate_rank=rg)
+        up = StepUps(q=rnd(H * D, r), k=rnd(Hk * D, r), gate_shared=rnd(H * D, rg), gate_sparse=rnd(H * D, rg),
+                     bias_shared=rnd(H * D), bias_sparse=rnd(H * D))
     wn = rnd(H + Hk, D) if norm else None
     wo = rnd(D) if finish else None
     ang = rnd(B, 1, D)
@@ -180,8 +210,8 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish,
     states[1] = (states[0][0].clone(), states[0][1].clone())
     for _ in range(2):
         with use_kernel_options(force_triton=not cuda):
-            o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo)
-        o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin, out_weight=wo)
+            o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo, ups=up)
+        o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin, out_weight=wo, ups=up)
         assert rel(o, o_ref) < 1e-5
         assert rel(states[0][0], states[1][0]) < 1e-5 and rel(states[0][1], states[1][1]) < 1e-5
 
