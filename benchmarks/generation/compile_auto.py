@@ -50,9 +50,8 @@ def args_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--stack-mlp", default="on", choices=["on", "off"],
                     help="FastGenConfig.stack_mlp: the MLPs' gate and up as one decode GEMM (on, the default) or two")
-    ap.add_argument("--stack-qkv", default="off", choices=["on", "off"],
-                    help="FastGenConfig.stack_qkv: attention's q, k and v as one decode GEMM (on) or three (off, the "
-                         "default)")
+    ap.add_argument("--stack-qkv", default="on", choices=["on", "off"],
+                    help="FastGenConfig.stack_qkv: attention's q, k and v as one decode GEMM (on, the default) or three")
     ap.add_argument("--out", default="compile_auto.json")
     return ap
 

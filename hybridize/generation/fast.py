@@ -56,8 +56,9 @@ model (and SSE's fused decode projections) goes through `hybridize.ops.decode_ge
 use (prefill calls have more rows and keep F.linear). Gated MLPs (Llama layout) run gate and up as one
 GEMM over their stacked weights in those steps (`FastGenConfig.stack_mlp`, `ops.decode_gemm.stacked`):
 one launch fewer per layer, for the teacher and the hybrid alike (not on the exact path, which keeps HF's ops).
-Attention's q, k and v can run as one GEMM the same way (`FastGenConfig.stack_qkv`, `ops.decode_gemm.stacked_qkv`;
-off until timed on a GPU).
+Attention's q, k and v run as one GEMM the same way (`FastGenConfig.stack_qkv`, `ops.decode_gemm.stacked_qkv`):
+two launches fewer per softmax layer, which makes the teacher baseline faster than the hybrid (28 softmax layers to
+its 4 at the Qwen3-1.7B shape).
 
 Sliding windows: per layer as HF's masks apply them (`layer_types` "sliding_attention" layers with the
 config's `sliding_window`; without `layer_types`, as in Mistral, every layer when `sliding_window` is
@@ -143,12 +144,12 @@ class FastGenConfig:
                 "weights (one launch fewer per layer, teacher and hybrid alike); the stacked copy costs gate + up "
                 "once more in memory (Qwen3-1.7B shape: 1.41 GB bf16), kept for reuse across calls. False keeps "
                 "two GEMMs"})
-    stack_qkv: bool = field(default=False, metadata={
+    stack_qkv: bool = field(default=True, metadata={
         "help": "decode steps on CUDA run each attention module's q, k and v projections as one GEMM over their "
                 "stacked weights (two launches fewer per softmax layer: the teacher's 28 at the Qwen3-1.7B shape, "
                 "its hybrid's kept ones); the stacked copy costs q + k + v once more in memory (470 MB bf16 at that "
-                "shape). Off until timed on a GPU: it makes the teacher baseline stronger, and the speed table's "
-                "rows do not have it (ops/decode_gemm/stacked_qkv.py)"})
+                "shape). One H100, compiled: the 1.7B teacher's step 2.11-2.14 -> 1.95 ms at 2k x 1 and 7.09 -> "
+                "6.91 ms at 16k x 8 (benchmarks/RESULTS.md, 'q, k and v as one GEMM'). False keeps three GEMMs"})
     prefill_tokens: int = field(default=0, metadata={
         "help": "at most this many prompt tokens (rows x prompt length, at least one row) per prefill forward: the "
                 "batch is prefilled a few rows at a time, each straight into the static buffers, so neither the "

@@ -225,7 +225,7 @@ def _tiny_qwen3_hybrid(layers: int, plan: str, mixer: str, settings: dict | None
     return HybridForCausalLM(hcfg).float().eval()
 
 
-def _op_budget_profile(fused: bool, merged: str = "auto", finish: bool = True):
+def _op_budget_profile(fused: bool, merged: str = "auto", finish: bool = True, in_step: bool = True):
     from hybridize.ops.common.options import use_kernel_options
 
     torch.set_num_threads(1)
@@ -233,7 +233,8 @@ def _op_budget_profile(fused: bool, merged: str = "auto", finish: bool = True):
                            steps=3, attention="auto", top=5, graphs=False, decode_kernel="emulate",
                            compile="off", gemm="auto")
     model = _tiny_qwen3_hybrid(args.layers, args.plan, args.mixer)
-    with use_kernel_options(sse_fused_step=fused, sse_merged_lowrank=merged, sse_step_finish=finish):
+    with use_kernel_options(sse_fused_step=fused, sse_merged_lowrank=merged, sse_step_finish=finish,
+                            sse_step_lowrank=in_step):
         res = pd.profile_model(model, args, torch.device("cpu"))
     rows = {r["layer_type"]: r for r in res["eager"]["by_layer_type"]}
     pieces = {r["piece"]: r["kernels_per_layer"] for r in res["eager"]["sse_pieces"]}
@@ -252,13 +253,15 @@ def test_decode_step_op_budget():
 
 
 @pytest.mark.parametrize("finish", [True, False], ids=["finished", "unfinished"])
-@pytest.mark.parametrize("merged,matmuls", [("off", 2), ("on", 1), ("auto", 1)])
-def test_fused_decode_step_op_budget(merged, matmuls, finish):
+@pytest.mark.parametrize("merged,in_step,matmuls", [("off", False, 2), ("off", True, 1), ("on", False, 1),
+                                                    ("on", True, 1), ("auto", True, 1)])
+def test_fused_decode_step_op_budget(merged, in_step, matmuls, finish):
     """The GPU's default path, one kernel after the projection matmuls (emulated on the CPU by its PyTorch
-    reference): the step is the two matmuls (one with the low-rank up-projections merged into stage 1, which "auto"
-    does at this small shape), the kernel and o_proj; with option sse_step_finish off the output norm, silu and gate
-    multiply run between the kernel and o_proj."""
-    n, pieces = _op_budget_profile(fused=True, merged=merged, finish=finish)
+    reference): the step is stage 1's matmul, the stage-2 matmul of the low-rank up-projections unless they are
+    merged into stage 1 ("auto" does at this small shape) or applied in the kernel (option sse_step_lowrank), the
+    kernel and o_proj; with option sse_step_finish off the output norm, silu and gate multiply run between the
+    kernel and o_proj."""
+    n, pieces = _op_budget_profile(fused=True, merged=merged, finish=finish, in_step=in_step)
     assert pieces["sse.fused_step"] == matmuls + (2 if finish else 5), pieces
     assert "sse.naive_recurrent_sse" not in pieces and "sse.fused_inputs" not in pieces
     assert n <= MAX_FUSED_SSE_OPS + (0 if finish else 3), pieces
