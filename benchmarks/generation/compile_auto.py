@@ -101,6 +101,16 @@ def one_mode(model, mode: str, ids, mask, args) -> dict:
     return summarize(mode, calls)
 
 
+def gemm_choices() -> dict:
+    """The decode GEMM this process picked per weight shape, with its timings (`decode_gemm`, timed at first use in
+    each process): two processes of the same code can pick differently, which a step's time then shows."""
+    try:
+        from hybridize.ops.decode_gemm.triton_gemm import choices
+    except ImportError:   # no triton: every product is F.linear
+        return {}
+    return choices()
+
+
 def main(argv=None):
     args = args_parser().parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +140,8 @@ def main(argv=None):
         rows.append(one_mode(model, mode, ids, mask, args))
         add_regret(rows)
         Path(args.out).write_text(json.dumps({"header": header, "args": vars(args), "warmup": warm, "modes": rows,
-                                              "kernel_options": current_kernel_options().to_dict()}, indent=1))
+                                              "kernel_options": current_kernel_options().to_dict(),
+                                              "gemm_choices": gemm_choices()}, indent=1))
     cols = ["mode", "job_s", "regret", "first_compiled_call", "compile_extra_s", "steady_decode_ms"]
     print(header)
     print(md_table(cols, [[r[c] for c in cols] for r in rows]))

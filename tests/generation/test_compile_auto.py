@@ -64,3 +64,27 @@ def test_rows_record_the_kernel_options_in_force(tmp_path, monkeypatch):
           "--modes", "off", "--out", str(out)])
     got = json.loads(out.read_text())
     assert got["kernel_options"]["pdl"] is False and got["kernel_options"]["kernels"] == "auto"
+
+
+def test_rows_record_the_decode_gemm_picks(tmp_path, monkeypatch):
+    """A row keeps the decode GEMM config this process picked per weight shape (two processes of the same code can
+    pick differently); without triton there are no picks to keep."""
+    import importlib.util
+    import json
+
+    import torch
+
+    from benchmarks.generation.compile_auto import main
+
+    want = {}
+    if importlib.util.find_spec("triton") is not None:
+        from hybridize.ops.decode_gemm import triton_gemm
+
+        key = (576, 576, 1, torch.bfloat16, False)
+        monkeypatch.setitem(triton_gemm._CHOICE, key, "cublas")
+        monkeypatch.setitem(triton_gemm._TIMINGS, key, {"cublas": 0.004})
+        want = {"576x576 m=1 bfloat16": {"choice": "cublas", "us": {"cublas": 4.0}}}
+    out = tmp_path / "ca.json"
+    main(["--shape", "tiny", "--prompt-len", "16", "--new-tokens", "2", "--calls", "1", "--dtype", "float32",
+          "--modes", "off", "--out", str(out)])
+    assert json.loads(out.read_text())["gemm_choices"] == want
