@@ -91,6 +91,9 @@ from .base import (ConvState, Mixer, MixerConfig, MixerOutput, MixerState, RMSNo
 #: silu(SILU_ONE) == 1: an output gate with zero weight and this bias is the identity
 SILU_ONE = 1.278464542761074
 FEATURE_MAPS = ("silu", "softmax", "identity")
+#: kernel option sse_step_lowrank="auto" applies the up-projections in the step kernel up to this many rows (timed at
+#: 1 and 8 on an H100: benchmarks/RESULTS.md, "q, k and v as one GEMM")
+STEP_LOWRANK_MAX_ROWS = 8
 #: kernel option sse_merged_lowrank="auto" merges the low-rank up-projections into the decode step's stage-1 matmul
 #: when that adds at most this many weight bytes per layer (about 1.2 us of an H100's bandwidth, under a launch)
 MERGE_MAX_EXTRA_BYTES = 4 << 20
@@ -631,9 +634,8 @@ class SSE(Mixer):
         (`sse_merged_lowrank`), in the step kernel (`sse_step_lowrank`), or as a stage-2 matmul."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
-        opts = current_kernel_options()
-        merged, finish = self.merged_lowrank(), opts.sse_step_finish
-        in_step = not merged and opts.sse_step_lowrank
+        merged, finish = self.merged_lowrank(), current_kernel_options().sse_step_finish
+        in_step = not merged and self.lowrank_in_step(x.shape[0])
         if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
             W, b = self._merged_weights()
             wn, cols = self._fused_weights()[4], self._decode_columns()
@@ -654,6 +656,13 @@ class SSE(Mixer):
             return self.o_proj(o.reshape(*x.shape[:2], -1))
         lo, width = self._decode_columns()["gate"] if self.config.output_gate else (0, 0)
         return self.finish(o, x, y[..., lo:lo + width] if width else None)
+
+    def lowrank_in_step(self, rows: int) -> bool:
+        """Kernel option `sse_step_lowrank`: "on", "off", or "auto": the step kernel applies the up-projections for at
+        most `STEP_LOWRANK_MAX_ROWS` rows (the batch sizes it was timed at: each of a head's programs reads the
+        weight panels, so a larger batch reads more of them than the stage-2 GEMM would)."""
+        choice = current_kernel_options().sse_step_lowrank
+        return choice == "on" or (choice == "auto" and rows <= STEP_LOWRANK_MAX_ROWS)
 
     def step_ups(self) -> StepUps:
         """The up-projection weights a step with `step_layout(in_step=True)` applies (the parameters themselves: an

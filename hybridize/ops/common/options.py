@@ -98,12 +98,14 @@ class KernelOptions:
                                            "widths more weight rows of the hidden size): on | off | auto (merged "
                                            "when that adds at most 4 MiB of weight per layer: small models)",
                                    "HYBRIDIZE_SSE_MERGED_LOWRANK", ("auto", "on", "off"))
-    sse_step_lowrank: bool = _opt(True, "SSE's one-kernel decode step, when the up-projections are not merged "
-                                        "(sse_merged_lowrank): the LoRA and gate up-projections applied in the step "
-                                        "kernel from stage 1's low-rank columns (true: one GEMM per layer fewer, no "
-                                        "weight added; one H100, the 1.7B hybrid compiled: 1.7% faster at 2k x 1, "
-                                        "1.4% at 16k x 8) or by a stage-2 GEMM (false, for benchmarks)",
-                                  "HYBRIDIZE_SSE_STEP_LOWRANK")
+    sse_step_lowrank: str = _opt("auto", "SSE's one-kernel decode step, when the up-projections are not merged "
+                                         "(sse_merged_lowrank): the LoRA and gate up-projections applied in the step "
+                                         "kernel from stage 1's low-rank columns (one GEMM per layer fewer, no weight "
+                                         "added; one H100, the 1.7B hybrid compiled: 1.7% faster at 2k x 1, 1.4% at "
+                                         "16k x 8) or by a stage-2 GEMM: on | off | auto (in the step at batches up to "
+                                         "8, the sizes it was timed at; each of a head's programs reads the weight "
+                                         "panels, so larger batches read more)", "HYBRIDIZE_SSE_STEP_LOWRANK",
+                                  ("auto", "on", "off"))
     pdl: bool = _opt(True, "decode steps on Hopper or later: programmatic dependent launch (ops/common/pdl.py). "
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "

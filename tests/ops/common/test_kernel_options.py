@@ -69,7 +69,8 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     d = KernelOptions().to_dict()
     assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
     assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"] and d["sse_step_finish"]
-    assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto" and d["sse_step_lowrank"]
+    assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto"
+    assert d["sse_step_lowrank"] == "auto"
     assert all(help_ for _, _, _, help_ in KernelOptions.describe())
 
 

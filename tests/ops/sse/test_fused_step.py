@@ -163,6 +163,19 @@ def test_fused_step_reference_equals_separate_path(kw, merged, finish, in_step):
     _check_against_separate(kw, "reference", merged, finish, in_step)
 
 
+def test_step_lowrank_auto_applies_the_ups_in_the_step_up_to_8_rows():
+    """sse_step_lowrank="auto": the step kernel applies the up-projections at batches up to STEP_LOWRANK_MAX_ROWS (the
+    sizes it was timed at), the stage-2 GEMM above; "on" / "off" (and booleans) force it."""
+    from hybridize.mixers.sse import STEP_LOWRANK_MAX_ROWS
+
+    m = _mixer(SSE)
+    for choice, rows, want in [("auto", 1, True), ("auto", STEP_LOWRANK_MAX_ROWS, True),
+                               ("auto", STEP_LOWRANK_MAX_ROWS + 1, False), ("on", 64, True), ("off", 1, False),
+                               (True, 64, True), (False, 1, False)]:
+        with use_kernel_options(sse_step_lowrank=choice):
+            assert m.lowrank_in_step(rows) == want, (choice, rows)
+
+
 def test_merged_stage_wins_over_the_step_lowrank_option():
     """Both options on: the merged stage 1 runs (its u already holds the up-projections), the step does not apply them."""
     _check_against_separate({}, "reference", merged=True, in_step=True)
