@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
-from hybridize.ops.decode_gemm.stacked import MAX_ROWS, _plain, stacked_weight
+from hybridize.ops.decode_gemm.stacked import MAX_ROWS, _plain, _runs_stacked, stacked_weight
 
 PARTS = ("q_proj", "k_proj", "v_proj")
 
@@ -62,10 +62,6 @@ def stackable(attn: nn.Module) -> bool:
     if any(type(p) is not nn.Linear or not _plain(p) for p in projs):
         return False
     return len({(p.in_features, p.weight.dtype, p.weight.device) for p in projs}) == 1
-
-
-def _runs_stacked(x: torch.Tensor, mode: str) -> bool:
-    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and (x.is_cuda or mode == "triton")
 
 
 def _forwards(attn: nn.Module, mode: str) -> dict:
