@@ -110,12 +110,6 @@ class KernelOptions:
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
-    decode_gemm_timing: str = _opt("chain", "how the decode GEMM's per-shape choice (ops/decode_gemm/triton_gemm.py) "
-                                            "times cuBLAS and its Triton configs: chain (a CUDA graph of back-to-back "
-                                            "calls over weight copies twice the L2, launched as in a decode step, PDL "
-                                            "included) | bench (triton's do_bench, one call at a time after an L2 "
-                                            "flush: launch latency in, PDL out; the choice before 2026-11-28)",
-                                    "HYBRIDIZE_DECODE_GEMM_TIMING", ("chain", "bench"))
     force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
                                      "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 

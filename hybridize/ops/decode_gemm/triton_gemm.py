@@ -11,17 +11,12 @@ rows, the smallest tensor-core operand), so the weight is read exactly once. Wit
 slices write fp32 partial sums and a second small kernel adds them (+ bias) into the output.
 
 Which is faster depends on the shape and the GPU, so `decode_linear_triton` does not guess: on the
-first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `CONFIGS` and keeps the
-fastest, cuBLAS included (`choices()` shows what was picked and the timings). Kernel option
-`decode_gemm_timing` says how: `chain` (the default) times each candidate as a decode step runs it, a CUDA
-graph of back-to-back calls over copies of the weight that together exceed twice the L2 (each read comes
-from HBM), our configs launched with PDL when the step's are (`ops/common/pdl.py`; cuBLAS has no PDL
-launch), the mean over a few replays; `bench` times one call at a time with `triton.testing.do_bench` after
-an L2 flush, which counts each call's launch latency and no PDL overlap, and whose medians of 20 calls moved
-the pick between processes (two processes of one 135M step picked different configs for 5 of 6 shapes). That
-costs a few seconds per shape once per process, in the eager warm-up steps before a CUDA graph is captured;
-while a graph is being captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and bias
-in x's dtype. Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
+first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `CONFIGS` with a cold L2
+(`triton.testing.do_bench` flushes it, as a decode step meets its weights) and keeps the fastest,
+cuBLAS included (`choices()` shows what was picked and the timings). That costs a few seconds per shape
+once per process, in the eager warm-up steps before a CUDA graph is captured; while a graph is being
+captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and bias in x's dtype.
+Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
     decode_linear_triton(x, weight, bias=None, config=None) -> `[..., N]`
         x `[..., K]` with at most 16 rows in all, weight `[N, K]` (row-major), bias `[N]` or None;
@@ -38,7 +33,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.pdl import pdl_launch
 
 try:
@@ -58,13 +52,9 @@ CONFIGS = [dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, 
     (16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (16, 256, 2, 2, 4), (32, 256, 2, 4, 4), (32, 256, 4, 4, 4),
     (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 8, 4, 4)]]
 
-#: chain timing: calls per captured graph (at least; more when the weight copies are more), replays averaged
-CHAIN_CALLS = 8
-CHAIN_REPS = 5
-
 _CHOICE: dict[tuple, dict | str] = {}      # (N, K, M, dtype, bias) -> config or "cublas"
 _TIMINGS: dict[tuple, dict[str, float]] = {}
-_TIMED_BY: dict[tuple, str] = {}           # key -> the decode_gemm_timing that chose it
+
 
 if triton is not None:
     @triton.jit
@@ -156,64 +146,19 @@ def _name(cfg) -> str:
     return "BN{BN}_BK{BK}_S{SPLIT}_w{num_warps}_s{num_stages}".format(**cfg)
 
 
-def chain_weights(weight: torch.Tensor, l2_bytes: int, calls: int = CHAIN_CALLS) -> list[torch.Tensor]:
-    """The weights a chain timing multiplies by, in call order: `weight` and clones of it, together at least twice
-    `l2_bytes` (so none is still in L2 when it comes round again), cycled to at least `calls` calls."""
-    n = max(1, -(-2 * l2_bytes // (weight.numel() * weight.element_size())))
-    copies = [weight] + [weight.clone() for _ in range(n - 1)]
-    return [copies[i % n] for i in range(max(calls, n))]
-
-
-def _chain_timer(weight: torch.Tensor):
-    """time(run) -> ms per call of `run(w)`, as a decode step runs it: a CUDA graph of `run(w)` for each of
-    `chain_weights` back to back, replayed `CHAIN_REPS` times (CUDA events)."""
-    props = torch.cuda.get_device_properties(weight.device)
-    ws = chain_weights(weight, getattr(props, "L2_cache_size", 50 * 2**20))
-
-    def time_ms(run) -> float:
-        for w in ws[:2]:
-            run(w)                                  # compiles the config; a failing one raises here
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            for w in ws:
-                run(w)
-        g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CHAIN_REPS):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / (CHAIN_REPS * len(ws))
-    return time_ms
-
-
-def _bench_timer(weight: torch.Tensor):
-    """time(run) -> ms per call of `run(weight)`: triton's do_bench, L2 flushed before each call, median."""
-    from triton.testing import do_bench
-    return lambda run: do_bench(lambda: run(weight), warmup=5, rep=20, return_mode="median")
-
-
-#: decode_gemm_timing -> timer factory
-TIMERS = {"chain": _chain_timer, "bench": _bench_timer}
-
-
 def _choose(x2, weight, bias, key) -> dict | str:
-    """Time cuBLAS and every config on these tensors (kernel option `decode_gemm_timing`); remember and return the
-    fastest."""
-    mode = current_kernel_options().decode_gemm_timing
-    pdl = mode == "chain" and pdl_launch(x2.device)     # the chain runs our configs as the step launches them
+    """Time cuBLAS and every config on these tensors with a cold L2; remember and return the fastest."""
+    from triton.testing import do_bench
+
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
-    try:   # the weight copies or bench's 256 MB flush buffer: on a nearly full GPU, keep cuBLAS rather than fail
-        time_ms = TIMERS[mode](weight)
-        times = {"cublas": time_ms(lambda w: F.linear(x2, w, bias))}
+    try:   # do_bench flushes L2 with a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
+        times = {"cublas": do_bench(lambda: F.linear(x2, weight, bias), warmup=5, rep=20, return_mode="median")}
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
     for cfg in CONFIGS if times else []:
         try:
-            t = time_ms(lambda w, cfg=cfg: _launch(x2, w, bias, out, cfg, pdl))
+            t = do_bench(lambda: _launch(x2, weight, bias, out, cfg), warmup=5, rep=20, return_mode="median")
         except Exception:  # a config this GPU cannot run (shared memory), or out of memory: skip it
             continue
         times[_name(cfg)] = t
@@ -221,7 +166,6 @@ def _choose(x2, weight, bias, key) -> dict | str:
             best, best_t = cfg, t
     _CHOICE[key] = best
     _TIMINGS[key] = times
-    _TIMED_BY[key] = mode
     return best
 
 
@@ -236,10 +180,9 @@ def _picked(x2, weight, bias) -> dict | str:
 
 
 def choices() -> dict[str, dict]:
-    """What was picked per shape so far: {"NxK m=rows dtype bias": {"choice": name, "us": {...}, "timing": mode}}."""
+    """What was picked per shape so far: {"NxK m=rows dtype bias": {"choice": name, "us": {...}}}."""
     return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}":
-            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()},
-             "timing": _TIMED_BY.get((n, k, m, dt, hb))}
+            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()}}
             for (n, k, m, dt, hb), c in _CHOICE.items()}
 
 

@@ -73,12 +73,11 @@ def test_kernel_strided_rows_and_leading_dims():
 
 
 @needs_kernel
-@pytest.mark.parametrize("timing", ["chain", "bench"])
-def test_choice_is_the_fastest_timed_candidate(monkeypatch, timing):
-    """The per-shape choice: every candidate is timed once on the real tensors by the timer kernel option
-    `decode_gemm_timing` names, the fastest kept (cuBLAS when it wins), a config that fails is skipped, the choice
-    is reused, and nothing is timed during a capture."""
-    from hybridize.ops.common.options import use_kernel_options
+def test_choice_is_the_fastest_timed_candidate(monkeypatch):
+    """The per-shape choice: every candidate is timed once on the real tensors, the fastest kept (cuBLAS when
+    it wins), a config that fails is skipped, the choice is reused, and nothing is timed during a capture."""
+    import triton.testing
+
     from hybridize.ops.decode_gemm import triton_gemm as kern
 
     x = torch.randn(4, 64, device=DEVICE).bfloat16()
@@ -86,114 +85,49 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch, timing):
     ref = _reference(x, w, None)
     timed = []
 
-    def timer_of(times):
-        def factory(weight):
-            assert weight is w
-            def time_ms(run):
-                run(weight)                # every candidate runs once on the real tensors
-                timed.append(timing)
-                return times(len(timed))
-            return time_ms
-        return factory
-
-    def fake(n):
+    def fake_bench(fn, **kw):
+        fn()                       # every candidate runs once on the real tensors
+        timed.append(kw)
+        n = len(timed)
         if n == 3:
             raise RuntimeError("out of shared memory")
         return {1: 5.0, 6: 1.0}.get(n, 3.0)      # cuBLAS is timed first (5.0); candidate 5 is fastest
 
-    other = "bench" if timing == "chain" else "chain"
-    monkeypatch.setitem(kern.TIMERS, timing, timer_of(fake))
-    monkeypatch.setitem(kern.TIMERS, other, lambda weight: pytest.fail(f"{other} timer used"))
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(kern, "_CHOICE", {})
     monkeypatch.setattr(kern, "_TIMINGS", {})
     key = (48, 64, 4, torch.bfloat16, False)
-    with use_kernel_options(decode_gemm_timing=timing):
-        best = kern._choose(x, w, None, key)
-        assert best == kern.CONFIGS[4] and kern._CHOICE[key] == best
-        assert len(timed) == 1 + len(kern.CONFIGS)
-        shown = kern.choices()["48x64 m=4 bfloat16"]
-        assert shown["choice"] == kern._name(best) and len(shown["us"]) == len(kern.CONFIGS)   # one failed
-        assert shown["timing"] == timing
-        # cuBLAS (timed first) wins when it is fastest
-        timed.clear()
-        monkeypatch.setitem(kern.TIMERS, timing, timer_of(lambda n: 0.5 if n == 1 else 2.0))
-        assert kern._choose(x, w, None, ("other",)) == "cublas"
+    best = kern._choose(x, w, None, key)
+    assert best == kern.CONFIGS[4] and kern._CHOICE[key] == best
+    assert len(timed) == 1 + len(kern.CONFIGS)
+    shown = kern.choices()["48x64 m=4 bfloat16"]
+    assert shown["choice"] == kern._name(best) and len(shown["us"]) == len(kern.CONFIGS)   # one failed
+    # cuBLAS (timed first) wins when it is fastest
+    calls = []
 
-        # out of memory while timing (weight copies, the L2 flush buffer): cuBLAS, no error
-        def oom(weight):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    def cublas_fastest(fn, **kw):
+        calls.append(fn)
+        return 0.5 if len(calls) == 1 else 2.0
 
-        monkeypatch.setitem(kern.TIMERS, timing, oom)
-        assert kern._choose(x, w, None, ("full",)) == "cublas"
+    monkeypatch.setattr(triton.testing, "do_bench", cublas_fastest)
+    assert kern._choose(x, w, None, ("other",)) == "cublas"
+    # out of memory while timing (the L2 flush buffer): cuBLAS, no error
+    def oom(fn, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(triton.testing, "do_bench", oom)
+    assert kern._choose(x, w, None, ("full",)) == "cublas"
     # the kept config computes the product
     out = torch.empty(4, 48, dtype=torch.bfloat16, device=DEVICE)
     kern._launch(x, w, None, out, best)
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     # the kept choice is reused without timing again; during a capture an untimed shape gets cuBLAS, untimed
-    monkeypatch.setitem(kern.TIMERS, timing, lambda weight: pytest.fail("timed again"))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
     assert kern._picked(x, w, None) == best
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x5 = torch.randn(5, 64, device=DEVICE).bfloat16()
     assert kern._picked(x5, w, None) == "cublas"
     assert (48, 64, 5, torch.bfloat16, False) not in kern._CHOICE
-
-
-@needs_kernel
-def test_bench_timer_is_do_bench_on_the_weight(monkeypatch):
-    """Timing `bench`: one do_bench per candidate (median, L2 flushed by do_bench), on the weight itself."""
-    import triton.testing
-
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    w = torch.randn(8, 4)
-    seen = []
-
-    def fake_bench(fn, **kw):
-        fn()
-        seen.append(kw)
-        return 2.5
-
-    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
-    got = []
-    assert kern.TIMERS["bench"](w)(lambda weight: got.append(weight)) == 2.5
-    assert got == [w] and seen[0]["return_mode"] == "median"
-
-
-@needs_kernel
-@pytest.mark.parametrize("n,k,l2,calls,copies", [(48, 64, 6144, 8, 2), (48, 64, 3072, 8, 1), (48, 64, 61440, 8, 20),
-                                                 (1000, 1000, 6144, 8, 1), (48, 64, 6144, 3, 2)])
-def test_chain_weights_exceed_twice_the_l2(n, k, l2, calls, copies):
-    """Chain timing's weights: distinct copies that together hold at least twice the L2 (each read comes from
-    HBM), the first the weight itself, cycled in order to at least `calls` calls."""
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    w = torch.randn(n, k).bfloat16()
-    ws = kern.chain_weights(w, l2, calls)
-    distinct = {t.data_ptr() for t in ws}
-    assert len(distinct) == copies and ws[0] is w
-    assert copies * w.numel() * 2 >= 2 * l2 or copies == 1
-    assert len(ws) == max(calls, copies)
-    assert all(ws[i].data_ptr() == ws[i % copies].data_ptr() for i in range(len(ws)))
-    assert all(torch.equal(t, w) for t in ws)
-
-
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs and events: CUDA only")
-def test_chain_timer_times_a_graph_of_calls_on_cuda():
-    """Timing `chain` on the GPU: each candidate's run is captured once per weight copy and replayed; the time per
-    call is positive and the graph's calls used every copy."""
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    w = torch.randn(1024, 2048, device="cuda").bfloat16()
-    x = torch.randn(8, 2048, device="cuda").bfloat16()
-    used = []
-
-    def run(weight):
-        used.append(weight.data_ptr())
-        return F.linear(x, weight)
-
-    t = kern.TIMERS["chain"](w)(run)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    assert t > 0 and len(set(used)) >= 2 and len(set(used)) * w.numel() * 2 >= 2 * l2
 
 
 @needs_kernel
@@ -219,7 +153,6 @@ def test_timed_choice_and_custom_op_on_cuda():
     torch.testing.assert_close(z.float(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
     shown = kern.choices()["6144x2048 m=8 bfloat16"]
     assert len(shown["us"]) > len(kern.CONFIGS) // 2 and "cublas" in shown["us"]
-    assert shown["timing"] == "chain"    # the default
 
 
 @pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9), reason="PDL needs a Hopper or later GPU")
