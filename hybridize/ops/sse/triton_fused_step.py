@@ -148,8 +148,8 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP, 0)
     q_col, k_col = i_h * D, (H + i_kh) * D
     wq_row, wk_row = wn + i_h * D, wn + (H + i_kh) * D
-    # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from u,
-    # or (UP) from y's low-rank columns and the up-projection weights, in fp32
+    # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from y's
+    # low-rank columns and the up-projection weights, in fp32 (UP), or from u
     if UP:
         a = _low(y_row + low_col, RQ, RQP)
         dq = _up(w_uq, a, i_h * D + d, RQ, RQP)
@@ -166,26 +166,37 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
         if GBIAS:
             z_sh += tl.load(b_ugs + i_h * D + d).to(tl.float32)
             z_sp += tl.load(b_ugp + i_h * D + d).to(tl.float32)
-    else:
-        u_q, u_k = u_row + u_delta + q_col, u_row + u_delta + k_col
-        dq, dk = tl.load(u_q + d).to(tl.float32), tl.load(u_k + d).to(tl.float32)
-        dq_p, dk_p = dq, dk
-        if ROPE:
-            dq_p, dk_p = tl.load(u_q + partner).to(tl.float32), tl.load(u_k + partner).to(tl.float32)
+    else:   # from u: the shared gate now, the rest after the shared update (see below)
         z_sh = tl.load(u_row + g_col + i_h * D + d).to(tl.float32)
-        z_sp = tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)
-    # shared partition: the base projections
-    q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
-    k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
+    # shared partition: the base projections (no delta: `c` stands in for it)
+    q = _qk(y_row + q_col, c, c, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, c, c, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
     g = _logsigmoid(z_sh) * inv_gn
     o_sum = _update(st_sh + (i_b * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
-    # the selected partition: base + LoRA, scaled by the router probability
+    # the selected partition: base + LoRA, scaled by the router probability. Without UP each delta and the gate are
+    # loaded from u where they are used, after the shared update: with a whole 64-wide head per program (SmolLM2-135M's
+    # shape) the kernel spills already, 600 B a thread, and 1,072 B with these loads before the shared update (sm_90,
+    # cuobjdump's resource usage)
+    if not UP:
+        u_q = u_row + u_delta + q_col
+        dq = tl.load(u_q + d).to(tl.float32)
+        dq_p = dq
+        if ROPE:
+            dq_p = tl.load(u_q + partner).to(tl.float32)
     q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
+    if not UP:
+        u_k = u_row + u_delta + k_col
+        dk = tl.load(u_k + d).to(tl.float32)
+        dk_p = dk
+        if ROPE:
+            dk_p = tl.load(u_k + partner).to(tl.float32)
     k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
     if EMULQ:
         q = q * w
     if EMULK:
         k = k * w
+    if not UP:
+        z_sp = tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)
     g = _logsigmoid(z_sp) * inv_gn
     o_sum += _update(st_sp + ((i_b * P + part) * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
     row = i_b * H + i_h
