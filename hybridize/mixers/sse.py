@@ -630,32 +630,39 @@ class SSE(Mixer):
     def fused_step(self, x, state: SSEState, position_embeddings=None) -> torch.Tensor:
         """One decode token through the one-kernel step: x `[B, 1, hidden]` -> the mixer's output `[B, 1, hidden]`;
         `state` is updated in place. With kernel option `sse_step_finish` the kernel also applies the output norm
-        and gate, and only o_proj follows it. The LoRA and gate up-projections run merged into stage 1
-        (`sse_merged_lowrank`), in the step kernel (`sse_step_lowrank`), or as a stage-2 matmul."""
+        and gate, and only o_proj follows it."""
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_fused_step import sse_gla_step
+        step = self.step_inputs(x, state, position_embeddings)
+        o = sse_gla_step(**step)
+        if step["layout"].out_norm_eps is not None:
+            return self.o_proj(o.reshape(*x.shape[:2], -1))
+        lo, width = self._decode_columns()["gate"] if self.config.output_gate else (0, 0)
+        return self.finish(o, x, step["y"][..., lo:lo + width] if width else None)
+
+    def step_inputs(self, x, state: SSEState, position_embeddings=None) -> dict:
+        """The one-kernel step's arguments for the token x `[B, 1, hidden]` (`sse_gla_step(**...)`): the projection
+        matmuls of x and the layout for the path the kernel options pick. The LoRA and gate up-projections run merged
+        into stage 1 (`sse_merged_lowrank`), in the step kernel (`sse_step_lowrank`), or as a stage-2 matmul."""
         merged, finish = self.merged_lowrank(), current_kernel_options().sse_step_finish
         in_step = not merged and self.lowrank_in_step(x.shape[0])
         if merged:   # one matmul: the low-rank up-projections merged into stage 1, u = y
             W, b = self._merged_weights()
-            wn, cols = self._fused_weights()[4], self._decode_columns()
+            wn = self._fused_weights()[4]
             y = u = decode_linear(x, W, b)
         elif in_step:   # stage 1 only: the step reads the low-rank columns of y and the up-projection weights
             W1, b1, _, _, wn = self._fused_weights()
             y = u = decode_linear(x, W1, b1)
         else:
-            y, u, wn, cols = self._decode_projections(x)
+            y, u, wn, _ = self._decode_projections(x)
         layouts = self.__dict__.setdefault("_step_layouts", {})   # {(merged, finish, in_step): StepLayout}
         key = (merged, finish, in_step)
         if key not in layouts:
             layouts[key] = self.merged_layout(finish) if merged else self.step_layout(finish, in_step)
         cos, sin = position_embeddings if self.config.use_rope else (None, None)
-        o = sse_gla_step(y, u, state.shared, state.sparse, layouts[key], wn, cos, sin,
-                         out_weight=self.o_norm.gain() if finish else None, ups=self.step_ups() if in_step else None)
-        if finish:
-            return self.o_proj(o.reshape(*x.shape[:2], -1))
-        lo, width = self._decode_columns()["gate"] if self.config.output_gate else (0, 0)
-        return self.finish(o, x, y[..., lo:lo + width] if width else None)
+        return dict(y=y, u=u, shared=state.shared, sparse=state.sparse, layout=layouts[key], norm_weight=wn,
+                    cos=cos, sin=sin, out_weight=self.o_norm.gain() if finish else None,
+                    ups=self.step_ups() if in_step else None)
 
     def lowrank_in_step(self, rows: int) -> bool:
         """Kernel option `sse_step_lowrank`: "on", "off", or "auto": the step kernel applies the up-projections for at

@@ -41,6 +41,8 @@ the step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -174,9 +176,9 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     g = _logsigmoid(z_sh) * inv_gn
     o_sum = _update(st_sh + (i_b * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
     # the selected partition: base + LoRA, scaled by the router probability. Without UP each delta and the gate are
-    # loaded from u where they are used, after the shared update: with a whole 64-wide head per program (SmolLM2-135M's
-    # shape) the kernel spills already, 600 B a thread, and 1,072 B with these loads before the shared update (sm_90,
-    # cuobjdump's resource usage)
+    # loaded from u where they are used, after the shared update: loaded before it, they stay live across it, and at
+    # SmolLM2-135M's shape (a whole 64-wide head per program) the kernel took 167 registers a thread instead of 128
+    # (sm_90, `python -m benchmarks.ops.kernel_resources`)
     if not UP:
         u_q = u_row + u_delta + q_col
         dq = tl.load(u_q + d).to(tl.float32)
@@ -239,13 +241,23 @@ def head_counters(n: int, device) -> torch.Tensor:
 
 
 @torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
-def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
-                 norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
-                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
-                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> torch.Tensor:
-    """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
-    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set, and the low-rank
-    up-projections `ups` applied in the kernel when `layout.low_col` is set (u is then not read)."""
+@dataclass(frozen=True)
+class StepLaunch:
+    """One launch of the step kernel as data: its grid, its runtime arguments in order, its keyword arguments (the
+    constexprs and Triton's launch option `launch_pdl`) and the output it writes. `sse_gla_step` launches it;
+    `benchmarks/ops/kernel_resources.py` compiles it offline for a target GPU to read its registers and spills."""
+
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    out: torch.Tensor
+
+
+def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
+                norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
+                out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> StepLaunch:
+    """`sse_gla_step`'s checks and kernel arguments (the output `o` allocated), without launching."""
     L = layout
     B, H, D = y.shape[0], L.heads, L.head_dim
     if y.shape[1] != 1 or u.shape[:2] != (B, 1):
@@ -280,21 +292,33 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
     split = finish and nb > 1   # a head over several programs: its last one finishes it
     part_o = torch.empty(B * H * D, dtype=torch.int32, device=y.device) if split else dummy   # fp32 bits
     count = head_counters(B * H, y.device) if split else dummy
-    grid = (nb, B, H)
-    _sse_gla_step_kernel[grid](
-        y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
-        y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
-        L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
-        H, H // L.kv_heads, L.partitions, out_weight if finish else dummy, float(L.out_norm_eps or 0.0),
-        L.out_gate_col or 0, part_o, count,
-        *(ups.q, ups.k, ups.gate_shared, ups.gate_sparse) if up else (dummy,) * 4,
-        ups.bias_shared if up and ups.bias_shared is not None else dummy,
-        ups.bias_sparse if up and ups.bias_sparse is not None else dummy, L.low_col or 0, D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm,
-        ROPE=rope, QMAP=MAPS[L.q_map], KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk,
-        FINISH=finish, GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
-        RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank, RGP=triton.next_power_of_2(max(L.gate_rank, 1)),
-        GBIAS=up and ups.bias_shared is not None, **pdl_args(y.device))
-    return o
+    args = (y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
+            y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
+            L.gate_col, float(L.norm_eps or 0.0), 1.0 / L.gate_normalizer, D ** -0.5 if scale is None else scale,
+            H, H // L.kv_heads, L.partitions, out_weight if finish else dummy, float(L.out_norm_eps or 0.0),
+            L.out_gate_col or 0, part_o, count,
+            *((ups.q, ups.k, ups.gate_shared, ups.gate_sparse) if up else (dummy,) * 4),
+            ups.bias_shared if up and ups.bias_shared is not None else dummy,
+            ups.bias_sparse if up and ups.bias_sparse is not None else dummy, L.low_col or 0)
+    kwargs = dict(D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm, ROPE=rope, QMAP=MAPS[L.q_map],
+                      KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk, FINISH=finish,
+                      GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
+                      RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
+                      RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
+                      **pdl_args(y.device))
+    return StepLaunch(grid=(nb, B, H), args=args, kwargs=kwargs, out=o)
+
+
+def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
+                 norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
+                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> torch.Tensor:
+    """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
+    output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set, and the low-rank
+    up-projections `ups` applied in the kernel when `layout.low_col` is set (u is then not read)."""
+    launch = step_launch(y, u, shared, sparse, layout, norm_weight, cos, sin, scale, bv, out_weight, ups)
+    _sse_gla_step_kernel[launch.grid](*launch.args, **launch.kwargs)
+    return launch.out
 
 
 def _check_ups(ups: StepUps | None, L: StepLayout, y: torch.Tensor) -> None:
