@@ -240,7 +240,6 @@ def head_counters(n: int, device) -> torch.Tensor:
     return have
 
 
-@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
 @dataclass(frozen=True)
 class StepLaunch:
     """One launch of the step kernel as data: its grid, its runtime arguments in order, its keyword arguments (the
@@ -301,14 +300,15 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
             ups.bias_shared if up and ups.bias_shared is not None else dummy,
             ups.bias_sparse if up and ups.bias_sparse is not None else dummy, L.low_col or 0)
     kwargs = dict(D=D, BV=bv, BN=triton.next_power_of_2(L.partitions), NORM=norm, ROPE=rope, QMAP=MAPS[L.q_map],
-                      KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk, FINISH=finish,
-                      GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
-                      RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
-                      RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
-                      **pdl_args(y.device))
+                  KMAP=MAPS[L.k_map], VMAP=MAPS[L.v_map], EMULQ=L.emulq, EMULK=L.emulk, FINISH=finish,
+                  GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
+                  RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
+                  RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
+                  **pdl_args(y.device))
     return StepLaunch(grid=(nb, B, H), args=args, kwargs=kwargs, out=o)
 
 
+@torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
 def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
