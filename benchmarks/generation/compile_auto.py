@@ -18,7 +18,9 @@ kernels' compilation, fla's autotuning).
     python -m benchmarks.generation.compile_auto --shape tiny --prompt-len 64 --new-tokens 8 --calls 3 \
         --dtype float32 --out /tmp/compile_auto.json                   # CPU smoke run (auto: the exact path never compiles)
 
-Prints a markdown table (device, dtype, shape in the header) and writes `--out` JSON after each mode.
+Prints a markdown table (device, dtype, shape in the header) and writes `--out` JSON after each mode, with the decode
+GEMM picks of the process (`gemm_choices`); `--gemm-choices EARLIER.json` runs those picks instead of timing new ones,
+so the rows of an A/B do not differ in them.
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ def args_parser():
                     help="FastGenConfig.stack_mlp: the MLPs' gate and up as one decode GEMM (on, the default) or two")
     ap.add_argument("--stack-qkv", default="on", choices=["on", "off"],
                     help="FastGenConfig.stack_qkv: attention's q, k and v as one decode GEMM (on, the default) or three")
+    ap.add_argument("--gemm-choices", default=None, metavar="JSON",
+                    help="use the decode GEMM picks of an earlier run (its --out JSON, `gemm_choices`) instead of "
+                         "timing them: two rows of an A/B then run the same GEMM kernels")
     ap.add_argument("--out", default="compile_auto.json")
     return ap
 
@@ -111,8 +116,27 @@ def gemm_choices() -> dict:
     return choices()
 
 
+def pin_gemm_choices(path: str) -> int:
+    """Load the `gemm_choices` of an earlier run's JSON as this process's picks (`triton_gemm.pin_choices`)."""
+    try:
+        shown = json.loads(Path(path).read_text())["gemm_choices"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--gemm-choices {path}: not a compile_auto JSON with gemm_choices ({e})") from None
+    try:
+        from hybridize.ops.decode_gemm.triton_gemm import pin_choices
+    except ImportError:   # no triton: every product is F.linear
+        return 0
+    try:
+        return pin_choices(shown)
+    except ValueError as e:
+        raise SystemExit(f"--gemm-choices {path}: {e}") from None
+
+
 def main(argv=None):
     args = args_parser().parse_args(argv)
+    if args.gemm_choices:
+        print(f"decode GEMM picks pinned from {args.gemm_choices}: {pin_gemm_choices(args.gemm_choices)} shapes",
+              flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     if device.type == "cuda":

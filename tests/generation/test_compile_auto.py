@@ -88,3 +88,37 @@ def test_rows_record_the_decode_gemm_picks(tmp_path, monkeypatch):
     main(["--shape", "tiny", "--prompt-len", "16", "--new-tokens", "2", "--calls", "1", "--dtype", "float32",
           "--modes", "off", "--out", str(out)])
     assert json.loads(out.read_text())["gemm_choices"] == want
+
+
+def test_gemm_choices_pinned_from_an_earlier_run(tmp_path, monkeypatch):
+    """`--gemm-choices JSON` makes an earlier run's decode GEMM picks this process's (an A/B's rows then run the same
+    GEMM kernels); a file without them is one clear line."""
+    import json
+
+    import pytest
+    import torch
+
+    from benchmarks.generation.compile_auto import main
+    from hybridize.ops.decode_gemm import triton_gemm
+
+    monkeypatch.setattr(triton_gemm, "_CHOICE", {})
+    monkeypatch.setattr(triton_gemm, "_TIMINGS", {})
+    earlier = tmp_path / "earlier.json"
+    picks = {"576x576 m=1 bfloat16": {"choice": "BN16_BK256_S1_w4_s4", "us": {"cublas": 4.0}},
+             "1536x576 m=8 bfloat16 bias": {"choice": "cublas", "us": {}}}
+    earlier.write_text(json.dumps({"gemm_choices": picks}))
+    out = tmp_path / "ca.json"
+    main(["--shape", "tiny", "--prompt-len", "16", "--new-tokens", "2", "--calls", "1", "--dtype", "float32",
+          "--modes", "off", "--gemm-choices", str(earlier), "--out", str(out)])
+    got = json.loads(out.read_text())["gemm_choices"]
+    assert {k: v["choice"] for k, v in got.items()} == {k: v["choice"] for k, v in picks.items()}
+    assert triton_gemm._CHOICE[(576, 576, 1, torch.bfloat16, False)] == dict(BN=16, BK=256, SPLIT=1, num_warps=4,
+                                                                               num_stages=4)
+    assert triton_gemm._CHOICE[(1536, 576, 8, torch.bfloat16, True)] == "cublas"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"modes": []}))
+    with pytest.raises(SystemExit, match="not a compile_auto JSON with gemm_choices"):
+        main(["--gemm-choices", str(bad), "--out", str(out)])
+    bad.write_text(json.dumps({"gemm_choices": {"576x576 m=1 bfloat16": {"choice": "BN16_fast"}}}))
+    with pytest.raises(SystemExit, match="not a decode GEMM config name"):
+        main(["--gemm-choices", str(bad), "--out", str(out)])

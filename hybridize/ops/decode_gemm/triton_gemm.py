@@ -15,7 +15,9 @@ first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `C
 (`triton.testing.do_bench` flushes it, as a decode step meets its weights) and keeps the fastest,
 cuBLAS included (`choices()` shows what was picked and the timings). That costs a few seconds per shape
 once per process, in the eager warm-up steps before a CUDA graph is captured; while a graph is being
-captured an untimed shape runs cuBLAS. fp32 accumulation (as cuBLAS); output and bias in x's dtype.
+captured an untimed shape runs cuBLAS. Two processes of one code can pick differently (the best few configs
+are often within a few percent); `pin_choices(choices())` makes another process run the same picks, untimed
+(`benchmarks/generation/compile_auto.py --gemm-choices`). fp32 accumulation (as cuBLAS); output and bias in x's dtype.
 Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
     decode_linear_triton(x, weight, bias=None, config=None) -> `[..., N]`
@@ -29,6 +31,7 @@ decides when it applies and falls back to `F.linear` otherwise.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +187,31 @@ def choices() -> dict[str, dict]:
     return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}":
             {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()}}
             for (n, k, m, dt, hb), c in _CHOICE.items()}
+
+
+def _parse_name(name: str) -> dict | str:
+    """`_name`'s inverse: "cublas", or "BN64_BK128_S1_w4_s4" -> {BN, BK, SPLIT, num_warps, num_stages}."""
+    if name == "cublas":
+        return name
+    m = re.fullmatch(r"BN(\d+)_BK(\d+)_S(\d+)_w(\d+)_s(\d+)", name)
+    if m is None:
+        raise ValueError(f"not a decode GEMM config name: {name!r} (expected cublas or BN<n>_BK<k>_S<s>_w<w>_s<s>)")
+    bn, bk, split, warps, stages = map(int, m.groups())
+    return dict(BN=bn, BK=bk, SPLIT=split, num_warps=warps, num_stages=stages)
+
+
+def pin_choices(shown: dict[str, dict]) -> int:
+    """Make the picks of `shown` (a `choices()` dict, e.g. from another process's JSON) this process's, untimed: the
+    shapes it names are not timed again. For A/B runs that must not differ in their picks. Returns how many."""
+    for label, entry in shown.items():
+        m = re.fullmatch(r"(\d+)x(\d+) m=(\d+) (\w+)( bias)?", label)
+        if m is None or not hasattr(torch, m.group(4)):
+            raise ValueError(f"not a decode GEMM choice label: {label!r} (expected like '2048x6144 m=8 bfloat16')")
+        n, k, rows = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        key = (n, k, rows, getattr(torch, m.group(4)), m.group(5) is not None)
+        _CHOICE[key] = _parse_name(entry["choice"])
+        _TIMINGS[key] = {}
+    return len(shown)
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:

@@ -350,3 +350,26 @@ def test_fast_generate_through_the_kernel(monkeypatch):
     assert any(s[0] % 8 == 0 and s[0] > 4 * model.config.hidden_size for s in shapes)   # SSE's fused stage 1
     for a, b in zip(outs["triton"][1], outs["torch"][1]):
         assert torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+
+
+def test_pinned_choices_round_trip_and_are_not_timed_again(monkeypatch):
+    """`pin_choices(choices())` in another process gives the same picks, and a pinned shape is not timed
+    (`_picked` returns it); a label or a config name it cannot read is a ValueError naming it."""
+    from hybridize.ops.decode_gemm import triton_gemm as kern
+
+    monkeypatch.setattr(kern, "_CHOICE", {})
+    monkeypatch.setattr(kern, "_TIMINGS", {})
+    cfg = dict(BN=64, BK=128, SPLIT=2, num_warps=4, num_stages=4)
+    kern._CHOICE.update({(48, 64, 4, torch.bfloat16, False): cfg, (96, 64, 1, torch.float16, True): "cublas"})
+    shown = kern.choices()
+    before = dict(kern._CHOICE)
+    kern._CHOICE.clear()
+    assert kern.pin_choices(shown) == 2 and kern._CHOICE == before
+    monkeypatch.setattr(kern, "_choose", lambda *a: pytest.fail("a pinned shape was timed"))
+    x, w = torch.randn(4, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    assert kern._picked(x, w, None) == cfg
+    for bad, match in (({"48x64 rows=4 bfloat16": {"choice": "cublas"}}, "choice label"),
+                       ({"48x64 m=4 bfloat17": {"choice": "cublas"}}, "choice label"),
+                       ({"48x64 m=4 bfloat16": {"choice": "BN64_BK128"}}, "config name")):
+        with pytest.raises(ValueError, match=match):
+            kern.pin_choices(bad)
