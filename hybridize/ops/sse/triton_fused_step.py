@@ -68,14 +68,10 @@ def _qk(y_row, delta, delta_p, w_row, c, s, eps, d, partner, sign, ADD: tl.const
         ROPE: tl.constexpr, MAP: tl.constexpr, D: tl.constexpr):
     """One q or k head row `[D]` fp32: (+ LoRA delta: `delta` at d, `delta_p` at the RoPE partner), RMSNorm, RoPE,
     feature map."""
-    x = tl.load(y_row + d).to(tl.float32)
-    xp = x
+    x, xp = _pair(y_row, d, partner, ROPE)             # rotate_half's partner channel, through the same norm
     if ADD:
         x += delta
-    if ROPE:                                           # rotate_half's partner channel, through the same norm
-        xp = tl.load(y_row + partner).to(tl.float32)
-        if ADD:
-            xp += delta_p
+        xp += delta_p
     if NORM:
         r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         x = x * r * tl.load(w_row + d).to(tl.float32)
@@ -84,6 +80,16 @@ def _qk(y_row, delta, delta_p, w_row, c, s, eps, d, partner, sign, ADD: tl.const
     if ROPE:
         x = x * c + sign * xp * s
     return _feature(x, MAP, 0)
+
+
+@triton.jit
+def _pair(row, d, partner, ROPE: tl.constexpr):
+    """fp32 `[D]` values of the row at d and, with ROPE, at the rotate-half partner (without: the same values)."""
+    x = tl.load(row + d).to(tl.float32)
+    xp = x
+    if ROPE:
+        xp = tl.load(row + partner).to(tl.float32)
+    return x, xp
 
 
 @triton.jit
@@ -99,6 +105,16 @@ def _up(w, a, rows, R: tl.constexpr, RP: tl.constexpr):
     r = tl.arange(0, RP)
     b_w = tl.load(w + rows[:, None] * R + r[None, :], mask=r[None, :] < R, other=0.0).to(tl.float32)
     return tl.sum(b_w * a[None, :], 1)
+
+
+@triton.jit
+def _up_pair(w, a, row0, d, partner, ROPE: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """`_pair` of a head's rows (from `row0`) of the low-rank up-projection `w` applied to a."""
+    x = _up(w, a, row0 + d, R, RP)
+    xp = x
+    if ROPE:
+        xp = _up(w, a, row0 + partner, R, RP)
+    return x, xp
 
 
 @triton.jit
@@ -153,16 +169,8 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from y's
     # low-rank columns and the up-projection weights, in fp32 (UP), or from u
     if UP:
-        a = _low(y_row + low_col, RQ, RQP)
-        dq = _up(w_uq, a, i_h * D + d, RQ, RQP)
-        dq_p = dq
-        if ROPE:
-            dq_p = _up(w_uq, a, i_h * D + partner, RQ, RQP)
-        a = _low(y_row + low_col + RQ, RQ, RQP)
-        dk = _up(w_uk, a, i_kh * D + d, RQ, RQP)
-        dk_p = dk
-        if ROPE:
-            dk_p = _up(w_uk, a, i_kh * D + partner, RQ, RQP)
+        dq, dq_p = _up_pair(w_uq, _low(y_row + low_col, RQ, RQP), i_h * D, d, partner, ROPE, RQ, RQP)
+        dk, dk_p = _up_pair(w_uk, _low(y_row + low_col + RQ, RQ, RQP), i_kh * D, d, partner, ROPE, RQ, RQP)
         z_sh = _up(w_ugs, _low(y_row + low_col + 2 * RQ, RG, RGP), i_h * D + d, RG, RGP)
         z_sp = _up(w_ugp, _low(y_row + low_col + 2 * RQ + RG, RG, RGP), i_h * D + d, RG, RGP)
         if GBIAS:
@@ -180,18 +188,10 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     # SmolLM2-135M's shape (a whole 64-wide head per program) the kernel took 167 registers a thread instead of 128
     # (sm_90, `python -m benchmarks.ops.kernel_resources`)
     if not UP:
-        u_q = u_row + u_delta + q_col
-        dq = tl.load(u_q + d).to(tl.float32)
-        dq_p = dq
-        if ROPE:
-            dq_p = tl.load(u_q + partner).to(tl.float32)
+        dq, dq_p = _pair(u_row + u_delta + q_col, d, partner, ROPE)
     q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
     if not UP:
-        u_k = u_row + u_delta + k_col
-        dk = tl.load(u_k + d).to(tl.float32)
-        dk_p = dk
-        if ROPE:
-            dk_p = tl.load(u_k + partner).to(tl.float32)
+        dk, dk_p = _pair(u_row + u_delta + k_col, d, partner, ROPE)
     k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
     if EMULQ:
         q = q * w
