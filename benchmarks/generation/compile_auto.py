@@ -35,6 +35,7 @@ import torch
 from benchmarks.generation.rollouts import SHAPES, add_plan_args, build_pair, plan_settings
 from benchmarks.timing import free_memory, md_table, sync
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.decode_gemm import triton_gemm   # imports without triton too (then nothing is ever picked)
 
 
 def args_parser():
@@ -106,16 +107,6 @@ def one_mode(model, mode: str, ids, mask, args) -> dict:
     return summarize(mode, calls)
 
 
-def gemm_choices() -> dict:
-    """The decode GEMM this process picked per weight shape, with its timings (`decode_gemm`, timed at first use in
-    each process): two processes of the same code can pick differently, which a step's time then shows."""
-    try:
-        from hybridize.ops.decode_gemm.triton_gemm import choices
-    except ImportError:   # no triton: every product is F.linear
-        return {}
-    return choices()
-
-
 def pin_gemm_choices(path: str) -> int:
     """Load the `gemm_choices` of an earlier run's JSON as this process's picks (`triton_gemm.pin_choices`)."""
     try:
@@ -123,11 +114,7 @@ def pin_gemm_choices(path: str) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--gemm-choices {path}: not a compile_auto JSON with gemm_choices ({e})") from None
     try:
-        from hybridize.ops.decode_gemm.triton_gemm import pin_choices
-    except ImportError:   # no triton: every product is F.linear
-        return 0
-    try:
-        return pin_choices(shown)
+        return triton_gemm.pin_choices(shown)
     except ValueError as e:
         raise SystemExit(f"--gemm-choices {path}: {e}") from None
 
@@ -165,7 +152,9 @@ def main(argv=None):
         add_regret(rows)
         Path(args.out).write_text(json.dumps({"header": header, "args": vars(args), "warmup": warm, "modes": rows,
                                               "kernel_options": current_kernel_options().to_dict(),
-                                              "gemm_choices": gemm_choices()}, indent=1))
+                                              # the decode GEMM picks of this process (timed at first use in
+                                              # each: two processes of one code can pick differently)
+                                              "gemm_choices": triton_gemm.choices()}, indent=1))
     cols = ["mode", "job_s", "regret", "first_compiled_call", "compile_extra_s", "steady_decode_ms"]
     print(header)
     print(md_table(cols, [[r[c] for c in cols] for r in rows]))

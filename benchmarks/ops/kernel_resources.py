@@ -20,6 +20,7 @@ constants), compiles for the target and reads the cubin's registers, stack (spil
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -32,15 +33,21 @@ import torch
 SHAPES = ("qwen3-1.7b", "smollm2-135m")
 
 
+def bundled_cuobjdump() -> Path | None:
+    """Where Triton's NVIDIA backend keeps its cuobjdump, or None without triton."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
 def cuobjdump() -> Path:
     """The cuobjdump of Triton's NVIDIA backend (SystemExit with what to install when absent)."""
-    try:
-        import triton
-    except ImportError:
-        raise SystemExit("benchmarks/ops/kernel_resources.py needs triton (pip install triton)") from None
+    path = bundled_cuobjdump()
+    if path is None:
+        raise SystemExit("benchmarks/ops/kernel_resources.py needs triton (pip install triton)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("benchmarks/ops/kernel_resources.py compiles kernels: unset TRITON_INTERPRET")
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not path.exists():
         raise SystemExit(f"no cuobjdump at {path}: this triton has no bundled NVIDIA tools")
     return path

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +18,8 @@ TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRIT
 
 
 def _tools() -> bool:
-    if not TRITON:
-        return False
-    import triton
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists()
+    path = kr.bundled_cuobjdump()
+    return TRITON and path is not None and path.exists()
 
 
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs triton, not under TRITON_INTERPRET=1")
