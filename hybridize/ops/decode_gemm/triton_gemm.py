@@ -61,16 +61,15 @@ _TIMINGS: dict[tuple, dict[str, float]] = {}
 
 
 if triton is not None:
+    from hybridize.ops.common.triton_utils import prefetch_l2
+
     @triton.jit
     def _prefetch_panel_l2(w, offs_n, m_n, k_start, stride_wn, K: tl.constexpr, K_END, LINES: tl.constexpr):
-        # Ask L2 for the first LINES 128-byte lines (64 16-bit weights each) of each of this program's weight rows,
-        # k in [k_start, K_END): PTX `prefetch.global.L2`, a hint that returns nothing. L2 is the GPU's point of
-        # coherence, so a prefetch can never make a later load read a stale value; it only starts the stream early.
+        # the first LINES 128-byte lines (64 16-bit weights each) of each of this program's weight rows, k in
+        # [k_start, K_END), asked of L2 (`prefetch_l2`); lines past the slice or the matrix ask for w's first line
         offs_l = k_start + tl.arange(0, LINES) * 64
         ok = m_n[:, None] & (offs_l[None, :] < K) & (offs_l[None, :] < K_END)
-        p = tl.where(ok, w + offs_n[:, None].to(tl.int64) * stride_wn + offs_l[None, :], w)      # [BN, LINES]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        prefetch_l2(tl.where(ok, w + offs_n[:, None].to(tl.int64) * stride_wn + offs_l[None, :], w))   # [BN, LINES]
 
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
