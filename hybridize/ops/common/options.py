@@ -110,9 +110,6 @@ class KernelOptions:
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
-    gemm_prefetch: int = _opt(0, "decode GEMM with PDL (`pdl`): K-tiles of its weight panel each program asks L2 for "
-                                 "before it waits for the previous kernel, so the weight stream starts during that "
-                                 "kernel's tail (0 = none; a power of two)", "HYBRIDIZE_GEMM_PREFETCH", min=0)
     sse_step_prefetch: bool = _opt(False, "SSE's one-kernel decode step with PDL (`pdl`): each program asks L2 for "
                                           "its shared-state block before it waits for the previous kernel (the "
                                           "selected partition depends on that kernel's router logits)",

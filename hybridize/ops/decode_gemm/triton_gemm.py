@@ -36,7 +36,6 @@ import re
 import torch
 import torch.nn.functional as F
 
-from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.pdl import pdl_launch
 
 try:
@@ -61,30 +60,16 @@ _TIMINGS: dict[tuple, dict[str, float]] = {}
 
 
 if triton is not None:
-    from hybridize.ops.common.triton_utils import prefetch_l2
-
-    @triton.jit
-    def _prefetch_panel_l2(w, offs_n, m_n, k_start, stride_wn, K: tl.constexpr, K_END, LINES: tl.constexpr):
-        # the first LINES 128-byte lines (64 16-bit weights each) of each of this program's weight rows, k in
-        # [k_start, K_END), asked of L2 (`prefetch_l2`); lines past the slice or the matrix ask for w's first line
-        offs_l = k_start + tl.arange(0, LINES) * 64
-        ok = m_n[:, None] & (offs_l[None, :] < K) & (offs_l[None, :] < K_END)
-        prefetch_l2(tl.where(ok, w + offs_n[:, None].to(tl.int64) * stride_wn + offs_l[None, :], w))   # [BN, LINES]
-
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                              PREFETCH_LINES: tl.constexpr = 0):
+                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         # UPCAST: fp32 dots, for the interpreter, whose bf16 dot is wrong (numpy has no bf16).
         # K is a compile-time constant: static loop bounds (the interpreter takes no tensor bounds in
         # range()) and no K mask when the slice is a multiple of BK.
         # SPLIT > 1: out is the fp32 partial buffer [SPLIT, M, N]; slice s writes out[s]
         # PDL: launched before the previous kernel has finished (`ops/common/pdl.py`): wait for it before
         # reading x; let the next kernel launch once the weights are read.
-        # PREFETCH_LINES > 0 (with PDL): before that wait, ask L2 for the first PREFETCH_LINES 128-byte lines of each
-        # of this program's weight rows. The weights do not depend on the previous kernel, so their stream can start
-        # during its tail.
         KS: tl.constexpr = ((K + SPLIT * BK - 1) // (SPLIT * BK)) * BK      # K per slice, whole tiles
         i_s = tl.program_id(1)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -96,8 +81,6 @@ if triton is not None:
         p_x = x + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]     # [BK, BM] (x^T tile)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if PDL:
-            if PREFETCH_LINES > 0:
-                _prefetch_panel_l2(w, offs_n, m_n, i_s * KS, stride_wn, K, i_s * KS + KS, PREFETCH_LINES)
             tl.extra.cuda.gdc_wait()
         for k0 in range(0, KS, BK):
             if K % (SPLIT * BK) == 0:
@@ -141,20 +124,8 @@ if triton is not None:
         tl.store(out + m.to(tl.int64) * stride_om + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
-def _prefetch_lines(tiles: int, cfg: dict, warps: int) -> int:
-    """128-byte lines per weight row for `tiles` K-tiles of `cfg`: a power of two (a `tl.arange` length), at most
-    8 prefetches a thread (the [BN, lines] pointer tile lives in registers); 0 for none."""
-    if tiles <= 0:
-        return 0
-    lines = 1 << (max(1, tiles * cfg["BK"] // 64) - 1).bit_length()
-    while lines > 1 and cfg["BN"] * lines > 8 * 32 * warps:
-        lines //= 2
-    return lines
-
-
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict, pdl: bool = False, prefetch: int = 0) -> None:
-    """One call of `cfg`; with `pdl`, `prefetch` K-tiles of each program's weight rows asked of L2 before its wait."""
+            cfg: dict, pdl: bool = False) -> None:
     M, K = x2.shape
     N = weight.shape[0]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,8 +136,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _decode_linear_kernel[grid](x2, weight, b, dst, M, N, x2.stride(0), weight.stride(0), out.stride(0), K,
                                 HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret, PDL=pdl,
-                                PREFETCH_LINES=_prefetch_lines(prefetch, cfg, warps) if pdl else 0, num_warps=warps,
-                                num_stages=stages, launch_pdl=pdl, **cfg)
+                                num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(N, block), M)](dst, b, out, M, N, out.stride(0), HAS_BIAS=bias is not None,
@@ -282,8 +252,7 @@ def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return F.linear(x, weight, bias)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device),
-                prefetch=current_kernel_options().gemm_prefetch)
+        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)
 
 

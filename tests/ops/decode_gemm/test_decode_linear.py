@@ -159,9 +159,7 @@ def test_timed_choice_and_custom_op_on_cuda():
 def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
     """Kernel option pdl: each GEMM is launched before the kernel producing its input has finished and waits
     in-kernel. A chain behind a long cuBLAS GEMM (the producer), split-K and not, replayed from a CUDA graph with
-    new inputs, gives the plain launches' outputs bit for bit; a missing wait would read a stale input. The same with
-    kernel option gemm_prefetch (each program asks L2 for its first weight tiles before the wait): the weights are
-    not the producer's output, and a prefetch never changes a value read."""
+    new inputs, gives the plain launches' outputs bit for bit; a missing wait would read a stale input."""
     from hybridize.ops.common.options import use_kernel_options
     from hybridize.ops.common.pdl import pdl_launch
     from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
@@ -181,8 +179,8 @@ def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
         return decode_linear_triton(torch.tanh(z), w3, config=cfg3)
 
     outs = {}
-    for pdl, prefetch in ((False, 0), (True, 0), (True, 2), (True, 64)):
-        with use_kernel_options(pdl=pdl, gemm_prefetch=prefetch):
+    for pdl in (False, True):
+        with use_kernel_options(pdl=pdl):
             assert pdl_launch(src.device) == pdl
             chain()   # compile outside the capture
             torch.cuda.synchronize()
@@ -196,30 +194,9 @@ def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
             g.replay()
             got.append(out.clone())
         torch.cuda.synchronize()
-        outs[pdl, prefetch] = got
-    for setting in ((True, 0), (True, 2), (True, 64)):
-        for a, b in zip(outs[False, 0], outs[setting]):
-            assert torch.equal(a, b), setting
-
-
-def test_prefetch_lines_are_a_power_of_two_within_the_register_cap():
-    """gemm_prefetch K-tiles -> 128-byte lines per weight row: 64 16-bit weights a line, a power of two (the kernel's
-    tl.arange length), at most 8 prefetches a thread; 0 for none. The option reads HYBRIDIZE_GEMM_PREFETCH."""
-    from hybridize.ops.common.options import KernelOptions
-    from hybridize.ops.decode_gemm.triton_gemm import _prefetch_lines
-
-    assert KernelOptions().gemm_prefetch == 0
-    assert KernelOptions.from_env({"HYBRIDIZE_GEMM_PREFETCH": "2"}).gemm_prefetch == 2
-    assert _prefetch_lines(0, dict(BN=16, BK=512), 4) == 0
-    assert _prefetch_lines(1, dict(BN=16, BK=512), 4) == 8              # one 1 KiB tile row: 8 lines
-    assert _prefetch_lines(3, dict(BN=16, BK=128), 4) == 8              # 6 lines, rounded up to a power of two
-    assert _prefetch_lines(1, dict(BN=16, BK=32), 4) == 1               # a tile under one line: that line
-    assert _prefetch_lines(64, dict(BN=64, BK=128), 4) == 16            # capped: 64 rows x 16 lines = 8 a thread
-    assert _prefetch_lines(64, dict(BN=128, BK=128), 8) == 16
-    for tiles in range(1, 40):
-        for bn, bk, warps in ((16, 512, 2), (32, 256, 4), (64, 128, 4), (128, 64, 4)):
-            lines = _prefetch_lines(tiles, dict(BN=bn, BK=bk), warps)
-            assert lines & (lines - 1) == 0 and (lines == 1 or bn * lines <= 8 * 32 * warps)
+        outs[pdl] = got
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
 
 
 def test_pdl_applies_only_on_hopper_gpus_with_the_option(monkeypatch):
