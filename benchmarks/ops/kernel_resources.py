@@ -106,7 +106,6 @@ def step_launch_for(m, B: int, pdl: bool = True):
     """The step kernel's launch for one token of batch B through mixer m (CPU tensors), on the path the kernel options
     pick, with `pdl` as on a Hopper GPU."""
     from hybridize.mixers.sse import SSEState
-    from hybridize.ops.common.options import current_kernel_options
     from hybridize.ops.sse.triton_fused_step import step_launch
 
     c, dtype = m.config, next(m.parameters()).dtype
@@ -117,7 +116,7 @@ def step_launch_for(m, B: int, pdl: bool = True):
     with torch.no_grad():
         inputs = m.step_inputs(x, st, (ang.cos().to(dtype), ang.sin().to(dtype)))
         launch = step_launch(**inputs)
-    launch.kwargs.update(PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and current_kernel_options().sse_step_prefetch)
+    launch.kwargs.update(PDL=pdl, launch_pdl=pdl)
     path = ("merged" if m.merged_lowrank() else "in step" if inputs["ups"] is not None else "stage 2")
     return launch, path
 

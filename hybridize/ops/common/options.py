@@ -110,10 +110,6 @@ class KernelOptions:
                            "Our decode kernels are launched before the kernel before them finishes and wait for "
                            "it in-kernel; a compiled step in a CUDA graph gets inductor's PDL kernels (false: plain "
                            "launches, for benchmarks)", "HYBRIDIZE_PDL")
-    sse_step_prefetch: bool = _opt(False, "SSE's one-kernel decode step with PDL (`pdl`): each program asks L2 for "
-                                          "its shared-state block before it waits for the previous kernel (the "
-                                          "selected partition depends on that kernel's router logits)",
-                                   "HYBRIDIZE_SSE_STEP_PREFETCH")
     force_triton: bool = _opt(False, "SSE and the window layer: run our Triton kernels on CPU tensors too (tests "
                                      "under TRITON_INTERPRET=1); was `sse.FORCE_TRITON`")
 

@@ -1,8 +1,6 @@
 """Triton helpers shared by our kernels (CCQ read, pieces GLA, SSE plan, piece table).
 
-- jit helpers: `prefetch_l2` (ask L2 for the lines at a tile of pointers: a decode kernel's reads that do not depend
-  on the kernel before it, issued before its PDL wait), `seg_bounds` (a piece's first token and length from the
-  `[G, 2]` table), `mdot` / `mdot_r`
+- jit helpers: `seg_bounds` (a piece's first token and length from the `[G, 2]` table), `mdot` / `mdot_r`
   (fp32-register times 16-bit-input products: one 16-bit product, a bf16 hi/lo split or tf32/IEEE fp32),
   `tile_block` (row / column block of an R x C matrix cut into BR x BC blocks);
 - launch helpers: `interpreting` (TRITON_INTERPRET=1), `interpreter_shim` (Triton 3.6's interpreter with
@@ -25,16 +23,6 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each pointer of `ptrs` (any shape; PTX `prefetch.global.L2`, a hint that returns
-    nothing). L2 is the GPU's point of coherence, so a prefetch never makes a later load read a stale value: a PDL
-    kernel may issue it before `gdc_wait` for data the kernel before it does not write, and its HBM stream starts
-    during that kernel's tail. CUDA only (inline PTX): callers skip it under the interpreter (their PDL is off)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit

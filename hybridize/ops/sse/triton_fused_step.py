@@ -47,9 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.pdl import pdl_args
-from hybridize.ops.common.triton_utils import prefetch_l2
 from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
@@ -142,16 +140,12 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
                          ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
                          EMULQ: tl.constexpr, EMULK: tl.constexpr, FINISH: tl.constexpr, GATE: tl.constexpr,
                          NB: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr,
-                         RG: tl.constexpr, RGP: tl.constexpr, GBIAS: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr = False):
-    i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    d = tl.arange(0, D)
+                         RG: tl.constexpr, RGP: tl.constexpr, GBIAS: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
-        if PREFETCH:   # this program's shared-state block does not depend on it: ask L2 for it first
-            prefetch_l2(st_sh + (i_b * H + i_h) * D * D + d[:, None] * D + i_v * BV
-                        + tl.arange(0, (BV + 31) // 32)[None, :] * 32)                  # [D, lines of 32 fp32]
         tl.extra.cuda.gdc_wait()
+    i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_kh = i_h // NREP
+    d = tl.arange(0, D)
     ov = i_v * BV + tl.arange(0, BV)
     partner = (d + D // 2) % D
     sign = tl.where(d < D // 2, -1.0, 1.0)
@@ -311,7 +305,6 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
                   RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
                   RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
                   **pdl_args(y.device))
-    kwargs["PREFETCH"] = kwargs["PDL"] and current_kernel_options().sse_step_prefetch
     return StepLaunch(grid=(nb, B, H), args=args, kwargs=kwargs, out=o)
 
 

@@ -47,7 +47,6 @@ def clean(monkeypatch):
     ("HYBRIDIZE_PDL", "0", False),
     ("HYBRIDIZE_SSE_MERGED_LOWRANK", "on", "on"),
     ("HYBRIDIZE_SSE_MERGED_LOWRANK", "1", "on"),
-    ("HYBRIDIZE_SSE_STEP_PREFETCH", "1", True),
 ])
 def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
     field = ENV[var]
@@ -65,13 +64,13 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
                         "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
                         "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH",
-                        "HYBRIDIZE_SSE_STEP_LOWRANK", "HYBRIDIZE_SSE_STEP_PREFETCH"}
+                        "HYBRIDIZE_SSE_STEP_LOWRANK"}
     assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
     d = KernelOptions().to_dict()
     assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
     assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"] and d["sse_step_finish"]
     assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto"
-    assert d["sse_step_lowrank"] == "auto" and not d["sse_step_prefetch"]
+    assert d["sse_step_lowrank"] == "auto"
     assert all(help_ for _, _, _, help_ in KernelOptions.describe())
 
 
@@ -82,7 +81,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
     ("HYBRIDIZE_SSE_FUSED_STEP", "sometimes"), ("HYBRIDIZE_WINDOW_STEP", "2"), ("HYBRIDIZE_SSE_FUSED_PREFILL", "x"),
     ("HYBRIDIZE_PDL", "yes please"), ("HYBRIDIZE_SSE_MERGED_LOWRANK", "sometimes"),
-    ("HYBRIDIZE_SSE_STEP_LOWRANK", "gemm"), ("HYBRIDIZE_SSE_STEP_PREFETCH", "x"),
+    ("HYBRIDIZE_SSE_STEP_LOWRANK", "gemm"),
 ])
 def test_bad_value_is_one_clear_line(var, raw, monkeypatch):
     with pytest.raises(UserError) as e:

@@ -28,7 +28,6 @@ triton_ok = importlib.util.find_spec("triton") is not None
 runs = triton_ok and (cuda or os.environ.get("TRITON_INTERPRET") == "1")
 needs_kernel = pytest.mark.skipif(not runs, reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if cuda else "cpu"
-HOPPER = cuda and torch.cuda.get_device_capability()[0] >= 9    # PDL, so the prefetch before its wait runs
 
 
 @contextmanager
@@ -189,14 +188,11 @@ def test_merged_stage_wins_over_the_step_lowrank_option():
                                                    (False, False, ("softmax", "silu", "identity"), (3, 3)),
                                                    (True, False, ("identity", "identity", "silu"), (8, 2))])
 @pytest.mark.parametrize("ups", [False, True], ids=["u", "ups-in-step"])
-@pytest.mark.parametrize("prefetch", [False] + ([True] if HOPPER else []), ids=lambda p: "prefetch" if p else "no-prefetch")
-def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish, bv, ups, prefetch):
+def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish, bv, ups):
     """Op level, random inputs: outputs and both states (every partition) against `sse_gla_step_reference`. finish:
     the step also applies the output norm (and the silu gate); bv < D splits a head over programs, the last of which
     finishes it (twice in a row: the per-head counters must be left at zero for the next step). ups: the step applies
-    the LoRA and gate up-projections to y's low-rank columns itself (ranks that are not powers of two, gate biases).
-    prefetch (Hopper GPUs, PDL on): kernel option sse_step_prefetch, each program asks L2 for its shared-state block
-    before its PDL wait."""
+    the LoRA and gate up-projections to y's low-rank columns itself (ranks that are not powers of two, gate biases)."""
     import dataclasses
 
     from hybridize.ops.sse.fused_step import StepLayout, StepUps, sse_gla_step_reference
@@ -226,7 +222,7 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish,
     states = [(rnd(B, H, D, D), rnd(B, P, H, D, D)) for _ in range(2)]
     states[1] = (states[0][0].clone(), states[0][1].clone())
     for _ in range(2):
-        with use_kernel_options(force_triton=not cuda, sse_step_prefetch=prefetch):
+        with use_kernel_options(force_triton=not cuda):
             o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo, ups=up)
         o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin, out_weight=wo, ups=up)
         assert rel(o, o_ref) < 1e-5
