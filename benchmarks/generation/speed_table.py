@@ -22,7 +22,8 @@ and versions; a rerun skips the paths already there, so the grid can be filled o
 (`--budget` seconds: no path starts after it, but one started runs to its end: a batch-32 path at 32k takes minutes,
 so leave a margin below a call's limit; on the device machine keep the file outside `$OUT`, e.g.
 `--out /root/speed.jsonl`, and copy it and its .md/.png into `$OUT` after each call). A path that runs out of GPU memory is recorded as OOM (HF's two paths
-together: they run as one group); a rerun with another `--prefill-tokens` retries it. The
+together: they run as one group); a rerun with another `--prefill-tokens` retries it. A path that raises anything else
+is recorded as failed, with its error (the report lists it), and the worker goes on; a rerun measures it again. The
 report (`<out>.md`, `<out>.png`) puts the paths side by side: prefill tokens/s (B x T / time to the first
 token), the median decode step in ms, the peak allocated memory, the decode step over its bytes floor (item 3:
 weights + states + softmax-layer keys/values read once per step, at `--hbm-gbs`), the warm-up of every path,
@@ -105,7 +106,10 @@ ENGINE_PATHS = {"off": "engine", "on": "engine compiled"}
 
 
 def row_paths(r: dict) -> list[str]:
-    """The table paths a row stands for: its own, or for an OOM row the paths that ran out of memory."""
+    """The table paths a row stands for: its own, for an OOM row the paths that ran out of memory, and none for a
+    failed row (`failed`: its cell stays as it was, and a rerun measures it again)."""
+    if r["table_path"] == "failed":
+        return []
     return r.get("oom_paths", []) if r["table_path"] == "OOM" else [r["table_path"]]
 
 
@@ -170,12 +174,18 @@ def floor_ms(b: dict, T: int, B: int, gbs: float) -> float:
     return 1e3 * (b["weights"] + B * (b["per_sequence"] + T * b["per_token"])) / (gbs * 1e9)
 
 
+def failed_row(model: str, paths, e: BaseException) -> dict:
+    """The row of a path group that raised (not out of memory): which paths, and the error in one line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return {"model": model, "path": "failed", "failed_paths": list(paths), "error": f"{type(e).__name__}: {first}"[:200]}
+
+
 def path_name(model: str, row: dict) -> str:
     """The table's name for a row's path: HF warmed / HF static compiled / engine / engine compiled."""
     if row["path"] in TEACHER_PATHS:
         return TEACHER_PATHS[row["path"]]
-    if row["path"] == "OOM":
-        return "OOM"
+    if row["path"] in ("OOM", "failed"):
+        return row["path"]
     return "engine compiled" if row.get("compile") == "on" else "engine"
 
 
@@ -224,6 +234,12 @@ def measure(a) -> None:
                                hf_warmup=a.hf_warmup, prefill_tokens=a.prefill_tokens, **kw)
         except torch.cuda.OutOfMemoryError as e:
             rows = [{"model": m, "path": "OOM", "oom_paths": list(paths), "error": str(e)[:160]}]
+        except Exception as e:   # one path's crash (e.g. torch's CUDA-graph trees in HF's compiled generate) must not
+            # end the worker: record it, drop compiled state, go on with the next cell; a rerun measures it again
+            rows = [failed_row(m, paths, e)]
+            print(f"failed: {shape} T={T} B={B} {m} {'/'.join(paths)}: {rows[0]['error']}; going on with the next cell",
+                  file=sys.stderr, flush=True)
+            torch._dynamo.reset()
         free_memory(device)
         with rows_to.open("a") as f:
             for r in rows:
@@ -321,6 +337,20 @@ def _workers_note(cells: dict) -> str:
             "alone: 0-19% on 4 x H100, benchmarks/generation/shards.py): " + ", ".join(f"{v} with {k} workers" for k, v in sorted(beside.items())) + ".")
 
 
+def _failed_note(rows: list[dict], cells: dict) -> str:
+    """The paths whose last attempt failed and that no later row measured: cell, paths and the error."""
+    last = {}
+    for r in rows:
+        if r["table_path"] == "failed":
+            for p in r.get("failed_paths", []):
+                last[(r["shape"], r["prompt_len"], r["batch"], r["model"], p)] = r["error"]
+    left = {k: err for k, err in last.items() if (k[3], k[4]) not in cells.get(k[:3], {})}
+    if not left:
+        return ""
+    return " Failed, not measured: " + "; ".join(f"{sh} {T} x {B} {m} {p} ({err})"
+                                                  for (sh, T, B, m, p), err in sorted(left.items())) + "."
+
+
 def markdown(rows: list[dict]) -> str:
     cells = cell_rows(rows)
     shown = [r for paths in cells.values() for r in paths.values()]   # a rerun's row hides the one it replaced
@@ -338,7 +368,7 @@ def markdown(rows: list[dict]) -> str:
              + (" Cells marked * were prefilled in several row groups before that fix: the last group's forward "
                 "ran in the decode, so their prefill rate and decode time are not valid (no ratio is taken from them)."
                 if any(split_invalid(r) for r in shown) else "")
-             + _code_note(cells) + _workers_note(cells),
+             + _code_note(cells) + _workers_note(cells) + _failed_note(rows, cells),
              ""]
     for metric, title, spec in (("prefill_tok_s", "prefill tokens/s", ",.0f"), ("decode_ms", "decode ms per step", ".2f"),
                                 ("peak_gib", "peak memory GiB", ".1f"),

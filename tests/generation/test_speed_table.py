@@ -212,3 +212,42 @@ def test_speedups_are_the_tables_ratios_per_context():
     got = speedups(cell_rows(rows), "s", 8)
     assert got["decode"] == [(1024, 2.0)] and [(T, round(v, 6)) for T, v in got["prefill"]] == [(1024, 1.25)]
     assert speedups(cell_rows(rows), "s", 1) == {"decode": [], "prefill": []}
+
+
+def test_a_path_that_raises_is_recorded_as_failed_and_measured_again(tmp_path, monkeypatch, capsys):
+    """A path group that raises something other than out-of-memory (on 4 x H200, torch's CUDA-graph trees asserted
+    inside HF's compiled generate and ended that worker, its later cells unmeasured) becomes a `failed` row with its
+    error, the worker goes on with the next cell, the report names it, and a rerun measures it again."""
+    import benchmarks.generation.speed_table as st
+    from hybridize.errors import read_jsonl
+
+    crash = {"on": True}
+
+    def fake_bench(model, m, T, B, n, device, budget, hf=True, compiles=(), **kw):
+        if hf:
+            if crash["on"]:
+                raise AssertionError("cudagraph_trees: tensor_weakrefs and stack_traces differ\nsecond line")
+            return [dict(model=m, path=p, decode_ms=50.0, prefill_s=0.1, peak_gib=1.0) for p in st.TEACHER_PATHS]
+        return [dict(model=m, path="fast (graphs)", compile=c, decode_ms=2.0, prefill_s=0.1, peak_gib=1.0,
+                     prefill_synced=True) for c in compiles]
+
+    monkeypatch.setattr(st, "bench_model", fake_bench)
+    out = tmp_path / "speed.jsonl"
+    argv = ["--shapes", "tiny", "--lens", "64,128", "--batches", "1", "--new-tokens", "2", "--dtype", "float32",
+            "--out", str(out), "--budget", "600"]
+    st.main(argv)
+    assert "going on with the next cell" in capsys.readouterr().err
+    rows = read_jsonl(out)
+    failed = [r for r in rows if r["table_path"] == "failed"]
+    assert [(r["prompt_len"], r["failed_paths"]) for r in failed] == [(64, list(st.HF_PATHS)), (128, list(st.HF_PATHS))]
+    assert failed[0]["error"] == "AssertionError: cudagraph_trees: tensor_weakrefs and stack_traces differ"
+    assert len([r for r in rows if r["table_path"] in st.ENGINE_PATHS.values()]) == 8   # both cells, both models
+    done = done_paths(out)
+    assert len(done) == 8 and not any(p in st.HF_PATHS for *_, p in done)
+    md = markdown(rows)
+    assert "Failed, not measured: tiny 64 x 1 teacher HF static compiled (AssertionError" in md
+    crash["on"] = False
+    st.main(argv)                                        # the rerun measures only what failed
+    rows = read_jsonl(out)
+    assert len(rows) == len(failed) + 8 + 4 and len(done_paths(out)) == 12
+    assert "Failed" not in markdown(rows)
