@@ -177,7 +177,8 @@ def floor_ms(b: dict, T: int, B: int, gbs: float) -> float:
 def failed_row(model: str, paths, e: BaseException) -> dict:
     """The row of a path group that raised (not out of memory): which paths, and the error in one line."""
     first = (str(e).strip().splitlines() or [""])[0]
-    return {"model": model, "path": "failed", "failed_paths": list(paths), "error": f"{type(e).__name__}: {first}"[:200]}
+    return {"model": model, "path": "failed", "failed_paths": list(paths),
+            "error": f"{type(e).__name__}: {first}"[:200]}
 
 
 def path_name(model: str, row: dict) -> str:
