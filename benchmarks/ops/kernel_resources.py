@@ -151,7 +151,7 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps({"arch": args.arch, "rows": out}, indent=1))
     print(f"\nSSE's one-kernel decode step (ops/sse/triton_fused_step.py), compiled for sm_{args.arch}, bf16, "
-          f"the default kernel options")
+          f"the kernel options in force")
     print(md_table(["shape", "batch", "up-projections", "BV", "programs", "warps", "registers", "stack (spill) B",
                     "shared B"], rows))
 
