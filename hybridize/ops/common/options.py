@@ -77,6 +77,9 @@ class KernelOptions:
                          "HYBRIDIZE_GLA_ROWS", min=1)
     sse_gla_pieces: bool = _opt(True, "SSE varlen GLA on CUDA bf16 runs our pieces GLA (false: dispatch's op, "
                                       "fla's chunk_gla)", "HYBRIDIZE_SSE_GLA_PIECES")
+    sse_gla_gather: bool = _opt(True, "SSE varlen GLA on CUDA bf16 (the pieces GLA): its forward and backward read "
+                                      "the shared and sparse tensors in place (false: the row packer copies them into "
+                                      "the varlen layout first, for benchmarks)", "HYBRIDIZE_SSE_GLA_GATHER")
     sse_triton: bool = _opt(True, "SSE: our Triton row movers and decode step on CUDA tensors (false: the PyTorch "
                                   "forms on CUDA too, for benchmarks); was `sse.USE_TRITON`")
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "

@@ -22,6 +22,10 @@ programs.)
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
 next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-1} is S_end(j).
 
+SSE's varlen layout can be read in place here too (`backward_pieces(gather=...)`, `triton_fwd.Gather`): the passes
+read the shared and sparse tensors where they are and each sparse row's output gradient from its token's row
+(`ops/sse/triton_gathered_gla.py`); their gradients come in the packed layout.
+
 Tiles, like the forward's output pass: 16 tokens, scores factored through a reference at half the tile's decay,
 per-token log-decays floored at `gla_fwd.G_MIN` = -8 (the floored gates get no gradient, as a clamp's). fp32
 accumulation; 16-bit products, the carried fp32 state rounded once per product, as fla does.
@@ -37,26 +41,28 @@ from hybridize.ops.common.options import current_kernel_options
 
 from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, mdot_r,
                                                seg_bounds, tile_block, tune_buckets)
-from hybridize.ops.gla.triton_fwd import G_MIN, _pieces_for, _precision, _state_configs, check_inputs, forward_pieces, scan_pieces
+from hybridize.ops.gla.triton_fwd import (G_MIN, Gather, _gather_args, _load, _pieces_for, _precision, _scaled,
+                                          _sources, _state_configs, check_inputs, forward_pieces, scan_pieces)
 
 
 @triton.jit
-def _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, G_MIN: tl.constexpr):
-    """q, k `[BT, BK]` (input dtype), the floored gates' inclusive cumsum over the tile (fp32), the tile's total
-    log-decay `[BK]`, and whether each gate is above the floor (its gradient passes)."""
-    pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+def _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+          G_MIN: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr):
+    """q, k `[BT, BK]` (input dtype; with GATHER read from SSE's layout in place and scaled as the row packer
+    scales them, `triton_fwd._sources`), the floored gates' inclusive cumsum over the tile (fp32), the tile's
+    total log-decay `[BK]`, and whether each gate is above the floor (its gradient passes)."""
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + pk, mask=m_tk, other=0.0)
-    b_k = tl.load(k + pk, mask=m_tk, other=0.0)
-    b_graw = tl.load(g + pk, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
+    b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_K)
+    b_graw = _load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False).to(tl.float32)
     b_g = tl.maximum(b_graw, G_MIN)
     return b_q, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0), b_graw >= G_MIN
 
 
 @triton.jit
-def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                      G_MIN: tl.constexpr):
+def _grad_sums_kernel(q, do, g, q_sp, g_sp, order, wsc, L0, seg, d_out, scale, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                      G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr):
     # one program per ((key block, value block), piece, head): D = sum_t exp(G_t) scale q_t do_t^T. The
     # exponents are <= 0 (G runs from the piece's start), so no rescaling of the sum as the walk goes on
     i_nh = tl.program_id(1)
@@ -69,10 +75,12 @@ def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.conste
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        pk = (rows[:, None] * H + i_h) * K + o_r[None, :]
-        b_q = tl.load(q + pk, mask=m_t[:, None] & m_r[None, :], other=0.0)
-        b_g = tl.maximum(tl.load(g + pk, mask=m_t[:, None] & m_r[None, :], other=0.0).to(tl.float32), G_MIN)
-        b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q)
+        m_tr = m_t[:, None] & m_r[None, :]
+        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True), w, SCALE_Q)
+        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True).to(tl.float32), G_MIN)
+        # the output's gradient: with GATHER the combined output's, row src (a sparse row's token)
+        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
                        other=0.0)
         b_qd = (b_q.to(tl.float32) * scale * tl.exp(b_G[None, :] + tl.cumsum(b_g, 0))).to(b_do.dtype)
         b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
@@ -82,9 +90,10 @@ def _grad_sums_kernel(q, do, g, seg, d_out, scale, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               G_MIN: tl.constexpr, PROD: tl.constexpr, LEN, ROWS):
+def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, rstarts, dq, dgq, off, scale,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V];
     # LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -101,10 +110,13 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
+                                             G_MIN, GATHER, SCALE_Q, SCALE_K)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, False)
+        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_dq = mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
@@ -123,9 +135,10 @@ def _dq_kernel(q, k, v, g, do, seg, starts, rstarts, dq, dgq, off, scale, H: tl.
 
 
 @triton.jit
-def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               G_MIN: tl.constexpr, PROD: tl.constexpr, LEN, ROWS):
+def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, rstarts, dgq, off, dk, dg, scale,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), backward in time carrying the state gradient's rows dS[BK, V]
     # and the gates' gradient suffix [BK]
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -144,10 +157,13 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
         i_t = NT - 1 - i
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
+                                             G_MIN, GATHER, SCALE_Q, SCALE_K)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_v = tl.load(v + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, False)
+        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
@@ -168,9 +184,10 @@ def _dk_kernel(q, k, v, g, do, seg, rstarts, dgq, off, dk, dg, scale, H: tl.cons
 
 
 @triton.jit
-def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr,
-               PROD: tl.constexpr, LEN, ROWS):
+def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, seg, rstarts, dv, scale, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
     # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -187,9 +204,12 @@ def _dv_kernel(q, k, g, do, seg, rstarts, dv, scale, H: tl.constexpr, K: tl.cons
         i_t = NT - 1 - i
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, rows, m_t, i_h, o_k, m_k, H, K, G_MIN)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
+                                          G_MIN, GATHER, SCALE_Q, SCALE_K)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + pv, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                       other=0.0)
         dt = b_do.dtype
         b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
@@ -215,47 +235,58 @@ def _col_configs():
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
 
 
-def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None):
+def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None,
+                    gather: Gather | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
     final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays. `prod`: the
-    products setting the forward read (`_products`; None: read it now)."""
+    products setting the forward read (`_products`; None: read it now). `gather`: the forward read SSE's layout
+    in place (`triton_fwd.Gather`; q, k, v, g the shared path's tensors): the passes read it in place too, `do`
+    is the combined output's gradient `[1, L, H, V]` (a sparse row reads its token's), and the gradients come in
+    the packed layout `[1, L0 + M, ...]`, the rows the packer would have built."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if gather is not None:
+        B, T = 1, gather.L0 + gather.order.numel()
     G = pc.seg.shape[0]
     f32 = dict(dtype=torch.float32, device=q.device)
     prec = _precision(q.dtype)
     BKF, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     own = torch.empty(G, H, K, V, **f32)
+    src, flags = _gather_args(q, k, v, g, gather)     # (q_sp, k_sp, v_sp, g_sp, order, wsc, L0), constexprs
+    q_sp, k_sp, v_sp, g_sp, order, wsc, L0 = src
+    sums_flags = dict(KS=flags["KS"], GATHER=flags["GATHER"], SCALE_Q=flags["SCALE_Q"])
+    sums_args = (q, do, g, q_sp, g_sp, order, wsc, L0, pc.seg, own, scale)
     interp = interpreting()
     if interp:
         interpreter_shim()
         _grad_sums_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
-            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, BT=interp_tile(chunk_size), BR=16, BC=16, PREC=prec,
-            G_MIN=G_MIN)
+            *sums_args, H=H, K=K, V=V, BT=interp_tile(chunk_size), BR=16, BC=16, PREC=prec, G_MIN=G_MIN,
+            **sums_flags)
     else:
         # a GEMM walk like the forward's piece states: the same tiles
-        autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC"])[
+        autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC", *sums_flags])[
             lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
-            q, do, g, pc.seg, own, scale, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN)
+            *sums_args, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **sums_flags)
     rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
-    dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
+    dq, dk, dg = (torch.empty(B, T, H, K, dtype=t.dtype, device=q.device) for t in (q, k, g))
+    dv = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
     prod = _products(q.dtype) if prod is None else prod
-    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **tune_buckets(B * T, G * H))
-    rows = (q, k, v, g, do, pc.seg)
+    common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
+    rows = (q, k, v, g, do, *src, pc.seg)
+    v_rows = (q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, pc.seg)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
         _dq_kernel[grid](*rows, starts, rstarts, dq, dgq, off, scale, BT=16, BK=16, BV=BVF, **common)
         _dk_kernel[grid](*rows, rstarts, dgq, off, dk, dg, scale, BT=16, BK=16, BV=BVF, **common)
-        _dv_kernel[(triton.cdiv(V, 16), G * H)](q, k, g, do, pc.seg, rstarts, dv, scale, BT=16, BK=BKF, BV=16,
-                                                 **common)
+        _dv_kernel[(triton.cdiv(V, 16), G * H)](*v_rows, rstarts, dv, scale, BT=16, BK=BKF, BV=16, **common)
         return dq, dk, dv, dg, dh0
-    key = ["K", "V", "PREC", "PROD", "LEN", "ROWS"]
+    key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
     autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
     autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
     autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
-        q, k, g, do, pc.seg, rstarts, dv, scale, BK=BKF, **common)
+        *v_rows, rstarts, dv, scale, BK=BKF, **common)
     return dq, dk, dv, dg, dh0
 
 

@@ -26,7 +26,8 @@ decides which tokens reach which of the N state partitions of each head.
     kernel per tensor (`ops/sse/triton_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
     PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
     varlen GLA call is our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`) instead of fla's chunk_gla;
-    without gradient it reads the shared and sparse tensors in place (`_gla_gathers`), so the row packs are skipped.
+    it reads the shared and sparse tensors in place, forward and backward (`_gla_gathers`,
+    `ops/sse/triton_gathered_gla.py`), so the row packs are skipped.
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `naive_recurrent_sse`: per-token ground truth and decode: gathers the K selected partition states,
@@ -438,13 +439,11 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
     if _gla_gathers(op, shared, sparse, w):
         # deferred: imports triton (optional, GPU only)
-        from hybridize.ops.gla.triton_fwd import Gather, gla_fwd_triton
-        src = shared if shared is not None else sparse            # (no shared path: never read)
-        gather = Gather(sparse.q, sparse.k, sparse.v, sparse.g, plan.order, w, K, 0 if shared is None else L,
-                        emulq, emulk)
-        o_all, st = gla_fwd_triton(src.q, src.k, src.v, src.g, scale=scale, initial_state=h0,
-                                   output_final_state=output_final_state, cu_seqlens=seg_cu, gather=gather)
-        o = combine(o_all, plan.order, plan.inv, K, L, shared is not None, plan.keep)
+        from hybridize.ops.sse.triton_gathered_gla import Layout, gathered_gla
+        keep = None if plan.keep is None else plan.keep.to(torch.int8)
+        lay = Layout(plan.order, plan.inv, keep, seg_cu, K, shared is not None)
+        paths = [None if p is None else (p.q, p.k, p.v, p.g) for p in (shared, sparse)]
+        o, st = gathered_gla(*paths, w, lay, scale=scale, initial_state=h0, emulq=emulq, emulk=emulk)
         return _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V)
     x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
                    v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
@@ -473,18 +472,18 @@ def _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse,
 
 
 def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> bool:
-    """Whether the pieces GLA reads the varlen layout in place (`ops/gla/triton_fwd.py` `Gather`) instead of the row
-    packer copying it: the pieces GLA applies (`_gla_in_pieces`), nothing needs a gradient (the backward keeps the
-    packed rows), per-key gates on both paths, and both paths in one dtype. Saves the four packs' copies: 0.46 of
-    SSE's 1.97 ms forward at 16k on the H100 (benchmarks/RESULTS.md)."""
+    """Whether the pieces GLA reads the varlen layout in place, forward and backward (`ops/sse/triton_gathered_gla.py`)
+    instead of the row packer copying it: the pieces GLA applies (`_gla_in_pieces`), per-key gates on both paths,
+    both paths in one dtype, and the kernel option `sse_gla_gather` (on by default). Saves the four packs' copies
+    (0.46 of SSE's 1.97 ms forward at 16k on the H100, benchmarks/RESULTS.md) and in training the output
+    gradient's pack too."""
     paths = [sparse] + ([] if shared is None else [shared])
-    if not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
+    if not _gla_in_pieces(op, sparse) or not current_kernel_options().sse_gla_gather:
         return False
-    if any((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) != (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
-                                                            sparse.g.dtype) for p in paths):
+    if any(p.g is None or p.g.dim() != 4 for p in paths):
         return False
-    ts = [t for p in paths for t in (p.q, p.k, p.v, p.g)] + [w]
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    return all((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) == (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
+                                                                sparse.g.dtype) for p in paths)
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:

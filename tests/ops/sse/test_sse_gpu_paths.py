@@ -405,7 +405,8 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
 
 
 def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
-    """The varlen path's choice of the pieces GLA: GLA only, CUDA, bf16, with or without gradient, not disabled."""
+    """The varlen path's choice of the pieces GLA: GLA only, CUDA, bf16, with or without gradient, not disabled; and
+    of reading the layout in place: per-key gates on both paths, with or without gradient, not disabled."""
     def inputs(device="cpu", dtype=torch.bfloat16):
         return PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=dtype, device=device) for _ in range(4)), None)
     assert not sse._gla_in_pieces("gla", inputs())           # CPU tensors
@@ -417,11 +418,16 @@ def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
         assert not sse._gla_in_pieces("gla", xc)
         monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
         assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda"))
-        assert not sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True))
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True))
         scalar_gates = PathInputs(xc.q, xc.k, xc.v, xc.g[..., 0], None)
         assert not sse._gla_gathers("gla", scalar_gates, xc, torch.ones(4, device="cuda"))
+        fp32_shared = PathInputs(xc.q.float(), xc.k, xc.v, xc.g, None)
+        assert not sse._gla_gathers("gla", fp32_shared, xc, torch.ones(4, device="cuda"))
         xc.q.requires_grad_()
-        assert sse._gla_in_pieces("gla", xc) and not sse._gla_gathers("gla", None, xc, torch.ones(4, device="cuda"))
+        assert sse._gla_in_pieces("gla", xc) and sse._gla_gathers("gla", None, xc, torch.ones(4, device="cuda"))
+        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "0")
+        assert sse._gla_in_pieces("gla", xc) and not sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda"))
+        monkeypatch.delenv("HYBRIDIZE_SSE_GLA_GATHER")
     assert not sse._gla_gathers("gla", inputs(), inputs(), torch.ones(4))
 
 
@@ -429,11 +435,11 @@ def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
 @pytest.mark.parametrize("case", ["dense", "packed"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeypatch):
-    """bf16, with and without gradient: the varlen call runs the pieces GLA, and the output, the final states and
-    every leaf's gradient match the same call through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the
-    PyTorch path."""
+    """bf16, with and without gradient: the varlen call runs the pieces GLA on the layout read in place, and the
+    output, the final states and every leaf's gradient match the same call on the packed rows
+    (HYBRIDIZE_SSE_GLA_GATHER=0), through fla's chunk_gla (HYBRIDIZE_SSE_GLA_PIECES=0) and the PyTorch path."""
     from hybridize.ops.gla import triton_bwd as gla_bwd
-    from hybridize.ops.gla import triton_fwd as gla_fwd
+    from hybridize.ops.sse import triton_gathered_gla as gathered
 
     H, D, N, K = 2, 64, 4, 1
     if case == "packed":
@@ -444,23 +450,25 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     sh, sp, logits, valid = make("gla", B, T, H, D, N, K, True, dtype=torch.bfloat16, device="cuda")
     h0 = state(nseq, N, H, D, device="cuda")
     calls = []
-    real_train, real_fwd = gla_bwd.gla_triton, gla_fwd.gla_fwd_triton
-    monkeypatch.setattr(gla_bwd, "gla_triton", lambda *a, **kw: calls.append("train") or real_train(*a, **kw))
-    monkeypatch.setattr(gla_fwd, "gla_fwd_triton",
-                        lambda *a, **kw: calls.append("gather" if kw.get("gather") else "fwd") or real_fwd(*a, **kw))
+    real_train, real_gathered = gla_bwd.gla_triton, gathered.gathered_gla
+    monkeypatch.setattr(gla_bwd, "gla_triton", lambda *a, **kw: calls.append("packed") or real_train(*a, **kw))
+    monkeypatch.setattr(gathered, "gathered_gla", lambda *a, **kw: calls.append("gather") or real_gathered(*a, **kw))
     with torch.set_grad_enabled(grad):
         got = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
-        assert calls, "the pieces GLA did not run"
+        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "0")
+        packed = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
         fla = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         ref = _torch_path(lambda: run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad))
-    assert calls == (["train"] if grad else ["gather"])   # without gradient the layout is read in place
+    assert calls == ["gather", "packed"]   # the layout read in place by default, with or without gradient
     names = ["o", "shared state", "sparse state"] + [f"grad {i}" for i in range(len(got[3]))]
-    for name, a, b, c in zip(names, got[:3] + tuple(got[3]), fla[:3] + tuple(fla[3]), ref[:3] + tuple(ref[3])):
+    for name, a, p, b, c in zip(names, got[:3] + tuple(got[3]), packed[:3] + tuple(packed[3]),
+                                fla[:3] + tuple(fla[3]), ref[:3] + tuple(ref[3])):
         if c is None:
-            assert a is None and b is None, name
+            assert a is None and b is None and p is None, name
             continue
         assert a.dtype == c.dtype, name
+        assert nrel(a, p) < 1e-2, (name, nrel(a, p))
         assert nrel(a, b) < 3e-2 and nrel(a, c) < 3e-2, (name, nrel(a, b), nrel(a, c))
 
 

@@ -1,0 +1,124 @@
+"""SSE's varlen GLA call with its layout read in place, forward and backward (`sse_varlen`'s training path).
+
+`ops.sse.reference.sse_varlen` runs one GLA call over SSE's varlen layout: the shared path's L rows, then the
+(token, slot) pairs sorted by (sequence, partition), each sparse row scaled by its router probability on q and / or
+k (`emulq`, `emulk`; appendix 11, Algorithm 2 of "Scaling Linear Attention with Sparse State Expansion"). Built
+with the row packer (`triton_route.pack_rows`) that costs a copy of q, k, v, g over 2L rows in the forward and one
+of the output's gradient in the backward. Here the pieces GLA reads the shared and sparse tensors where they are,
+in both directions (`ops.gla.triton_fwd.Gather`; `ops.gla.triton_bwd.backward_pieces(gather=...)`):
+
+    forward:  o_all `[1, L0 + M, H, V]` = pieces GLA over the layout read in place;
+              o `[1, L, H, V]` = o_all[t] (shared) + sum_s keep * o_all[L0 + inv[t K + s]]   (`triton_route`'s sum)
+    backward: the passes read q, k, v, g in place and each sparse row's do from its token's row of d_o; their
+              gradients come in the packed layout, and `triton_route`'s gather-sum takes them back per token
+              (shared rows as they are; sparse rows times the router probability where it scaled them, with the
+              probability's gradient as row dots), as the packer's backward does.
+
+What it computes equals the packed path (the packer, `gla_bwd.gla_triton`, `combine_rows`) up to summation order;
+`tests/ops/sse/test_gathered_gla.py` checks values and gradients against it. Dropped (padding) pairs are read as
+they are, not zeroed: they sort into the trailing trash segment, whose output, state and gradients the gather-sum
+and the caller drop. CUDA, or the Triton interpreter with fp32 inputs (its 16-bit dot is wrong).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from hybridize.ops.gla.triton_bwd import _products, backward_pieces
+from hybridize.ops.gla.triton_fwd import Gather, _pieces_for, check_inputs, forward_pieces
+from hybridize.ops.sse.triton_route import _gather_sum
+
+
+class Layout(NamedTuple):
+    """Where SSE's varlen layout puts every row (`reference.varlen_plan`): `order` `[M]` the sorted pairs, `inv`
+    `[L * K]` each pair's sorted place, `keep` `[L * K]` int8 (0: a dropped pair) or None, `seg_cu` the call's
+    segment offsets (the shared path's sequences first), K slots per token, `shared`: a shared path in front."""
+    order: torch.Tensor
+    inv: torch.Tensor
+    keep: torch.Tensor | None
+    seg_cu: torch.Tensor
+    K: int
+    shared: bool
+
+
+class _GatheredGLA(torch.autograd.Function):
+    """(shared q, k, v, g, sparse q, k, v, g, router probability per pair `[L * K]` fp32, initial states fp32 or
+    None) -> (o `[1, L, H, V]`, each segment's final state fp32)."""
+
+    @staticmethod
+    def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul):
+        L = sp_q.shape[1]
+        L0 = L if lay.shared else 0
+        gather = Gather(sp_q, sp_k, sp_v, sp_g, lay.order, w, lay.K, L0, *emul)
+        o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc, gather=gather)
+        o = _gather_sum(o_all, L, o_all[:, :L] if lay.shared else None, None, lay.keep, lay.inv, lay.K, L0)[0]
+        ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, starts, decay)
+        ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0 = lay, pc, scale, emul, s0 is not None
+        ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
+        ctx.prod = _products(sp_q.dtype)    # the forward's option, also for a backward run outside its block
+        ctx.set_materialize_grads(False)
+        return o, s_end
+
+    @staticmethod
+    def backward(ctx, d_o, d_end):
+        sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, starts, decay = ctx.saved_tensors
+        lay = ctx.lay
+        L = sp_q.shape[1]
+        L0 = L if lay.shared else 0
+        d_o = torch.zeros(1, L, *sp_v.shape[2:], dtype=sp_v.dtype, device=sp_v.device) if d_o is None else \
+            d_o.contiguous()
+        d_end = None if d_end is None else d_end.float().contiguous()
+        gather = Gather(sp_q, sp_k, sp_v, sp_g, lay.order, w, lay.K, L0, *ctx.emul)
+        dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, decay, ctx.pc, ctx.scale,
+                                              prod=ctx.prod, gather=gather)
+        w_grad = ctx.needs_input_grad[8]
+
+        def per_token(d, x_sp, scaled, base=None):
+            """(the sparse tensor's gradient `[1, L, ...]`, its router-probability row dots or None)."""
+            return _gather_sum(d, L, base, w if scaled else None, lay.keep, lay.inv, lay.K, L0,
+                               y=x_sp if scaled and w_grad else None)
+
+        shared = (lambda d: d[:, :L0]) if lay.shared else (lambda d: None)
+        d_spq, dots_q = per_token(dq, sp_q, ctx.emul[0])
+        d_spk, dots_k = per_token(dk, sp_k, ctx.emul[1])
+        if ctx.same_v:
+            d_shv, (d_spv, _) = None, per_token(dv, sp_v, False, base=shared(dv))
+        else:
+            d_shv, (d_spv, _) = shared(dv), per_token(dv, sp_v, False)
+        d_spg, _ = per_token(dg, sp_g, False)
+        dots = [t for t in (dots_q, dots_k) if t is not None]
+        d_w = (dots[0] if len(dots) == 1 else dots[0] + dots[1]).to(w.dtype) if dots else None
+        return (shared(dq), shared(dk), d_shv, shared(dg), d_spq, d_spk, d_spv, d_spg, d_w,
+                dh0 if ctx.has_h0 else None, None, None, None, None)
+
+
+def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | None = None,
+                 initial_state: torch.Tensor | None = None, emulq: bool = True, emulk: bool = True,
+                 segment_len: int | None = None):
+    """SSE's varlen GLA call on its layout read in place: `shared` / `sparse` (q, k, v, g) `[1, L, H, K]` (v
+    `[1, L, H, V]`, g per-key-channel log-decays; `shared` None: no shared path), `w` `[L * K]` fp32 the router
+    probability of every pair, `initial_state` `[S, H, K, V]` one per segment of `lay.seg_cu` ->
+    (o `[1, L, H, V]`: both paths summed per token, every segment's final state `[S, H, K, V]` fp32).
+    Gradients reach both paths, `w` and the initial state. `segment_len`: the pieces' length (`gla_triton`'s)."""
+    for path in (shared, sparse):
+        if path is not None:
+            check_inputs(path[0], path[1], path[2], path[3], lay.seg_cu)
+    if shared is not None and any(a.dtype != b.dtype for a, b in zip(shared, sparse)):
+        raise ValueError("gathered_gla: the shared and sparse paths must have the same dtypes")
+    src = shared if shared is not None else sparse          # without a shared path never read
+    K = sparse[0].shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    sh = [t.contiguous() for t in src]
+    sp = [t.contiguous() for t in sparse]
+    if shared is not None and sparse[2] is shared[2]:
+        sh[2] = sp[2]                                        # keep one tensor on both paths one object
+    lay = lay._replace(order=lay.order.contiguous(), seg_cu=lay.seg_cu.to(dtype=torch.long).contiguous())
+    L = sp[0].shape[1]
+    rows = (L if lay.shared else 0) + lay.order.numel()
+    pc = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
+    s0 = None if initial_state is None else initial_state.float().contiguous()
+    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk))
+
+
+__all__ = ["Layout", "gathered_gla"]
