@@ -1,16 +1,18 @@
 """Where the SSE layer op's time goes on the GPU: device kernels vs wall time, against chunk_gla alone.
 
-    python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json [--packed]
+    python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json [--gather auto,on,off] [--no-fla]
 
 For each T: `ops.sse.reference.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
 as `python -m benchmarks.ops.kernels --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
 varlen layout (shared path + routed tokens grouped by partition: the floor of that layout), forward and forward+backward,
 bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
 kernel count, and the top kernels by time. A wall time far above the device time means the host (Python,
-launches, syncs) is the bound; device time above ~2x chunk_gla's means kernels to fuse. `--packed` also times SSE
-with its varlen layout copied by the row packer (kernel option `sse_gla_gather=False`) in the same process, the
-A/B of reading it in place. The last lines are SSE's device time over chunk_gla's per T. fla's autotuning is
-whatever the kernel option `autotune_top` says (`HYBRIDIZE_AUTOTUNE_TOP`; unset: full), printed in the header.
+launches, syncs) is the bound; device time above ~2x chunk_gla's means kernels to fuse. `--gather` times SSE
+under each setting of the kernel option `sse_gla_gather` in the same process (auto: the layout read in place
+without gradient, packed rows with it; on: in place both ways; off: packed rows both ways), and each SSE
+forward+backward also reports its peak memory above the inputs (`torch.cuda.max_memory_allocated`, one call).
+The last lines are SSE's device time over chunk_gla's per T. fla's autotuning is whatever the kernel option
+`autotune_top` says (`HYBRIDIZE_AUTOTUNE_TOP`; unset: full), printed in the header; `--no-fla` skips its cases.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=4, help="partitions")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--out", default="")
-    ap.add_argument("--packed", action="store_true",
-                    help="also time SSE on packed rows (sse_gla_gather=False), the A/B of the in-place reads")
+    ap.add_argument("--gather", default="auto",
+                    help="settings of the kernel option sse_gla_gather to time SSE under (auto | on | off, comma list)")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla's chunk_gla cases (and their autotuning)")
     args = ap.parse_args(argv)
 
     from hybridize.ops import gpu
@@ -55,27 +58,40 @@ def main(argv=None):
            "fla_autotune": f"capped to {top} configs" if top else "full", "cases": []}
     print(f"{res['device']}, torch {res['torch']}, fla autotuning {res['fla_autotune']}, bf16, H={bk.H}, D={bk.D}")
 
-    def packed(fn):
+    def under(mode, fn):
         def run():
-            with use_kernel_options(sse_gla_gather=False):
+            with use_kernel_options(sse_gla_gather=mode):
                 fn()
         return run
+
+    def peak_mb(fn):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     sse = f"sse_varlen_n{args.n}k1"
     for T in [int(t) for t in args.T.split(",")]:
         call, inputs, leaves = bk.sse_setup(T, args.n, "varlen")
         f, fb, _ = bk.fwd_bwd(call, inputs, leaves)
-        gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
-        lf, lfb, _ = bk.fwd_bwd(bk.run_gla_varlen, same_layout_inputs(T, args.n))
-        cases = [(f"{sse} fwd", f), (f"{sse} fwd+bwd", fb)]
-        if args.packed:
-            cases += [(f"{sse} fwd, packed rows", packed(f)), (f"{sse} fwd+bwd, packed rows", packed(fb))]
-        cases += [("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb),
-                  ("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)]
+        cases = []
+        for mode in args.gather.split(","):
+            tag = "" if mode == "auto" else f", gather {mode}"
+            cases += [(f"{sse} fwd{tag}", under(mode, f)), (f"{sse} fwd+bwd{tag}", under(mode, fb))]
+        if not args.no_fla:
+            gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
+            lf, lfb, _ = bk.fwd_bwd(bk.run_gla_varlen, same_layout_inputs(T, args.n))
+            cases += [("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb),
+                      ("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)]
         for name, fn in cases:
             r = {"case": name, "T": T, **profile(fn, top=args.top)}
+            if name.startswith(sse) and "fwd+bwd" in name:
+                r["peak_mb"] = peak_mb(fn)
             res["cases"].append(r)
+            peak = f", peak {r['peak_mb']:.0f} MiB above the inputs" if "peak_mb" in r else ""
             print(f"\n### {name}, T={T}: wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
-                  f"{r['kernels']:.0f} kernels, {r['item_calls']:.0f} .item() per call")
+                  f"{r['kernels']:.0f} kernels, {r['item_calls']:.0f} .item() per call{peak}")
             for t in r["top"]:
                 print(f"  {t['ms']:8.3f} ms  x{t['per_call']:4.0f}  {t['kernel']}")
             sys.stdout.flush()
@@ -84,9 +100,10 @@ def main(argv=None):
     print("\nSSE's device time over chunk_gla's on the T input tokens:")
     dev = {(r["case"], r["T"]): r["device_ms"] for r in res["cases"]}
     for (case, T), ms in dev.items():
+        base = dev.get(("chunk_gla fwd+bwd" if "fwd+bwd" in case else "chunk_gla fwd", T))
         if case.startswith(sse):
-            base = dev[("chunk_gla fwd+bwd" if "fwd+bwd" in case else "chunk_gla fwd", T)]
-            print(f"  T={T:6d}  {case:40s} {ms:8.3f} ms  chunk_gla {base:8.3f} ms  {ms / base:.2f}x")
+            vs = f"  chunk_gla {base:8.3f} ms  {ms / base:.2f}x" if base else ""
+            print(f"  T={T:6d}  {case:40s} {ms:8.3f} ms{vs}")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ decides which tokens reach which of the N state partitions of each head.
     kernel per tensor (`ops/sse/triton_route.py`); `pack_rows_torch` / `combine_rows_torch` are the
     PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
     varlen GLA call is our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`) instead of fla's chunk_gla;
-    it reads the shared and sparse tensors in place, forward and backward (`_gla_gathers`,
-    `ops/sse/triton_gathered_gla.py`), so the row packs are skipped.
+    without gradient it reads the shared and sparse tensors in place (`_gla_gathers`, `ops/sse/triton_gathered_gla.py`),
+    so the row packs are skipped; with gradient it does so only with the kernel option `sse_gla_gather="on"` (less
+    activation memory, a slower backward).
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `naive_recurrent_sse`: per-token ground truth and decode: gathers the K selected partition states,
@@ -472,18 +473,21 @@ def _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse,
 
 
 def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> bool:
-    """Whether the pieces GLA reads the varlen layout in place, forward and backward (`ops/sse/triton_gathered_gla.py`)
-    instead of the row packer copying it: the pieces GLA applies (`_gla_in_pieces`), per-key gates on both paths,
-    both paths in one dtype, and the kernel option `sse_gla_gather` (on by default). Saves the four packs' copies
-    (0.46 of SSE's 1.97 ms forward at 16k on the H100, benchmarks/RESULTS.md) and in training the output
-    gradient's pack too."""
+    """Whether the pieces GLA reads the varlen layout in place (`ops/sse/triton_gathered_gla.py`) instead of the row
+    packer copying it: the pieces GLA applies (`_gla_in_pieces`), per-key gates on both paths, both paths in one
+    dtype, and the kernel option `sse_gla_gather`: "auto" (the default) when nothing needs a gradient, "on" always,
+    "off" never. Without gradient it saves the four packs (SSE's forward at 16k on one H200: 1.34 against 1.65 ms);
+    with gradient the in-place reads cost the backward's passes more than the packs they save (forward+backward
+    5.33 against 5.18 ms), but no packed copy of q, k, v, g is kept for the backward (benchmarks/RESULTS.md)."""
     paths = [sparse] + ([] if shared is None else [shared])
-    if not _gla_in_pieces(op, sparse) or not current_kernel_options().sse_gla_gather:
+    mode = current_kernel_options().sse_gla_gather
+    if mode == "off" or not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
         return False
-    if any(p.g is None or p.g.dim() != 4 for p in paths):
+    if any((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) != (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
+                                                            sparse.g.dtype) for p in paths):
         return False
-    return all((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) == (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
-                                                                sparse.g.dtype) for p in paths)
+    ts = [t for p in paths for t in (p.q, p.k, p.v, p.g)] + [w]
+    return mode == "on" or not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:

@@ -40,7 +40,8 @@ def clean(monkeypatch):
     ("HYBRIDIZE_GLA_PRODUCTS", "split", "split"),
     ("HYBRIDIZE_GLA_ROWS", "256", 256),
     ("HYBRIDIZE_SSE_GLA_PIECES", "0", False),
-    ("HYBRIDIZE_SSE_GLA_GATHER", "0", False),
+    ("HYBRIDIZE_SSE_GLA_GATHER", "on", "on"),
+    ("HYBRIDIZE_SSE_GLA_GATHER", "0", "off"),
     ("HYBRIDIZE_SSE_FUSED_STEP", "0", False),
     ("HYBRIDIZE_SSE_STEP_FINISH", "0", False),
     ("HYBRIDIZE_WINDOW_STEP", "0", False),
@@ -62,7 +63,8 @@ def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
 def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     assert set(ENV) == {"HYBRIDIZE_KERNELS", "HYBRIDIZE_AUTOTUNE_TOP", "HYBRIDIZE_CCQ_PRODUCTS", "HYBRIDIZE_CCQ_ROWS",
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
-                        "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES", "HYBRIDIZE_SSE_GLA_GATHER",
+                        "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
+                        "HYBRIDIZE_SSE_GLA_GATHER",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
                         "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH",
                         "HYBRIDIZE_SSE_STEP_LOWRANK"}
