@@ -73,6 +73,8 @@ class KernelOptions:
                                    "fla issue #640) | fla (fla's own kernel)", "HYBRIDIZE_FLA_DQKWG", FLA_DQKWG)
     gla_products: str = _opt("single", "pieces GLA backward, bf16 products with the carried state: single | split "
                                        "(hi/lo pair)", "HYBRIDIZE_GLA_PRODUCTS", GLA_PRODUCTS)
+    gla_tune_top: int = _opt(0, "pieces GLA: keep the first n configs of its autotune lists (0 = all; 1 for tests "
+                                "that only check numbers)", "HYBRIDIZE_GLA_TUNE_TOP", min=0)
     gla_rows: int = _opt(1024, "pieces GLA: (piece, head) rows the automatic piece length aims at",
                          "HYBRIDIZE_GLA_ROWS", min=1)
     sse_gla_pieces: bool = _opt(True, "SSE varlen GLA on CUDA bf16 runs our pieces GLA (false: dispatch's op, "

@@ -42,7 +42,8 @@ from hybridize.ops.common.options import current_kernel_options
 from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, mdot_r,
                                                seg_bounds, tile_block, tune_buckets)
 from hybridize.ops.gla.triton_fwd import (G_MIN, Gather, _gather_args, _load, _pieces_for, _precision, _scaled,
-                                          _sources, _state_configs, check_inputs, forward_pieces, scan_pieces)
+                                          _sources, _state_configs, check_inputs, forward_pieces, scan_pieces,
+                                          tune_list)
 
 
 @triton.jit
@@ -226,13 +227,13 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, seg, rstarts, dv, 
 def _row_configs():
     # the dq / dk passes: key-channel blocks with the whole value width carried
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2)]
-    return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in table]
+    return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]
 
 
 def _col_configs():
     # the dv pass: value-channel blocks with the whole key width carried
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (16, 32, 2, 2)]
-    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
+    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in tune_list(table)]
 
 
 def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None,

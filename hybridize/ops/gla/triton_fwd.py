@@ -197,14 +197,22 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
 G_MIN = -8.0
 
 
+def tune_list(table: list) -> list:
+    """The first n rows of an autotune table with the kernel option `gla_tune_top=<n>` (`HYBRIDIZE_GLA_TUNE_TOP`;
+    1 for tests that only check numbers: fewer compiles), all of them by default."""
+    top = current_kernel_options().gla_tune_top
+    return table[:top] if top > 0 else table
+
+
 def _out_configs():
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (16, 32, 2, 2)]
-    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in table]
+    return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in tune_list(table)]
 
 
 def _state_configs():
     table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3)]
-    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st) for bt, br, bc, w, st in table]
+    return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st)
+            for bt, br, bc, w, st in tune_list(table)]
 
 
 #: (piece, head) rows the automatic piece length aims at (`triton_utils.piece_len`): the default of the kernel

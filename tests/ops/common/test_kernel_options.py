@@ -39,6 +39,7 @@ def clean(monkeypatch):
     ("HYBRIDIZE_FLA_DQKWG", "fla", "fla"),
     ("HYBRIDIZE_GLA_PRODUCTS", "split", "split"),
     ("HYBRIDIZE_GLA_ROWS", "256", 256),
+    ("HYBRIDIZE_GLA_TUNE_TOP", "1", 1),
     ("HYBRIDIZE_SSE_GLA_PIECES", "0", False),
     ("HYBRIDIZE_SSE_GLA_GATHER", "on", "on"),
     ("HYBRIDIZE_SSE_GLA_GATHER", "0", "off"),
@@ -64,7 +65,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     assert set(ENV) == {"HYBRIDIZE_KERNELS", "HYBRIDIZE_AUTOTUNE_TOP", "HYBRIDIZE_CCQ_PRODUCTS", "HYBRIDIZE_CCQ_ROWS",
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
                         "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
-                        "HYBRIDIZE_SSE_GLA_GATHER",
+                        "HYBRIDIZE_SSE_GLA_GATHER", "HYBRIDIZE_GLA_TUNE_TOP",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
                         "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH",
                         "HYBRIDIZE_SSE_STEP_LOWRANK"}

@@ -219,3 +219,17 @@ def test_interp_bad_products_setting_fails_at_the_call(monkeypatch):
     q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, 8, 1, 16, 16))
     with pytest.raises(UserError, match=r"HYBRIDIZE_GLA_PRODUCTS='fast' .*must be one of single \| split"):
         gla_triton(q, k, v, gate)
+
+
+@interp_only
+def test_gla_tune_top_keeps_the_first_configs(monkeypatch):
+    """Kernel option `gla_tune_top=n`: every autotune list of the pieces GLA keeps its first n configs (tests that only
+    check numbers compile fewer); 0 keeps them all."""
+    from hybridize.ops.gla import triton_bwd, triton_fwd
+
+    lists = (triton_fwd._out_configs, triton_fwd._state_configs, triton_bwd._row_configs, triton_bwd._col_configs)
+    monkeypatch.delenv("HYBRIDIZE_GLA_TUNE_TOP", raising=False)
+    full = [f() for f in lists]
+    monkeypatch.setenv("HYBRIDIZE_GLA_TUNE_TOP", "1")
+    assert [[str(c) for c in f()] for f in lists] == [[str(c[0])] for c in full]
+    assert min(len(c) for c in full) > 1
