@@ -210,7 +210,8 @@ def _out_configs():
 
 
 def _state_configs():
-    table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3)]
+    # the last: the fastest piece-state walk of a wider sweep on SSE's 16k layout, one H200 (0.456 against 0.466 ms)
+    table = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 2)]
     return [triton.Config({"BT": bt, "BR": br, "BC": bc}, num_warps=w, num_stages=st)
             for bt, br, bc, w, st in tune_list(table)]
 
