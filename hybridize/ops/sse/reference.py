@@ -478,7 +478,8 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
     dtype, and the kernel option `sse_gla_gather`: "auto" (the default) when nothing needs a gradient, "on" always,
     "off" never. Without gradient it saves the four packs (SSE's forward at 16k on one H200: 1.34 against 1.65 ms);
     with gradient the in-place reads cost the backward's passes more than the packs they save (forward+backward
-    5.33 against 5.18 ms), but no packed copy of q, k, v, g is kept for the backward (benchmarks/RESULTS.md)."""
+    5.37 against 5.20 ms), but no packed copy of q, k, v, g is kept for the backward (peak 346 against 1113 MiB;
+    benchmarks/RESULTS.md)."""
     paths = [sparse] + ([] if shared is None else [shared])
     mode = current_kernel_options().sse_gla_gather
     if mode == "off" or not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
