@@ -73,7 +73,8 @@ def _gathered(sh, sp, w, h0, plan, K, emul, segment_len):
     return gathered_gla(sh, sp, w, lay, initial_state=h0, emulq=emul[0], emulk=emul[1], segment_len=segment_len)
 
 
-def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.float32, tol=1e-5, **kw):
+def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.float32, tol=1e-5, states=True, **kw):
+    """`states=False`: no initial states and a loss on the output alone (the final states get no gradient)."""
     sh0, sp0, w0, h00, plan = _case(shared, K, same_v, device=device, dtype=dtype, **kw)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(sp0[2].shape, generator=gen).to(device)
@@ -82,12 +83,12 @@ def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.flo
     results = []
     for run in (_packed, _gathered):
         sh, sp, w, h0 = _leaves(sh0, sp0, w0, h00, same_v)
-        o, st = run(sh, sp, w, h0, plan, K, emul, segment_len)
-        ((o.float() * do).sum() + (st[:kept] * dst).sum()).backward()
+        o, st = run(sh, sp, w, h0 if states else None, plan, K, emul, segment_len)
+        ((o.float() * do).sum() + ((st[:kept] * dst).sum() if states else 0)).backward()
         grads = {f"sparse.{n}": t.grad for n, t in zip("qkvg", sp)}
         if sh is not None:
             grads.update({f"shared.{n}": t.grad for n, t in zip("qkvg", sh) if not (same_v and n == "v")})
-        grads.update(w=w.grad, h0=h0.grad[:kept])
+        grads.update(w=w.grad, **({"h0": h0.grad[:kept]} if states else {}))
         results.append((o, st[:kept], grads))
     (o_want, st_want, g_want), (o_got, st_got, g_got) = results
     assert o_got.shape == o_want.shape and o_got.dtype == o_want.dtype
@@ -110,6 +111,14 @@ def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.flo
 def test_interp_gathered_equals_packed_values_and_gradients(shared, K, emul, same_v, split):
     torch.set_num_threads(1)
     _compare(shared, K, emul, same_v, split)
+
+
+@interp_only
+def test_interp_gathered_without_initial_or_final_states():
+    """No initial states and no gradient into the final states (`sse_varlen` without `initial_state` or
+    `output_final_state`): the backward runs without them."""
+    torch.set_num_threads(1)
+    _compare(True, 1, (True, True), True, 8, states=False)
 
 
 @interp_only
