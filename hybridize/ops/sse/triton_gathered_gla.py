@@ -33,7 +33,7 @@ import torch
 
 from hybridize.ops.gla.triton_bwd import _products, backward_pieces
 from hybridize.ops.gla.triton_fwd import Gather, _pieces_for, check_inputs, forward_pieces
-from hybridize.ops.sse.triton_route import _gather_sum
+from hybridize.ops.sse.triton_route import _combine, _unpack_grad
 
 
 class Layout(NamedTuple):
@@ -58,7 +58,7 @@ class _GatheredGLA(torch.autograd.Function):
         L0 = L if lay.shared else 0
         gather = Gather(sp_q, sp_k, sp_v, sp_g, lay.order, w, lay.K, L0, *emul)
         o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc, gather=gather)
-        o = _gather_sum(o_all, L, o_all[:, :L] if lay.shared else None, None, lay.keep, lay.inv, lay.K, L0)[0]
+        o = _combine(o_all, lay.keep, lay.inv, lay.K, L, lay.shared)
         ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, starts, decay)
         ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0 = lay, pc, scale, emul, s0 is not None
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
@@ -80,22 +80,18 @@ class _GatheredGLA(torch.autograd.Function):
                                               prod=ctx.prod, gather=gather)
         w_grad = ctx.needs_input_grad[8]
 
-        def per_token(d, x_sp, scaled, base=None):
-            """(the sparse tensor's gradient `[1, L, ...]`, its router-probability row dots or None)."""
-            return _gather_sum(d, L, base, w if scaled else None, lay.keep, lay.inv, lay.K, L0,
-                               y=x_sp if scaled and w_grad else None)
+        def unpack(d, x_sp, scaled, same=False):
+            """The packer's backward on a packed gradient: (shared, sparse, router-probability row dots or None)."""
+            return _unpack_grad(d, L, lay.shared, w if scaled else None, lay.keep, lay.inv, lay.K,
+                                x_sp if scaled and w_grad else None, same)
 
-        shared = (lambda d: d[:, :L0]) if lay.shared else (lambda d: None)
-        d_spq, dots_q = per_token(dq, sp_q, ctx.emul[0])
-        d_spk, dots_k = per_token(dk, sp_k, ctx.emul[1])
-        if ctx.same_v:
-            d_shv, (d_spv, _) = None, per_token(dv, sp_v, False, base=shared(dv))
-        else:
-            d_shv, (d_spv, _) = shared(dv), per_token(dv, sp_v, False)
-        d_spg, _ = per_token(dg, sp_g, False)
+        d_shq, d_spq, dots_q = unpack(dq, sp_q, ctx.emul[0])
+        d_shk, d_spk, dots_k = unpack(dk, sp_k, ctx.emul[1])
+        d_shv, d_spv, _ = unpack(dv, sp_v, False, same=ctx.same_v)
+        d_shg, d_spg, _ = unpack(dg, sp_g, False)
         dots = [t for t in (dots_q, dots_k) if t is not None]
-        d_w = (dots[0] if len(dots) == 1 else dots[0] + dots[1]).to(w.dtype) if dots else None
-        return (shared(dq), shared(dk), d_shv, shared(dg), d_spq, d_spk, d_spv, d_spg, d_w,
+        d_w = sum(dots[1:], dots[0]).to(w.dtype) if dots else None
+        return (d_shq, d_shk, d_shv, d_shg, d_spq, d_spk, d_spv, d_spg, d_w,
                 dh0 if ctx.has_h0 else None, None, None, None, None)
 
 

@@ -131,10 +131,28 @@ def _gather_sum(src, L, base, scale, keep, inv, K, L0, y=None):
     return out, dots
 
 
+def _combine(o_all, keep, inv, K, L, shared):
+    """Raw `combine_rows`: o `[1, L, *C]` = o_all[t] (with the shared path) + the kept sparse rows of token t."""
+    L0 = L if shared else 0
+    return _gather_sum(o_all, L, o_all[:, :L] if shared else None, None, keep, inv, K, L0)[0]
+
+
+def _unpack_grad(d_out, L, shared, scale, keep, inv, K, x_sp=None, same=False):
+    """The packer's backward on `d_out` `[1, L0 + M, *C]`: (the shared rows' gradient, None without a shared path or
+    when `same` (one tensor on both paths: then summed into the sparse one), the sparse tensor's `[1, L, *C]`, the
+    row dots with `x_sp` that are the scale's gradient, or None)."""
+    L0 = L if shared else 0
+    if same and shared:
+        d_sp, dots = _gather_sum(d_out, L, d_out[:, :L0], scale, keep, inv, K, L0, y=x_sp)
+        return None, d_sp, dots
+    d_sp, dots = _gather_sum(d_out, L, None, scale, keep, inv, K, L0, y=x_sp)
+    return (d_out[:, :L0] if shared else None), d_sp, dots
+
+
 class _PackRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_sh, x_sp, scale, keep, order, inv, K):
-        ctx.K, ctx.L0, ctx.has_sh = K, (0 if x_sh is None else x_sh.shape[1]), x_sh is not None
+        ctx.K, ctx.has_sh = K, x_sh is not None
         ctx.sh_dtype = None if x_sh is None else x_sh.dtype
         # one tensor on both paths (SSE's v): its gradient is summed in the gather-sum, no separate add
         ctx.same = x_sh is x_sp
@@ -144,14 +162,9 @@ class _PackRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x_sp, scale, keep, inv = ctx.saved_tensors
-        d_out = d_out.contiguous()
-        L = inv.numel() // ctx.K
-        if ctx.same:
-            d_sp, dots = _gather_sum(d_out, L, d_out[:, :ctx.L0], scale, keep, inv, ctx.K, ctx.L0, y=x_sp)
-            d_sh = None
-        else:
-            d_sh = d_out[:, :ctx.L0].to(ctx.sh_dtype) if ctx.has_sh else None
-            d_sp, dots = _gather_sum(d_out, L, None, scale, keep, inv, ctx.K, ctx.L0, y=x_sp)
+        d_sh, d_sp, dots = _unpack_grad(d_out.contiguous(), inv.numel() // ctx.K, ctx.has_sh, scale, keep, inv, ctx.K,
+                                        x_sp, ctx.same)
+        d_sh = None if d_sh is None else d_sh.to(ctx.sh_dtype)
         d_scale = None if dots is None else dots.to(scale.dtype)
         return d_sh, d_sp, d_scale, None, None, None, None
 
@@ -159,11 +172,9 @@ class _PackRows(torch.autograd.Function):
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o_all, keep, order, inv, K, L, shared):
-        L0 = L if shared else 0
-        ctx.K, ctx.L0, ctx.shared = K, L0, shared
+        ctx.K, ctx.shared = K, shared
         ctx.save_for_backward(keep, order, inv)
-        base = o_all[:, :L] if shared else None
-        return _gather_sum(o_all, L, base, None, keep, inv, K, L0)[0]
+        return _combine(o_all, keep, inv, K, L, shared)
 
     @staticmethod
     def backward(ctx, d_o):
