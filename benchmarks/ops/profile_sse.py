@@ -1,6 +1,6 @@
 """Where the SSE layer op's time goes on the GPU: device kernels vs wall time, against chunk_gla alone.
 
-    python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json [--gather auto,on,off] [--no-fla]
+    python -m benchmarks.ops.profile_sse --T 4096,16384 --out profile_sse.json [--gather auto,shared,on,off] [--no-fla]
 
 For each T: `ops.sse.reference.sse_varlen` (n4k1, shared partition, routing from random logits; the same setup
 as `python -m benchmarks.ops.kernels --sections sse`), fla's chunk_gla on T tokens, and chunk_gla on SSE's own 2T-token
@@ -8,11 +8,14 @@ varlen layout (shared path + routed tokens grouped by partition: the floor of th
 bf16, H=16, D=128. Per case: wall ms per call (host included), device ms per call (sum of kernel times),
 kernel count, and the top kernels by time. A wall time far above the device time means the host (Python,
 launches, syncs) is the bound; device time above ~2x chunk_gla's means kernels to fuse. `--gather` times SSE
-under each setting of the kernel option `sse_gla_gather` in the same process (auto: the layout read in place
-without gradient, packed rows with it; on: in place both ways; off: packed rows both ways), and each SSE
+under each setting of the kernel option `sse_gla_gather` in the same process (auto: the default; on: the layout
+read in place both ways; shared: only the shared path in place, the sparse rows packed; off: packed rows both
+ways), and each SSE
 forward+backward also reports its peak memory above the inputs (`torch.cuda.max_memory_allocated`, one call).
 The last lines are SSE's device time over chunk_gla's per T. fla's autotuning is whatever the kernel option
-`autotune_top` says (`HYBRIDIZE_AUTOTUNE_TOP`; unset: full), printed in the header; `--no-fla` skips its cases.
+`autotune_top` says (`HYBRIDIZE_AUTOTUNE_TOP`; unset: full), printed in the header; `--no-fla` skips its cases,
+`--no-layout` only chunk_gla on SSE's layout (fla's full autotuning of a backward costs minutes per shape). `--out`
+is rewritten after every case, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -46,8 +49,10 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--out", default="")
     ap.add_argument("--gather", default="auto",
-                    help="settings of the kernel option sse_gla_gather to time SSE under (auto | on | off, comma list)")
+                    help="settings of the kernel option sse_gla_gather to time SSE under (auto | on | shared | off, "
+                         "comma list)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla's chunk_gla cases (and their autotuning)")
+    ap.add_argument("--no-layout", action="store_true", help="skip chunk_gla on SSE's 2T layout only")
     args = ap.parse_args(argv)
 
     from hybridize.ops import gpu
@@ -81,9 +86,10 @@ def main(argv=None):
             cases += [(f"{sse} fwd{tag}", under(mode, f)), (f"{sse} fwd+bwd{tag}", under(mode, fb))]
         if not args.no_fla:
             gf, gfb, _ = bk.fwd_bwd(bk.run_gla, bk.gla_inputs(T))
+            cases += [("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb)]
+        if not (args.no_fla or args.no_layout):
             lf, lfb, _ = bk.fwd_bwd(bk.run_gla_varlen, same_layout_inputs(T, args.n))
-            cases += [("chunk_gla fwd", gf), ("chunk_gla fwd+bwd", gfb),
-                      ("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)]
+            cases += [("chunk_gla, SSE's 2T layout fwd", lf), ("chunk_gla, SSE's 2T layout fwd+bwd", lfb)]
         for name, fn in cases:
             r = {"case": name, "T": T, **profile(fn, top=args.top)}
             if name.startswith(sse) and "fwd+bwd" in name:
@@ -95,8 +101,8 @@ def main(argv=None):
             for t in r["top"]:
                 print(f"  {t['ms']:8.3f} ms  x{t['per_call']:4.0f}  {t['kernel']}")
             sys.stdout.flush()
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=1))
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1))
     print("\nSSE's device time over chunk_gla's on the T input tokens:")
     dev = {(r["case"], r["T"]): r["device_ms"] for r in res["cases"]}
     for (case, T), ms in dev.items():

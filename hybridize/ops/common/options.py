@@ -81,11 +81,12 @@ class KernelOptions:
                                       "fla's chunk_gla)", "HYBRIDIZE_SSE_GLA_PIECES")
     sse_gla_gather: str = _opt("auto", "SSE varlen GLA on CUDA bf16 (the pieces GLA) reads the shared and sparse "
                                        "tensors in place instead of the row packer copying them into the varlen "
-                                       "layout: auto (in place without gradient, the faster there; packed rows "
-                                       "with gradient, the faster there) | on (in place with gradient too: no "
-                                       "packed copies kept for the backward, less activation memory, a slower "
-                                       "backward) | off (packed rows everywhere, for benchmarks)",
-                               "HYBRIDIZE_SSE_GLA_GATHER", ("auto", "on", "off"))
+                                       "layout: auto (both paths in place without gradient, the shared path "
+                                       "with it: the faster in each) | on (both paths in place with gradient "
+                                       "too: no packed copies kept for the backward, least activation memory, a "
+                                       "slower backward) | shared (only the shared path in place, the sparse rows "
+                                       "packed) | off (packed rows everywhere, for benchmarks)",
+                               "HYBRIDIZE_SSE_GLA_GATHER", ("auto", "on", "shared", "off"))
     sse_triton: bool = _opt(True, "SSE: our Triton row movers and decode step on CUDA tensors (false: the PyTorch "
                                   "forms on CUDA too, for benchmarks); was `sse.USE_TRITON`")
     sse_fused_step: bool = _opt(True, "SSE on GLA, decode: the front end after the projection matmuls and both "

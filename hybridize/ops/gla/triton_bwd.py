@@ -24,7 +24,10 @@ next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-
 
 SSE's varlen layout can be read in place here too (`backward_pieces(gather=...)`, `triton_fwd.Gather`): the passes
 read the shared and sparse tensors where they are and each sparse row's output gradient from its token's row
-(`ops/sse/triton_gathered_gla.py`); their gradients come in the packed layout.
+(`ops/sse/triton_gathered_gla.py`), or with `Gather.packed` the shared path where it is and the sparse rows (and
+their output gradient, `do_sparse`) packed; their gradients come in the packed layout. The dq and dk passes load
+from a pointer chosen per piece (`_load`'s SELECT, software-pipelined): with the loads in a branch they took
+0.19-0.23 ms more each at 16k on one H200 (benchmarks/RESULTS.md); dv keeps the branch.
 
 Tiles, like the forward's output pass: 16 tokens, scores factored through a reference at half the tile's decay,
 per-token log-decays floored at `gla_fwd.G_MIN` = -8 (the floored gates get no gradient, as a clamp's). fp32
@@ -48,22 +51,24 @@ from hybridize.ops.gla.triton_fwd import (G_MIN, Gather, _gather_args, _load, _p
 
 @triton.jit
 def _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
-          G_MIN: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr):
+          G_MIN: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
+          SELECT: tl.constexpr):
     """q, k `[BT, BK]` (input dtype; with GATHER read from SSE's layout in place and scaled as the row packer
     scales them, `triton_fwd._sources`), the floored gates' inclusive cumsum over the tile (fp32), the tile's
-    total log-decay `[BK]`, and whether each gate is above the floor (its gradient passes)."""
+    total log-decay `[BK]`, and whether each gate is above the floor (its gradient passes). SELECT: `_load`'s."""
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
-    b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_K)
-    b_graw = _load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False).to(tl.float32)
+    b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, SELECT), w, SCALE_Q)
+    b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, SELECT), w, SCALE_K)
+    b_graw = _load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, SELECT).to(tl.float32)
     b_g = tl.maximum(b_graw, G_MIN)
     return b_q, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0), b_graw >= G_MIN
 
 
 @triton.jit
-def _grad_sums_kernel(q, do, g, q_sp, g_sp, order, wsc, L0, seg, d_out, scale, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                      G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr):
+def _grad_sums_kernel(q, do, g, q_sp, do_sp, g_sp, order, wsc, L0, seg, d_out, scale, H: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                      PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
+                      SCALE_Q: tl.constexpr, PACKED: tl.constexpr):
     # one program per ((key block, value block), piece, head): D = sum_t exp(G_t) scale q_t do_t^T. The
     # exponents are <= 0 (G runs from the piece's start), so no rescaling of the sum as the walk goes on
     i_nh = tl.program_id(1)
@@ -76,13 +81,13 @@ def _grad_sums_kernel(q, do, g, q_sp, g_sp, order, wsc, L0, seg, d_out, scale, H
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q, PACKED)
         m_tr = m_t[:, None] & m_r[None, :]
         b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True), w, SCALE_Q)
         b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True).to(tl.float32), G_MIN)
-        # the output's gradient: with GATHER the combined output's, row src (a sparse row's token)
-        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
-                       other=0.0)
+        # the output's gradient: with GATHER the combined output's, row src (a sparse row's token), or with PACKED
+        # the sparse rows' packed one
+        b_do = _load(do, do_sp, src, sparse, i_h, o_c, m_t[:, None] & m_c[None, :], V, H, GATHER, True)
         b_qd = (b_q.to(tl.float32) * scale * tl.exp(b_G[None, :] + tl.cumsum(b_g, 0))).to(b_do.dtype)
         b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
         b_G += tl.sum(b_g, 0)
@@ -91,10 +96,11 @@ def _grad_sums_kernel(q, do, g, q_sp, g_sp, order, wsc, L0, seg, d_out, scale, H
 
 
 @triton.jit
-def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, rstarts, dq, dgq, off, scale,
+def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, seg, starts, rstarts, dq, dgq, off, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
-               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
+               PACKED: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V];
     # LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -111,13 +117,12 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
         b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
-                                             G_MIN, GATHER, SCALE_Q, SCALE_K)
-        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+                                             G_MIN, GATHER, SCALE_Q, SCALE_K, True)
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, False)
-        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+        b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_dq = mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
@@ -136,10 +141,11 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
 
 
 @triton.jit
-def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, rstarts, dgq, off, dk, dg, scale,
+def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, seg, rstarts, dgq, off, dk, dg, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
-               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
+               PACKED: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), backward in time carrying the state gradient's rows dS[BK, V]
     # and the gates' gradient suffix [BK]
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
@@ -158,13 +164,12 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, rsta
         i_t = NT - 1 - i
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
         b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
-                                             G_MIN, GATHER, SCALE_Q, SCALE_K)
-        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+                                             G_MIN, GATHER, SCALE_Q, SCALE_K, True)
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, False)
-        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+        b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
@@ -185,10 +190,11 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, rsta
 
 
 @triton.jit
-def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, seg, rstarts, dv, scale, H: tl.constexpr,
+def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstarts, dv, scale, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
-               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
+               KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
+               PACKED: tl.constexpr, LEN, ROWS):
     # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -205,12 +211,11 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, seg, rstarts, dv, 
         i_t = NT - 1 - i
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
         b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
-                                          G_MIN, GATHER, SCALE_Q, SCALE_K)
+                                          G_MIN, GATHER, SCALE_Q, SCALE_K, False)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + (src[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                       other=0.0)
+        b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER, False)
         dt = b_do.dtype
         b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
@@ -240,13 +245,14 @@ def _col_configs():
 
 
 def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None,
-                    gather: Gather | None = None):
+                    gather: Gather | None = None, do_sparse: torch.Tensor | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
     final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays. `prod`: the
     products setting the forward read (`_products`; None: read it now). `gather`: the forward read SSE's layout
     in place (`triton_fwd.Gather`; q, k, v, g the shared path's tensors): the passes read it in place too, `do`
     is the combined output's gradient `[1, L, H, V]` (a sparse row reads its token's), and the gradients come in
-    the packed layout `[1, L0 + M, ...]`, the rows the packer would have built."""
+    the packed layout `[1, L0 + M, ...]`, the rows the packer would have built. With `gather.packed` the sparse
+    rows' output gradient comes packed too, `do_sparse` `[1, M, H, V]`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gather is not None:
@@ -258,8 +264,14 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     own = torch.empty(G, H, K, V, **f32)
     src, flags = _gather_args(q, k, v, g, gather)     # (q_sp, k_sp, v_sp, g_sp, order, wsc, L0), constexprs
     q_sp, k_sp, v_sp, g_sp, order, wsc, L0 = src
-    sums_flags = dict(KS=flags["KS"], GATHER=flags["GATHER"], SCALE_Q=flags["SCALE_Q"])
-    sums_args = (q, do, g, q_sp, g_sp, order, wsc, L0, pc.seg, own, scale)
+    if gather is not None and gather.packed:
+        if do_sparse is None:
+            raise ValueError("backward_pieces: a packed Gather needs the sparse rows' output gradient (do_sparse)")
+        do_sp = do_sparse.contiguous()
+    else:
+        do_sp = do
+    sums_flags = {n: flags[n] for n in ("KS", "GATHER", "SCALE_Q", "PACKED")}
+    sums_args = (q, do, g, q_sp, do_sp, g_sp, order, wsc, L0, pc.seg, own, scale)
     interp = interpreting()
     if interp:
         interpreter_shim()
@@ -277,8 +289,8 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
     prod = _products(q.dtype) if prod is None else prod
     common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
-    rows = (q, k, v, g, do, *src, pc.seg)
-    v_rows = (q, k, g, do, q_sp, k_sp, g_sp, order, wsc, L0, pc.seg)
+    rows = (q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
+    v_rows = (q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
         _dq_kernel[grid](*rows, starts, rstarts, dq, dgq, off, scale, BT=16, BK=16, BV=BVF, **common)

@@ -40,12 +40,18 @@ from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpret
 
 
 @triton.jit
-def _sources(rows, m_t, bos, order, wsc, L0, KS: tl.constexpr, GATHER: tl.constexpr, HAS_W: tl.constexpr):
+def _sources(rows, m_t, bos, order, wsc, L0, KS: tl.constexpr, GATHER: tl.constexpr, HAS_W: tl.constexpr,
+             PACKED: tl.constexpr):
     """(the rows `[BT]` the tile reads, whether its piece reads the sparse tensors, the router scale of each row
     `[BT]` fp32). Without GATHER: the rows themselves, no scale. With it (SSE's layout read in place, `Gather`):
     a piece before row L0 reads the shared tensors' same rows; a later one the sparse tensors' rows of its pairs'
-    tokens, order[r - L0] // KS, scaled by wsc[pair] where asked."""
-    if GATHER:
+    tokens, order[r - L0] // KS, scaled by wsc[pair] where asked, or with PACKED (the sparse rows packed and
+    scaled already) their row r - L0."""
+    if GATHER and PACKED:
+        sparse = bos >= L0
+        src = tl.where(m_t & sparse, rows - L0, rows)
+        w = tl.full(rows.shape, 1.0, tl.float32)
+    elif GATHER:
         sparse = bos >= L0
         m_sp = m_t & sparse
         pair = tl.load(order + (rows - L0), mask=m_sp, other=0).to(tl.int64)
@@ -94,7 +100,7 @@ def _scaled(x, w, SCALE: tl.constexpr):
 def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d_out, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
-                        SCALE_K: tl.constexpr):
+                        SCALE_K: tl.constexpr, PACKED: tl.constexpr):
     # one program per ((key block, value block), piece, head)
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -106,7 +112,7 @@ def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_K)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_K, PACKED)
         m_tr = m_t[:, None] & m_r[None, :]
         b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True), w, SCALE_K)
         b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True).to(tl.float32), G_MIN)
@@ -153,7 +159,7 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
 def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, o, scale, H: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
-                   SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, LEN, ROWS):
+                   SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr, LEN, ROWS):
     # one program per (value block, piece, head); LEN / ROWS: autotune key only
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -168,7 +174,7 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K)
+        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
@@ -258,7 +264,9 @@ class Gather(NamedTuple):
     Row r < L0 of the call is row r of the tensors passed as q, k, v, g (the shared path); row L0 + j is row
     order[j] // K of the sparse tensors below, its q / k times scale[order[j]] where `scale_q` / `scale_k`. The
     rows of dropped (padding) pairs are read as they are: they sort into their own trailing segment, whose output
-    and state the caller drops, so the zeros the packer writes there change nothing it keeps."""
+    and state the caller drops, so the zeros the packer writes there change nothing it keeps.
+    `packed`: q, k, v, g are the sparse rows already packed and scaled (`[1, M, H, *]`, by `triton_route`'s packer):
+    row L0 + j is their row j, only the shared path is read in place (`scale` is then unused)."""
     q: torch.Tensor              # [1, L, H, K] sparse path (and k, g); v [1, L, H, V]
     k: torch.Tensor
     v: torch.Tensor
@@ -269,17 +277,18 @@ class Gather(NamedTuple):
     L0: int                      # shared rows in front (0: no shared path)
     scale_q: bool
     scale_k: bool
+    packed: bool = False
 
 
 def _gather_args(q, k, v, g, gather):
     """The kernels' (sparse q, k, v, g, order, scale, L0) arguments and (KS, GATHER, SCALE_Q, SCALE_K) flags."""
     if gather is None:
-        return (q, k, v, g, q, q, 0), dict(KS=1, GATHER=False, SCALE_Q=False, SCALE_K=False)
+        return (q, k, v, g, q, q, 0), dict(KS=1, GATHER=False, SCALE_Q=False, SCALE_K=False, PACKED=False)
     x = gather
-    w = x.scale if x.scale is not None else x.order
+    scaled = x.scale is not None and not x.packed
+    w = x.scale if scaled else x.order
     return ((x.q, x.k, x.v, x.g, x.order, w, x.L0),
-            dict(KS=x.K, GATHER=True, SCALE_Q=x.scale_q and x.scale is not None,
-                 SCALE_K=x.scale_k and x.scale is not None))
+            dict(KS=x.K, GATHER=True, SCALE_Q=x.scale_q and scaled, SCALE_K=x.scale_k and scaled, PACKED=x.packed))
 
 
 def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | None = None):
@@ -298,7 +307,7 @@ def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | 
     prec = _precision(q.dtype)
     BK = max(16, triton.next_power_of_2(K))
     src, flags = _gather_args(q, k, v, g, gather)
-    st_src, st_flags = src[1:], dict(KS=flags["KS"], GATHER=flags["GATHER"], SCALE_K=flags["SCALE_K"])
+    st_src, st_flags = src[1:], {n: flags[n] for n in ("KS", "GATHER", "SCALE_K", "PACKED")}
     if interpreting():
         interpreter_shim()
         BT = interp_tile(chunk_size)

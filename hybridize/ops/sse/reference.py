@@ -27,8 +27,8 @@ decides which tokens reach which of the N state partitions of each head.
     PyTorch forms (CPU, fp64, reference). On CUDA with bf16 GLA inputs (training, prefill, evaluation) the
     varlen GLA call is our pieces GLA (`ops/gla/triton_fwd.py`, `ops/gla/triton_bwd.py`) instead of fla's chunk_gla;
     without gradient it reads the shared and sparse tensors in place (`_gla_gathers`, `ops/sse/triton_gathered_gla.py`),
-    so the row packs are skipped; with gradient it does so only with the kernel option `sse_gla_gather="on"` (less
-    activation memory, a slower backward).
+    so the row packs are skipped; with gradient it reads the shared path in place and packs only the sparse rows
+    (both in place with the kernel option `sse_gla_gather="on"`: less activation memory, a slower backward).
     `varlen_index` is the older host-side form of the same reorder (non-empty segments only; it waits for
     the device), kept as a readable reference.
   * `naive_recurrent_sse`: per-token ground truth and decode: gathers the K selected partition states,
@@ -438,13 +438,15 @@ def sse_varlen(op: str, shared: PathInputs | None, sparse: PathInputs, routing: 
         sh0, sp0 = _init_states(sparse, shared, n, nseq, initial_state)
         parts = ([] if shared is None else [sh0]) + [sp0.flatten(0, 1), sp0.new_zeros(1, H, Kd, V)]
         h0 = torch.cat(parts)                                      # [(S +) S*N + 1, H, K, V], trash last
-    if _gla_gathers(op, shared, sparse, w):
+    gathers = _gla_gathers(op, shared, sparse, w)
+    if gathers:
         # deferred: imports triton (optional, GPU only)
         from hybridize.ops.sse.triton_gathered_gla import Layout, gathered_gla
         keep = None if plan.keep is None else plan.keep.to(torch.int8)
         lay = Layout(plan.order, plan.inv, keep, seg_cu, K, shared is not None)
         paths = [None if p is None else (p.q, p.k, p.v, p.g) for p in (shared, sparse)]
-        o, st = gathered_gla(*paths, w, lay, scale=scale, initial_state=h0, emulq=emulq, emulk=emulk)
+        o, st = gathered_gla(*paths, w, lay, scale=scale, initial_state=h0, emulq=emulq, emulk=emulk,
+                             packed=gathers == "shared")
         return _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse, nseq, n, H, Kd, V)
     x = PathInputs(q=mv(sh.q, sparse.q, w if emulq else None), k=mv(sh.k, sparse.k, w if emulk else None),
                    v=mv(sh.v, sparse.v), g=mv(sh.g, sparse.g), beta=mv(sh.beta, sparse.beta))
@@ -472,23 +474,27 @@ def _varlen_results(o, st, B, T, cu_seqlens, output_final_state, shared, sparse,
     return o, sh_end, st[first:first + nseq * n].to(acc).view(nseq, n, H, Kd, V)
 
 
-def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> bool:
-    """Whether the pieces GLA reads the varlen layout in place (`ops/sse/triton_gathered_gla.py`) instead of the row
-    packer copying it: the pieces GLA applies (`_gla_in_pieces`), per-key gates on both paths, both paths in one
-    dtype, and the kernel option `sse_gla_gather`: "auto" (the default) when nothing needs a gradient, "on" always,
-    "off" never. Without gradient it saves the four packs (SSE's forward at 16k on one H200: 1.34 against 1.65 ms);
-    with gradient the in-place reads cost the backward's passes more than the packs they save (forward+backward
-    5.37 against 5.20 ms), but no packed copy of q, k, v, g is kept for the backward (peak 346 against 1113 MiB;
-    benchmarks/RESULTS.md)."""
+def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torch.Tensor) -> str | None:
+    """How much of the varlen layout the pieces GLA reads in place (`ops/sse/triton_gathered_gla.py`) instead of the
+    row packer copying it: "on" both paths, "shared" the shared path (the sparse rows packed), None neither (every
+    row packed). Needs the pieces GLA (`_gla_in_pieces`), per-key gates on both paths and both paths in one dtype;
+    then the kernel option `sse_gla_gather` decides: "auto" (the default) reads both paths in place when nothing
+    needs a gradient and the shared path with it, "on" / "shared" / "off" as named. SSE's op at 16k on one H200
+    (benchmarks/RESULTS.md): without gradient the in-place reads save the four packs (forward 1.34 against 1.65
+    ms); with gradient "shared" is the fastest, 4.67 ms forward+backward against 5.03 with every row packed and
+    5.37 with both paths in place (the scattered sparse rows slow the backward's passes more than the packs cost),
+    at a peak of 730 against 1113 and 346 MiB above the inputs."""
     paths = [sparse] + ([] if shared is None else [shared])
     mode = current_kernel_options().sse_gla_gather
     if mode == "off" or not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):
-        return False
+        return None
     if any((p.q.dtype, p.k.dtype, p.v.dtype, p.g.dtype) != (sparse.q.dtype, sparse.k.dtype, sparse.v.dtype,
                                                             sparse.g.dtype) for p in paths):
-        return False
+        return None
+    if mode in ("on", "shared"):
+        return mode
     ts = [t for p in paths for t in (p.q, p.k, p.v, p.g)] + [w]
-    return mode == "on" or not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    return "shared" if torch.is_grad_enabled() and any(t.requires_grad for t in ts) else "on"
 
 
 def _gla_in_pieces(op: str, x: PathInputs) -> bool:

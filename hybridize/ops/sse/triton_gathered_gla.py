@@ -1,5 +1,6 @@
-"""SSE's varlen GLA call with its layout read in place, forward and backward (`sse_varlen` without gradient, and
-with it under the kernel option `sse_gla_gather="on"`).
+"""SSE's varlen GLA call with its layout read in place, forward and backward (`sse_varlen`: both paths in place
+without gradient; with it the shared path in place and the sparse rows packed, `packed=True`, or both in place under
+the kernel option `sse_gla_gather="on"`).
 
 `ops.sse.reference.sse_varlen` runs one GLA call over SSE's varlen layout: the shared path's L rows, then the
 (token, slot) pairs sorted by (sequence, partition), each sparse row scaled by its router probability on q and / or
@@ -15,10 +16,15 @@ in both directions (`ops.gla.triton_fwd.Gather`; `ops.gla.triton_bwd.backward_pi
               (shared rows as they are; sparse rows times the router probability where it scaled them, with the
               probability's gradient as row dots), as the packer's backward does.
 
+`packed=True`: only the shared path is read in place. The sparse rows are packed (scaled) by `triton_route`'s packer
+in the forward, and their output gradient in the backward, so every pass reads contiguous rows; the shared rows'
+packs (half the copies) are gone.
+
 Measured (one H200, SSE's layout at 16k tokens, H=16, D=128, benchmarks/RESULTS.md): the forward alone 1.35 against
-1.67 ms packed; forward+backward 5.37 against 5.20 ms, since the passes read scattered token rows more slowly than
-packed ones, with 346 against 1113 MiB of peak memory above the inputs. So training packs by default and this path
-is the memory option.
+1.67 ms with every row packed. Forward+backward: sparse rows packed 4.67 ms (peak 730 MiB above the inputs), every
+row packed 5.03 (1113 MiB), both paths in place 5.37 (346 MiB): read in place, a sparse piece's rows are tokens
+scattered over the sequence, which slows the backward's passes more than the packs cost. So training reads the
+shared path in place by default, and both paths in place is the memory option.
 
 What it computes equals the packed path (the packer, `gla_bwd.gla_triton`, `combine_rows`) up to summation order;
 `tests/ops/sse/test_gathered_gla.py` checks values and gradients against it. Dropped (padding) pairs are read as
@@ -33,7 +39,7 @@ import torch
 
 from hybridize.ops.gla.triton_bwd import _products, backward_pieces
 from hybridize.ops.gla.triton_fwd import Gather, _pieces_for, check_inputs, forward_pieces
-from hybridize.ops.sse.triton_route import _combine, _unpack_grad
+from hybridize.ops.sse.triton_route import _combine, _pack, _unpack_grad
 
 
 class Layout(NamedTuple):
@@ -48,19 +54,32 @@ class Layout(NamedTuple):
     shared: bool
 
 
+def _gather(sp, w, lay: Layout, L0: int, emul, packed: bool) -> Gather:
+    """The kernels' view of the sparse path: its tensors read in place, or (`packed`) its rows packed and scaled by
+    the row packer first, only the shared path then read in place."""
+    if not packed:
+        return Gather(*sp, lay.order, w, lay.K, L0, *emul)
+    scales = (w if emul[0] else None, w if emul[1] else None, None, None)
+    rows = [_pack(None, x, s, lay.keep, lay.order, lay.K) for x, s in zip(sp, scales)]
+    return Gather(*rows, lay.order, None, lay.K, L0, False, False, packed=True)
+
+
 class _GatheredGLA(torch.autograd.Function):
     """(shared q, k, v, g, sparse q, k, v, g, router probability per pair `[L * K]` fp32, initial states fp32 or
-    None) -> (o `[1, L, H, V]`, each segment's final state fp32)."""
+    None) -> (o `[1, L, H, V]`, each segment's final state fp32). `packed`: the sparse rows are packed (only the
+    shared path is read in place)."""
 
     @staticmethod
-    def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul):
+    def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul, packed):
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
-        gather = Gather(sp_q, sp_k, sp_v, sp_g, lay.order, w, lay.K, L0, *emul)
+        gather = _gather((sp_q, sp_k, sp_v, sp_g), w, lay, L0, emul, packed)
         o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc, gather=gather)
         o = _combine(o_all, lay.keep, lay.inv, lay.K, L, lay.shared)
-        ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, starts, decay)
-        ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0 = lay, pc, scale, emul, s0 is not None
+        # packed: the packed rows are what the backward reads, the sparse q and k only for the router's row dots
+        rows = (gather.q, gather.k, gather.v, gather.g) if packed else (sp_q, sp_k, sp_v, sp_g)
+        ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, *rows, w, starts, decay)
+        ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0, ctx.packed = lay, pc, scale, emul, s0 is not None, packed
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
         ctx.prod = _products(sp_q.dtype)    # the forward's option, also for a backward run outside its block
         ctx.set_materialize_grads(False)
@@ -68,16 +87,20 @@ class _GatheredGLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_end):
-        sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, starts, decay = ctx.saved_tensors
+        sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, r_q, r_k, r_v, r_g, w, starts, decay = ctx.saved_tensors
         lay = ctx.lay
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
-        d_o = torch.zeros(1, L, *sp_v.shape[2:], dtype=sp_v.dtype, device=sp_v.device) if d_o is None else \
+        d_o = torch.zeros(1, L, *r_v.shape[2:], dtype=r_v.dtype, device=r_v.device) if d_o is None else \
             d_o.contiguous()
         d_end = None if d_end is None else d_end.float().contiguous()
-        gather = Gather(sp_q, sp_k, sp_v, sp_g, lay.order, w, lay.K, L0, *ctx.emul)
+        if ctx.packed:
+            gather = Gather(r_q, r_k, r_v, r_g, lay.order, None, lay.K, L0, False, False, packed=True)
+            do_sp = _pack(None, d_o, None, lay.keep, lay.order, lay.K)
+        else:
+            gather, do_sp = Gather(r_q, r_k, r_v, r_g, lay.order, w, lay.K, L0, *ctx.emul), None
         dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, decay, ctx.pc, ctx.scale,
-                                              prod=ctx.prod, gather=gather)
+                                              prod=ctx.prod, gather=gather, do_sparse=do_sp)
         w_grad = ctx.needs_input_grad[8]
 
         def unpack(d, x_sp, scaled, same=False):
@@ -87,22 +110,24 @@ class _GatheredGLA(torch.autograd.Function):
 
         d_shq, d_spq, dots_q = unpack(dq, sp_q, ctx.emul[0])
         d_shk, d_spk, dots_k = unpack(dk, sp_k, ctx.emul[1])
-        d_shv, d_spv, _ = unpack(dv, sp_v, False, same=ctx.same_v)
-        d_shg, d_spg, _ = unpack(dg, sp_g, False)
+        d_shv, d_spv, _ = unpack(dv, None, False, same=ctx.same_v)
+        d_shg, d_spg, _ = unpack(dg, None, False)
         dots = [t for t in (dots_q, dots_k) if t is not None]
         d_w = sum(dots[1:], dots[0]).to(w.dtype) if dots else None
         return (d_shq, d_shk, d_shv, d_shg, d_spq, d_spk, d_spv, d_spg, d_w,
-                dh0 if ctx.has_h0 else None, None, None, None, None)
+                dh0 if ctx.has_h0 else None, None, None, None, None, None)
 
 
 def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | None = None,
                  initial_state: torch.Tensor | None = None, emulq: bool = True, emulk: bool = True,
-                 segment_len: int | None = None):
+                 segment_len: int | None = None, packed: bool = False):
     """SSE's varlen GLA call on its layout read in place: `shared` / `sparse` (q, k, v, g) `[1, L, H, K]` (v
     `[1, L, H, V]`, g per-key-channel log-decays; `shared` None: no shared path), `w` `[L * K]` fp32 the router
     probability of every pair, `initial_state` `[S, H, K, V]` one per segment of `lay.seg_cu` ->
     (o `[1, L, H, V]`: both paths summed per token, every segment's final state `[S, H, K, V]` fp32).
-    Gradients reach both paths, `w` and the initial state. `segment_len`: the pieces' length (`gla_triton`'s)."""
+    Gradients reach both paths, `w` and the initial state. `segment_len`: the pieces' length (`gla_triton`'s).
+    `packed`: only the shared path is read in place; the sparse rows are packed (and their output gradient in the
+    backward), so the passes read contiguous rows throughout."""
     for path in (shared, sparse):
         if path is not None:
             check_inputs(path[0], path[1], path[2], path[3], lay.seg_cu)
@@ -120,7 +145,7 @@ def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | No
     rows = (L if lay.shared else 0) + lay.order.numel()
     pc = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
     s0 = None if initial_state is None else initial_state.float().contiguous()
-    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk))
+    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed)
 
 
 __all__ = ["Layout", "gathered_gla"]

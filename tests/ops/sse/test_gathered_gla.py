@@ -5,7 +5,8 @@ with its own backward (`gla_triton`) and the PyTorch sum back per token (`combin
 output, the final states the caller keeps, and the gradients of both paths' q, k, v, g, of the router probabilities
 and of the initial states, through a loss on the output and on the final states. Cases: with and without the shared
 path, K = 1 and 2, router scales on q and / or k, a padding token (a dropped pair), two documents, pieces that cut
-the segments, one v tensor on both paths (SSE's).
+the segments, one v tensor on both paths (SSE's). Both forms of the op: both paths read in place, and `packed` (only
+the shared path in place, the sparse rows packed by the Triton packer, their output gradient too).
 
     TRITON_INTERPRET=1 PYTHONPATH=/work/triton-site python -m pytest tests/ops/sse/test_gathered_gla.py
 """
@@ -65,23 +66,27 @@ def _packed(sh, sp, w, h0, plan, K, emul, segment_len):
     return sse.combine_rows_torch(o_all, plan.order, plan.inv, K, L, sh is not None, plan.keep), st
 
 
-def _gathered(sh, sp, w, h0, plan, K, emul, segment_len):
+def _gathered(sh, sp, w, h0, plan, K, emul, segment_len, packed=False):
     from hybridize.ops.sse.triton_gathered_gla import Layout, gathered_gla
 
     keep = None if plan.keep is None else plan.keep.to(torch.int8)
     lay = Layout(plan.order, plan.inv, keep, plan.layout_cu, K, sh is not None)
-    return gathered_gla(sh, sp, w, lay, initial_state=h0, emulq=emul[0], emulk=emul[1], segment_len=segment_len)
+    return gathered_gla(sh, sp, w, lay, initial_state=h0, emulq=emul[0], emulk=emul[1], segment_len=segment_len,
+                        packed=packed)
 
 
-def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.float32, tol=1e-5, states=True, **kw):
-    """`states=False`: no initial states and a loss on the output alone (the final states get no gradient)."""
+def _compare(shared, K, emul, same_v, segment_len, device="cpu", dtype=torch.float32, tol=1e-5, states=True,
+             packed=False, **kw):
+    """`states=False`: no initial states and a loss on the output alone (the final states get no gradient).
+    `packed`: the op's form with the sparse rows packed."""
     sh0, sp0, w0, h00, plan = _case(shared, K, same_v, device=device, dtype=dtype, **kw)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(sp0[2].shape, generator=gen).to(device)
     kept = len(plan.layout_cu) - 2            # the last segment is the dropped pairs' trash: not kept
     dst = torch.randn((kept,) + h00.shape[1:], generator=gen).to(device)
     results = []
-    for run in (_packed, _gathered):
+    gathered = lambda *a: _gathered(*a, packed=packed)  # noqa: E731
+    for run in (_packed, gathered):
         sh, sp, w, h0 = _leaves(sh0, sp0, w0, h00, same_v)
         o, st = run(sh, sp, w, h0 if states else None, plan, K, emul, segment_len)
         ((o.float() * do).sum() + ((st[:kept] * dst).sum() if states else 0)).backward()
@@ -114,11 +119,21 @@ def test_interp_gathered_equals_packed_values_and_gradients(shared, K, emul, sam
 
 
 @interp_only
-def test_interp_gathered_without_initial_or_final_states():
+@pytest.mark.parametrize("shared,K,emul,same_v,split", [
+    (True, 1, (True, True), True, 8), (True, 2, (False, True), False, None), (False, 1, (True, False), False, 8)])
+def test_interp_sparse_rows_packed_equals_packed_values_and_gradients(shared, K, emul, same_v, split):
+    """The form with only the shared path read in place (`packed=True`, kernel option `sse_gla_gather="shared"`)."""
+    torch.set_num_threads(1)
+    _compare(shared, K, emul, same_v, split, packed=True)
+
+
+@interp_only
+@pytest.mark.parametrize("packed", [False, True])
+def test_interp_gathered_without_initial_or_final_states(packed):
     """No initial states and no gradient into the final states (`sse_varlen` without `initial_state` or
     `output_final_state`): the backward runs without them."""
     torch.set_num_threads(1)
-    _compare(True, 1, (True, True), True, 8, states=False)
+    _compare(True, 1, (True, True), True, 8, states=False, packed=packed)
 
 
 @interp_only
@@ -146,5 +161,8 @@ def test_interp_gathered_refuses_mixed_dtypes():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_gathered_equals_packed(dtype, tol):
     """On the GPU at a few thousand tokens, H=4, D=128, automatic pieces."""
-    _compare(True, 1, (True, True), True, None, device="cuda", dtype=dtype, tol=tol, L=3001, H=4, D=128)
-    _compare(True, 2, (True, False), False, None, device="cuda", dtype=dtype, tol=tol, L=1500, H=2, D=64)
+    for packed in (False, True):
+        _compare(True, 1, (True, True), True, None, device="cuda", dtype=dtype, tol=tol, L=3001, H=4, D=128,
+                 packed=packed)
+        _compare(True, 2, (True, False), False, None, device="cuda", dtype=dtype, tol=tol, L=1500, H=2, D=64,
+                 packed=packed)

@@ -406,8 +406,8 @@ def test_cuda_decode_step_is_graph_capturable(op, gpu_backend):
 
 def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
     """The varlen path's choice of the pieces GLA: GLA only, CUDA, bf16, with or without gradient, not disabled; and
-    of reading the layout in place: per-key gates on both paths, one dtype, without gradient ("auto") or always
-    ("on"), never ("off")."""
+    of reading the layout in place: per-key gates on both paths, one dtype; "auto" both paths without gradient and
+    the shared path with it, "on" / "shared" / "off" as named."""
     def inputs(device="cpu", dtype=torch.bfloat16):
         return PathInputs(*(torch.zeros(1, 4, 2, 8, dtype=dtype, device=device) for _ in range(4)), None)
     assert not sse._gla_in_pieces("gla", inputs())           # CPU tensors
@@ -418,19 +418,22 @@ def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
         assert not sse._gla_in_pieces("gla", xc)
         monkeypatch.delenv("HYBRIDIZE_SSE_GLA_PIECES")
-        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda"))
-        assert not sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True))
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda")) == "on"
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True)) == "shared"
         scalar_gates = PathInputs(xc.q, xc.k, xc.v, xc.g[..., 0], None)
         assert not sse._gla_gathers("gla", scalar_gates, xc, torch.ones(4, device="cuda"))
         fp32_shared = PathInputs(xc.q.float(), xc.k, xc.v, xc.g, None)
         assert not sse._gla_gathers("gla", fp32_shared, xc, torch.ones(4, device="cuda"))
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "on")
-        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True))
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda", requires_grad=True)) == "on"
+        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "shared")
+        assert sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda")) == "shared"
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "off")
         assert not sse._gla_gathers("gla", xc, xc, torch.ones(4, device="cuda"))
         monkeypatch.delenv("HYBRIDIZE_SSE_GLA_GATHER")
         xc.q.requires_grad_()
-        assert sse._gla_in_pieces("gla", xc) and not sse._gla_gathers("gla", None, xc, torch.ones(4, device="cuda"))
+        assert sse._gla_in_pieces("gla", xc)
+        assert sse._gla_gathers("gla", None, xc, torch.ones(4, device="cuda")) == "shared"
     assert not sse._gla_gathers("gla", inputs(), inputs(), torch.ones(4))
 
 
@@ -438,9 +441,9 @@ def test_gla_pieces_chosen_on_cuda_bf16_only(monkeypatch):
 @pytest.mark.parametrize("case", ["dense", "packed"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeypatch):
-    """bf16, with and without gradient: the varlen call runs the pieces GLA (by default on the layout read in place
-    without gradient, on packed rows with it), and the output, the final states and every leaf's gradient match the
-    same call the other way (HYBRIDIZE_SSE_GLA_GATHER=on / off), through fla's chunk_gla
+    """bf16, with and without gradient: the varlen call runs the pieces GLA (by default on the layout read in place:
+    both paths without gradient, the shared path with it), and the output, the final states and every leaf's
+    gradient match the same call on packed rows (HYBRIDIZE_SSE_GLA_GATHER=off), through fla's chunk_gla
     (HYBRIDIZE_SSE_GLA_PIECES=0) and the PyTorch path."""
     from hybridize.ops.gla import triton_bwd as gla_bwd
     from hybridize.ops.sse import triton_gathered_gla as gathered
@@ -459,13 +462,13 @@ def test_cuda_varlen_uses_gla_pieces_and_agrees(case, grad, gpu_backend, monkeyp
     monkeypatch.setattr(gathered, "gathered_gla", lambda *a, **kw: calls.append("gather") or real_gathered(*a, **kw))
     with torch.set_grad_enabled(grad):
         got = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
-        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "off" if not grad else "on")
+        monkeypatch.setenv("HYBRIDIZE_SSE_GLA_GATHER", "off")
         other = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         monkeypatch.delenv("HYBRIDIZE_SSE_GLA_GATHER")
         monkeypatch.setenv("HYBRIDIZE_SSE_GLA_PIECES", "0")
         fla = run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad)
         ref = _torch_path(lambda: run_layout(sse.sse_varlen, "gla", sh, sp, logits, K, valid, h0, cu, grad=grad))
-    assert calls == (["packed", "gather"] if grad else ["gather", "packed"])
+    assert calls == ["gather", "packed"]
     names = ["o", "shared state", "sparse state"] + [f"grad {i}" for i in range(len(got[3]))]
     for name, a, p, b, c in zip(names, got[:3] + tuple(got[3]), other[:3] + tuple(other[3]),
                                 fla[:3] + tuple(fla[3]), ref[:3] + tuple(ref[3])):
