@@ -54,14 +54,18 @@ class Layout(NamedTuple):
     shared: bool
 
 
-def _gather(sp, w, lay: Layout, L0: int, emul, packed: bool) -> Gather:
-    """The kernels' view of the sparse path: its tensors read in place, or (`packed`) its rows packed and scaled by
-    the row packer first, only the shared path then read in place."""
-    if not packed:
-        return Gather(*sp, lay.order, w, lay.K, L0, *emul)
+def _packed_rows(sp, w, lay: Layout, emul) -> list[torch.Tensor]:
+    """The sparse path's q, k, v, g `[1, M, H, *]` in the layout's order, scaled where `emul` asks (the row packer)."""
     scales = (w if emul[0] else None, w if emul[1] else None, None, None)
-    rows = [_pack(None, x, s, lay.keep, lay.order, lay.K) for x, s in zip(sp, scales)]
-    return Gather(*rows, lay.order, None, lay.K, L0, False, False, packed=True)
+    return [_pack(None, x, s, lay.keep, lay.order, lay.K) for x, s in zip(sp, scales)]
+
+
+def _view(rows, w, lay: Layout, L0: int, emul, packed: bool) -> Gather:
+    """The kernels' view of the sparse path: `rows` its tensors read in place (scaled in the kernels), or with
+    `packed` its rows packed and scaled already (`_packed_rows`)."""
+    if packed:
+        return Gather(*rows, lay.order, None, lay.K, L0, False, False, packed=True)
+    return Gather(*rows, lay.order, w, lay.K, L0, *emul)
 
 
 class _GatheredGLA(torch.autograd.Function):
@@ -73,11 +77,12 @@ class _GatheredGLA(torch.autograd.Function):
     def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul, packed):
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
-        gather = _gather((sp_q, sp_k, sp_v, sp_g), w, lay, L0, emul, packed)
-        o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc, gather=gather)
+        sp = (sp_q, sp_k, sp_v, sp_g)
+        rows = _packed_rows(sp, w, lay, emul) if packed else sp
+        o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc,
+                                                     gather=_view(rows, w, lay, L0, emul, packed))
         o = _combine(o_all, lay.keep, lay.inv, lay.K, L, lay.shared)
         # packed: the packed rows are what the backward reads, the sparse q and k only for the router's row dots
-        rows = (gather.q, gather.k, gather.v, gather.g) if packed else (sp_q, sp_k, sp_v, sp_g)
         ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, *rows, w, starts, decay)
         ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0, ctx.packed = lay, pc, scale, emul, s0 is not None, packed
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
@@ -94,11 +99,8 @@ class _GatheredGLA(torch.autograd.Function):
         d_o = torch.zeros(1, L, *r_v.shape[2:], dtype=r_v.dtype, device=r_v.device) if d_o is None else \
             d_o.contiguous()
         d_end = None if d_end is None else d_end.float().contiguous()
-        if ctx.packed:
-            gather = Gather(r_q, r_k, r_v, r_g, lay.order, None, lay.K, L0, False, False, packed=True)
-            do_sp = _pack(None, d_o, None, lay.keep, lay.order, lay.K)
-        else:
-            gather, do_sp = Gather(r_q, r_k, r_v, r_g, lay.order, w, lay.K, L0, *ctx.emul), None
+        gather = _view((r_q, r_k, r_v, r_g), w, lay, L0, ctx.emul, ctx.packed)
+        do_sp = _pack(None, d_o, None, lay.keep, lay.order, lay.K) if ctx.packed else None
         dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, decay, ctx.pc, ctx.scale,
                                               prod=ctx.prod, gather=gather, do_sparse=do_sp)
         w_grad = ctx.needs_input_grad[8]
