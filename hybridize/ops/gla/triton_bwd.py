@@ -65,6 +65,21 @@ def _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H: tl.c
 
 
 @triton.jit
+def _rows_tile(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, bos, rows, m_t, i_h, o_k, m_k, o_v,
+               m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr,
+               GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr):
+    """The dq and dk passes' tile: `_tile`'s five values, then v and the output's gradient `[BT, BV]`, every load
+    from a pointer chosen per piece (`_load`'s SELECT: software-pipelined, which these two passes need)."""
+    src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
+    b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
+                                           G_MIN, GATHER, SCALE_Q, SCALE_K, True)
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+    b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+    return b_q, b_k, b_gc, b_last, b_pass, b_v, b_do
+
+
+@triton.jit
 def _grad_sums_kernel(q, do, g, q_sp, do_sp, g_sp, order, wsc, L0, seg, d_out, scale, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                       PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
@@ -117,12 +132,9 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
-        b_q, b_k, b_gc, b_last, _ = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
-                                             G_MIN, GATHER, SCALE_Q, SCALE_K, True)
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
-        b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+        b_q, b_k, b_gc, b_last, _, b_v, b_do = _rows_tile(
+            q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, bos, rows, m_t, i_h, o_k, m_k, o_v, m_v,
+            H, K, V, G_MIN, KS, GATHER, SCALE_Q, SCALE_K, PACKED)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_dq = mdot_r(b_do, tl.trans(b_S), PROD, PREC) * tl.exp(b_gc)
@@ -164,12 +176,9 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         i_t = NT - 1 - i
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
-        b_q, b_k, b_gc, b_last, b_pass = _tile(q, k, g, q_sp, k_sp, g_sp, src, sparse, w, m_t, i_h, o_k, m_k, H, K,
-                                             G_MIN, GATHER, SCALE_Q, SCALE_K, True)
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
-        b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_tv, V, H, GATHER, True)
+        b_q, b_k, b_gc, b_last, b_pass, b_v, b_do = _rows_tile(
+            q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, bos, rows, m_t, i_h, o_k, m_k, o_v, m_v,
+            H, K, V, G_MIN, KS, GATHER, SCALE_Q, SCALE_K, PACKED)
         dt = b_v.dtype
         b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
