@@ -7,14 +7,15 @@ output's gradient and dS_t the gradient of the state S_t (from every later read,
     dq_t = scale S_t do_t           dk_t = dS_t v_t           dv_t = dS_t^T k_t
     dg_t = sum_{t' >= t} (q_t' * dq_t' - k_t' * dk_t')  +  rowsum(S_final * dS_final)
 
-Pieces (`triton_utils.make_pieces`), as the forward: (1) `_grad_sums_kernel`: each piece's own state gradient from its
-tokens alone, D = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's start), a GEMM walk; (2) the
-forward's scan run from the last piece (`gla_fwd.scan_pieces(reverse=True)`): R(j), the state gradient each
-piece receives from after its end, and the initial state's gradient; (3) `_dq_kernel`, forward in time from the
-forward's piece starts (kept): dq, q * dq (fp32, for dg), and at the piece's end the suffix of dg past it,
-rowsum(S_end(j) * R(j)) (that equals dL/dg at the next piece's first token, see below), so dg needs no scan of its
-own; (4) `_dk_kernel`, backward in time from R(j): dk, and dg as the in-tile reverse cumsum of q * dq - k * dk
-plus the carried suffix; (5) `_dv_kernel`, backward in time from R(j): dv. (One pass for dk and dv, a program per
+Pieces (`triton_utils.make_pieces`), as the forward: (1) `_dq_kernel`, forward in time from the forward's piece
+starts (kept): dq, q * dq (fp32, for dg), and each piece's own state gradient from its tokens alone,
+D = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's start); (2) the forward's scan run from the last
+piece (`triton_fwd.reverse_scan`): R(j), the state gradient each piece receives from after its end, the initial
+state's gradient, and the suffix of dg past each piece, rowsum(S_end(j) * R(j)) (that equals dL/dg at the next
+piece's first token, see below; S_end(j) is the forward's next piece start or final state), so dg needs no scan of
+its own; (3) `_dk_kernel`, backward in time from R(j): dk, and dg as the in-tile reverse cumsum of q * dq - k * dk
+plus the carried suffix; (4) `_dv_kernel`, backward in time from R(j): dv. D was a GEMM walk of its own over wide
+tiles before the dq pass took it (it reads the same q, g and do). (One pass for dk and dv, a program per
 (piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with 256 or
 more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give more
 programs.)
@@ -42,11 +43,10 @@ import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
 
-from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, mdot_r,
-                                               seg_bounds, tile_block, tune_buckets)
+from hybridize.ops.common.triton_utils import (autotuned, interpreter_shim, interpreting, mdot_r, seg_bounds,
+                                               tune_buckets)
 from hybridize.ops.gla.triton_fwd import (G_MIN, Gather, _gather_args, _load, _pieces_for, _precision, _scaled,
-                                          _sources, _state_configs, check_inputs, forward_pieces, scan_pieces,
-                                          tune_list)
+                                          _sources, check_inputs, forward_pieces, reverse_scan, tune_list)
 
 
 @triton.jit
@@ -80,44 +80,14 @@ def _rows_tile(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, bo
 
 
 @triton.jit
-def _grad_sums_kernel(q, do, g, q_sp, do_sp, g_sp, order, wsc, L0, seg, d_out, scale, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                      PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
-                      SCALE_Q: tl.constexpr, PACKED: tl.constexpr):
-    # one program per ((key block, value block), piece, head): D = sum_t exp(G_t) scale q_t do_t^T. The
-    # exponents are <= 0 (G runs from the piece's start), so no rescaling of the sum as the walk goes on
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    _, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, V, BR, BC)
-    bos, L = seg_bounds(seg, i_n)
-    o_t = tl.arange(0, BT)
-    b_D = tl.zeros([BR, BC], dtype=tl.float32)
-    b_G = tl.zeros([BR], dtype=tl.float32)
-    for i_t in range(0, tl.cdiv(L, BT)):
-        m_t = i_t * BT + o_t < L
-        rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q, PACKED)
-        m_tr = m_t[:, None] & m_r[None, :]
-        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True), w, SCALE_Q)
-        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_r, m_tr, K, H, GATHER, True).to(tl.float32), G_MIN)
-        # the output's gradient: with GATHER the combined output's, row src (a sparse row's token), or with PACKED
-        # the sparse rows' packed one
-        b_do = _load(do, do_sp, src, sparse, i_h, o_c, m_t[:, None] & m_c[None, :], V, H, GATHER, True)
-        b_qd = (b_q.to(tl.float32) * scale * tl.exp(b_G[None, :] + tl.cumsum(b_g, 0))).to(b_do.dtype)
-        b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
-        b_G += tl.sum(b_g, 0)
-    tl.store(d_out + i_nh.to(tl.int64) * K * V + o_r[:, None] * V + o_c[None, :], b_D,
-             mask=m_r[:, None] & m_c[None, :])
-
-
-@triton.jit
-def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, seg, starts, rstarts, dq, dgq, off, scale,
+def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, seg, starts, dq, dgq, d_own, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
                KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
                PACKED: tl.constexpr, LEN, ROWS):
-    # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V];
-    # LEN / ROWS: autotune key only
+    # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V] and the rows of
+    # the piece's own state gradient D[BK, V] = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's
+    # start: exponents <= 0, no rescaling as the walk goes on); LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -129,6 +99,8 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
     blk = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_blk = m_k[:, None] & m_v[None, :]
     b_S = tl.load(starts + blk, mask=m_blk, other=0.0)
+    b_D = tl.zeros([BK, BV], dtype=tl.float32)
+    b_G = tl.zeros([BK], dtype=tl.float32)
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -146,10 +118,12 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(dq + pk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dgq + pk, b_dq * b_q.to(tl.float32), mask=m_tk)
+        b_qd = (b_q.to(tl.float32) * scale * tl.exp(b_G[None, :] + b_gc)).to(dt)
+        b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+        b_G += b_last
         b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)
         b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
-    b_R = tl.load(rstarts + blk, mask=m_blk, other=0.0)
-    tl.store(off + i_nh.to(tl.int64) * K + o_k, tl.sum(b_S * b_R, 1), mask=m_k)
+    tl.store(d_own + blk, b_D, mask=m_blk)
 
 
 @triton.jit
@@ -239,11 +213,19 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstart
 
 
 def _row_configs():
-    # the dq / dk passes: key-channel blocks with the whole value width carried. The last two: the fastest of a wider
-    # sweep (stages 1-3) for both passes on SSE's 16k layout, one H200 (dk 1.15 against 1.27 ms, dq 0.76 against
-    # 0.82 for the best before; benchmarks/RESULTS.md)
+    # the dk pass: key-channel blocks with the whole value width carried. The last two: the fastest of a wider
+    # sweep (stages 1-3) for the dq and dk passes on SSE's 16k layout, one H200 (dk 1.15 against 1.27 ms, dq 0.76
+    # against 0.82 for the best before; benchmarks/RESULTS.md)
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
              (16, 64, 4, 3)]
+    return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]
+
+
+def _dq_configs():
+    # the dq pass carries two [BK, V] fp32 blocks (the state and the piece's own state gradient): the dk list and
+    # narrower key blocks
+    table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
+             (16, 64, 4, 3), (16, 16, 2, 2), (16, 16, 4, 2), (16, 32, 4, 3)]
     return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]
 
 
@@ -253,15 +235,15 @@ def _col_configs():
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in tune_list(table)]
 
 
-def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=None, prod: int | None = None,
+def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, pc, scale, prod: int | None = None,
                     gather: Gather | None = None, do_sparse: torch.Tensor | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
-    final state's `dht` (fp32 or None), with the forward's piece starts and total log-decays. `prod`: the
-    products setting the forward read (`_products`; None: read it now). `gather`: the forward read SSE's layout
-    in place (`triton_fwd.Gather`; q, k, v, g the shared path's tensors): the passes read it in place too, `do`
-    is the combined output's gradient `[1, L, H, V]` (a sparse row reads its token's), and the gradients come in
-    the packed layout `[1, L0 + M, ...]`, the rows the packer would have built. With `gather.packed` the sparse
-    rows' output gradient comes packed too, `do_sparse` `[1, M, H, V]`."""
+    final state's `dht` (fp32 or None), with the forward's piece starts, final states `s_fin` `[N, H, K, V]` and
+    total log-decays. `prod`: the products setting the forward read (`_products`; None: read it now). `gather`: the
+    forward read SSE's layout in place (`triton_fwd.Gather`; q, k, v, g the shared path's tensors): the passes read
+    it in place too, `do` is the combined output's gradient `[1, L, H, V]` (a sparse row reads its token's), and the
+    gradients come in the packed layout `[1, L0 + M, ...]`, the rows the packer would have built. With
+    `gather.packed` the sparse rows' output gradient comes packed too, `do_sparse` `[1, M, H, V]`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gather is not None:
@@ -270,45 +252,37 @@ def backward_pieces(q, k, v, g, do, dht, starts, decay, pc, scale, chunk_size=No
     f32 = dict(dtype=torch.float32, device=q.device)
     prec = _precision(q.dtype)
     BKF, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    own = torch.empty(G, H, K, V, **f32)
     src, flags = _gather_args(q, k, v, g, gather)     # (q_sp, k_sp, v_sp, g_sp, order, wsc, L0), constexprs
-    q_sp, k_sp, v_sp, g_sp, order, wsc, L0 = src
     if gather is not None and gather.packed:
         if do_sparse is None:
             raise ValueError("backward_pieces: a packed Gather needs the sparse rows' output gradient (do_sparse)")
         do_sp = do_sparse.contiguous()
     else:
         do_sp = do
-    sums_flags = {n: flags[n] for n in ("KS", "GATHER", "SCALE_Q", "PACKED")}
-    sums_args = (q, do, g, q_sp, do_sp, g_sp, order, wsc, L0, pc.seg, own, scale)
-    interp = interpreting()
-    if interp:
-        interpreter_shim()
-        _grad_sums_kernel[(triton.cdiv(K, 16) * triton.cdiv(V, 16), G * H)](
-            *sums_args, H=H, K=K, V=V, BT=interp_tile(chunk_size), BR=16, BC=16, PREC=prec, G_MIN=G_MIN,
-            **sums_flags)
-    else:
-        # a GEMM walk like the forward's piece states: the same tiles
-        autotuned(_grad_sums_kernel, _state_configs, ["K", "V", "PREC", *sums_flags])[
-            lambda m: (triton.cdiv(K, m["BR"]) * triton.cdiv(V, m["BC"]), G * H)](
-            *sums_args, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **sums_flags)
-    rstarts, dh0 = scan_pieces(own, decay, dht, pc.segs, H, K, V, reverse=True)
+    q_sp, k_sp, v_sp, g_sp, order, wsc, L0 = src
     dq, dk, dg = (torch.empty(B, T, H, K, dtype=t.dtype, device=q.device) for t in (q, k, g))
     dv = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    dgq, off = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, **f32)
+    dgq, own = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, V, **f32)
     prod = _products(q.dtype) if prod is None else prod
     common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     v_rows = (q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
+    interp = interpreting()
+    key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
+    by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
+    # (1) dq and every piece's own state gradient, (2) the reverse scan, (3) dk and dg, (4) dv
+    if interp:
+        interpreter_shim()
+        _dq_kernel[(triton.cdiv(K, 16), G * H)](*rows, starts, dq, dgq, own, scale, BT=16, BK=16, BV=BVF,
+                                                **common)
+    else:
+        autotuned(_dq_kernel, _dq_configs, key)[by_rows](*rows, starts, dq, dgq, own, scale, BV=BVF, **common)
+    rstarts, dh0, off = reverse_scan(own, decay, dht, pc.segs, starts, s_fin, H, K, V)
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
-        _dq_kernel[grid](*rows, starts, rstarts, dq, dgq, off, scale, BT=16, BK=16, BV=BVF, **common)
         _dk_kernel[grid](*rows, rstarts, dgq, off, dk, dg, scale, BT=16, BK=16, BV=BVF, **common)
         _dv_kernel[(triton.cdiv(V, 16), G * H)](*v_rows, rstarts, dv, scale, BT=16, BK=BKF, BV=16, **common)
         return dq, dk, dv, dg, dh0
-    key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
-    by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
-    autotuned(_dq_kernel, _row_configs, key)[by_rows](*rows, starts, rstarts, dq, dgq, off, scale, BV=BVF, **common)
     autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
     autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
         *v_rows, rstarts, dv, scale, BK=BKF, **common)
@@ -333,18 +307,18 @@ class _GLAFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size):
         o, starts, decay, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
-        ctx.save_for_backward(q, k, v, g, starts, decay)
-        ctx.pc, ctx.scale, ctx.chunk_size, ctx.has_h0 = pc, scale, chunk_size, s0 is not None
+        ctx.save_for_backward(q, k, v, g, starts, s_end, decay)
+        ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's option, also for a backward run outside its block
         ctx.set_materialize_grads(False)
         return o, s_end
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, starts, decay = ctx.saved_tensors
+        q, k, v, g, starts, s_end, decay = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, decay, ctx.pc, ctx.scale, ctx.chunk_size,
+        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, ctx.pc, ctx.scale,
                                               ctx.prod)
         return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None
 

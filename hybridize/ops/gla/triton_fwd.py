@@ -129,11 +129,13 @@ def _piece_state_kernel(k, v, g, k_sp, v_sp, g_sp, order, wsc, L0, seg, l_out, d
 
 
 @triton.jit
-def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
+def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, f_starts, f_end, off, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
     # per ((key block, value block), sequence, head): each piece's starting state and the sequence's final one.
     # REVERSE (the backward's state gradient, same recurrence run from the last piece): each piece's carried
-    # gradient from after it, and the gradient of the sequence's initial state
+    # gradient R from after it, the gradient of the sequence's initial state, and (BC covering all of V) each
+    # piece's gates' gradient from after it, rowsum(S_end * R) with S_end the forward's state after the piece
+    # (f_starts of the next piece, or f_end after the last)
     i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     _, _, o_r, o_c, m_r, m_c = tile_block(tl.program_id(0), K, V, BR, BC)
@@ -147,6 +149,11 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, H: tl.constexpr, K: tl.con
     for i in range(0, count):
         if REVERSE:
             p = (first + count - 1 - i) * H + i_h
+            if i == 0:
+                b_E = tl.load(f_end + i_nh.to(tl.int64) * K * V + blk, mask=m_blk, other=0.0)
+            else:
+                b_E = tl.load(f_starts + (p + H) * K * V + blk, mask=m_blk, other=0.0)
+            tl.store(off + p * K + o_r, tl.sum(b_E * b_S, 1), mask=m_r)
         else:
             p = (first + i) * H + i_h
         tl.store(starts + p * K * V + blk, b_S, mask=m_blk)
@@ -244,19 +251,35 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def scan_pieces(own, decay, s0, segs, H, K, V, reverse=False):
+def scan_pieces(own, decay, s0, segs, H, K, V):
     """Piece sums `[G, H, K, V]` and total log-decays `[G, H, K]` -> (each piece's start `[G, H, K, V]`, each
-    sequence's end `[N, H, K, V]`), fp32; forward from `s0`, or with `reverse` from the last piece (then the
-    starts are the state gradients from after each piece and the end is the initial state's gradient)."""
-    N = segs.shape[0]
-    starts, s_end = torch.empty_like(own), own.new_empty(N, H, K, V)
+    sequence's end `[N, H, K, V]`), fp32, from `s0` (fp32 or None)."""
+    starts, s_end = torch.empty_like(own), own.new_empty(segs.shape[0], H, K, V)
     B_ = 16 if interpreting() else 32
+    _launch_scan(own, decay, s0, segs, starts, s_end, (own, own, own), H, K, V, B_, B_, False)
+    return starts, s_end
+
+
+def reverse_scan(own, decay, dht, segs, f_starts, f_end, H, K, V):
+    """The state gradient's scan from the last piece: each piece's own gradient sum `[G, H, K, V]` and total
+    log-decay `[G, H, K]`, the final states' gradient `dht` (fp32 or None), and the forward's piece starts and final
+    states -> (R `[G, H, K, V]` each piece's gradient from after it, the initial states' gradient `[N, H, K, V]`,
+    `[G, H, K]` each piece's gates' gradient from after it, rowsum(S_end * R)), fp32."""
+    rstarts, dh0 = torch.empty_like(own), own.new_empty(segs.shape[0], H, K, V)
+    off = decay.new_empty(decay.shape)
+    _launch_scan(own, decay, dht, segs, rstarts, dh0, (f_starts, f_end, off), H, K, V, 16,
+                 max(16, triton.next_power_of_2(V)), True)
+    return rstarts, dh0, off
+
+
+def _launch_scan(own, decay, s0, segs, starts, s_end, ends, H, K, V, BR, BC, reverse):
+    """`_scan_kernel` over [BR, BC] state blocks; `ends` (the forward's piece starts, final states, the gates'
+    suffix out) read and written only with `reverse`, which needs BC >= V."""
     if interpreting():
         interpreter_shim()
-    _scan_kernel[(triton.cdiv(K, B_) * triton.cdiv(V, B_), N * H)](
-        own, decay, own if s0 is None else s0, starts, s_end, segs, H=H, K=K, V=V, BR=B_, BC=B_,
+    _scan_kernel[(triton.cdiv(K, BR) * triton.cdiv(V, BC), segs.shape[0] * H)](
+        own, decay, own if s0 is None else s0, starts, s_end, segs, *ends, H=H, K=K, V=V, BR=BR, BC=BC,
         HAS_H0=s0 is not None, REVERSE=reverse, num_warps=4)
-    return starts, s_end
 
 
 class Gather(NamedTuple):
@@ -372,4 +395,4 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
     return o, (s_end if output_final_state else None)
 
 
-__all__ = ["Gather", "gla_fwd_triton"]
+__all__ = ["Gather", "gla_fwd_triton", "reverse_scan", "scan_pieces"]
