@@ -223,7 +223,7 @@ def _row_configs():
 
 def _dq_configs():
     # the dq pass carries two [BK, V] fp32 blocks (the state and the piece's own state gradient): the dk list and
-    # narrower key blocks
+    # narrower key blocks; the last was the one picked on SSE's 16k layout, one H200 (benchmarks/RESULTS.md)
     table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
              (16, 64, 4, 3), (16, 16, 2, 2), (16, 16, 4, 2), (16, 32, 4, 3)]
     return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]

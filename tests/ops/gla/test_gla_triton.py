@@ -227,7 +227,8 @@ def test_gla_tune_top_keeps_the_first_configs(monkeypatch):
     check numbers compile fewer); 0 keeps them all."""
     from hybridize.ops.gla import triton_bwd, triton_fwd
 
-    lists = (triton_fwd._out_configs, triton_fwd._state_configs, triton_bwd._row_configs, triton_bwd._col_configs)
+    lists = (triton_fwd._out_configs, triton_fwd._state_configs, triton_bwd._dq_configs, triton_bwd._row_configs,
+             triton_bwd._col_configs)
     monkeypatch.delenv("HYBRIDIZE_GLA_TUNE_TOP", raising=False)
     full = [f() for f in lists]
     monkeypatch.setenv("HYBRIDIZE_GLA_TUNE_TOP", "1")
