@@ -212,21 +212,26 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstart
         b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
 
 
-def _row_configs():
-    # the dk pass: key-channel blocks with the whole value width carried. The last two: the fastest of a wider
-    # sweep (stages 1-3) for the dq and dk passes on SSE's 16k layout, one H200 (dk 1.15 against 1.27 ms, dq 0.76
-    # against 0.82 for the best before; benchmarks/RESULTS.md)
-    table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
+#: the dq and dk passes' (BT, BK, num_warps, num_stages): key-channel blocks with the whole value width carried. The
+#: last two: the fastest of a wider sweep (stages 1-3) for both passes on SSE's 16k layout, one H200 (dk 1.15 against
+#: 1.27 ms, dq 0.76 against 0.82 for the best before; benchmarks/RESULTS.md)
+ROW_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
              (16, 64, 4, 3)]
+
+
+def _key_block_configs(table):
     return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]
+
+
+def _row_configs():
+    # the dk pass
+    return _key_block_configs(ROW_TILES)
 
 
 def _dq_configs():
-    # the dq pass carries two [BK, V] fp32 blocks (the state and the piece's own state gradient): the dk list and
-    # narrower key blocks; the last was the one picked on SSE's 16k layout, one H200 (benchmarks/RESULTS.md)
-    table = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 2, 2), (16, 128, 8, 2), (16, 32, 2, 3),
-             (16, 64, 4, 3), (16, 16, 2, 2), (16, 16, 4, 2), (16, 32, 4, 3)]
-    return [triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=st) for bt, bk, w, st in tune_list(table)]
+    # the dq pass carries two [BK, V] fp32 blocks (the state and the piece's own state gradient): narrower key blocks
+    # too; the last was the one picked on SSE's 16k layout, one H200 (benchmarks/RESULTS.md)
+    return _key_block_configs(ROW_TILES + [(16, 16, 2, 2), (16, 16, 4, 2), (16, 32, 4, 3)])
 
 
 def _col_configs():
