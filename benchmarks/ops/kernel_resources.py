@@ -16,6 +16,16 @@ stage-2 matmul) and the kernel's launch (`triton_fused_step.step_launch`, PDL on
 arguments as Triton's launcher does (16-byte divisibility of pointers and integers, integers equal to 1 as
 constants), compiles for the target and reads the cubin's registers, stack (spill) bytes and shared memory with the
 `cuobjdump` bundled in Triton's NVIDIA backend. Prints a markdown table and writes `--out` JSON.
+
+    python -m benchmarks.ops.kernel_resources --kernels gla                   # the pieces GLA's passes, every config
+
+`--kernels gla`: the same for the five passes of the pieces GLA (`ops/gla/triton_fwd.py`, `triton_bwd.py`: piece
+states, output, dq, dk, dv) on SSE's layout as training reads it (`--gla-layout shared`: the shared path in place, the
+sparse rows packed; `both`: both paths in place with the router scale; `plain`: a plain GLA call), bf16, every config
+of each pass's autotune list. The arguments are placeholders of the right dtype and alignment (only those specialise
+the compile); the kernels' parameters are checked against them, so a renamed or new one fails here in one line.
+(The dq pass taking the backward's piece sums took the config it picks on SSE's 16k layout from 238 to 255
+registers, and five of its ten configs now spill, against one of seven before: benchmarks/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -85,15 +96,16 @@ def specialise(fn, launch) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def compile_usage(fn, launch, arch: int, num_warps: int) -> dict:
+def compile_usage(fn, launch, arch: int, num_warps: int, num_stages: int | None = None) -> dict:
     """Compile `launch` of `fn` for sm_<arch> and read the cubin's resource usage."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = specialise(fn, launch)
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps})
+                            options=options)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "kernel.cubin"
         path.write_bytes(kernel.asm["cubin"])
@@ -121,6 +133,62 @@ def step_launch_for(m, B: int, pdl: bool = True):
     return launch, path
 
 
+#: the pieces GLA's runtime pointer arguments by name: their dtype (placeholders; only dtype and alignment specialise)
+_GLA_POINTERS = {torch.bfloat16: ("q", "k", "v", "do", "q_sp", "k_sp", "v_sp", "do_sp", "o", "dq", "dk", "dv"),
+                 torch.float32: ("g", "g_sp", "starts", "rstarts", "l_out", "d_out", "d_own", "dgq", "off", "dg"),
+                 torch.int64: ("order", "seg")}
+GLA_LAYOUTS = ("shared", "both", "plain")
+
+
+def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 128, V: int = 128):
+    """(pass, kernel, config, launch) for every config of the pieces GLA's five passes on SSE's layout of T tokens
+    (2T rows; `T` rows for `plain`), with the constexprs `forward_pieces` / `backward_pieces` give them."""
+    import triton
+
+    from hybridize.ops.common.triton_utils import tune_buckets
+    from hybridize.ops.gla import triton_bwd as tb, triton_fwd as tf
+
+    gather, packed, scaled = layout != "plain", layout == "shared", layout == "both"
+    runtime = {name: torch.empty(16, dtype=dt) for dt, names in _GLA_POINTERS.items() for name in names}
+    runtime["wsc"] = torch.empty(16, dtype=torch.float32 if scaled else torch.int64)   # else the order, unread
+    runtime |= dict(L0=T if gather else 0, scale=K ** -0.5, **tune_buckets(2 * T if gather else T, 1024 * H))
+    flags = dict(H=H, K=K, V=V, PREC="tf32", G_MIN=tf.G_MIN, PROD=2, KS=1, GATHER=gather, SCALE_Q=scaled,
+                 SCALE_K=scaled, PACKED=packed)
+    full_k, full_v = dict(BK=triton.next_power_of_2(K)), dict(BV=triton.next_power_of_2(V))
+    passes = [("piece states", tf._piece_state_kernel, tf._state_configs, {}),
+              ("output", tf._output_kernel, tf._out_configs, full_k), ("dq", tb._dq_kernel, tb._dq_configs, full_v),
+              ("dk", tb._dk_kernel, tb._row_configs, full_v), ("dv", tb._dv_kernel, tb._col_configs, full_k)]
+    for name, kernel, configs, fixed in passes:
+        for cfg in configs():
+            const = flags | fixed | cfg.kwargs
+            unknown = [p.name for p in kernel.params if p.name not in (const if p.is_constexpr else runtime)]
+            if unknown:
+                raise SystemExit(f"kernel_resources: {kernel.fn.__name__} takes {unknown}, which gla_launches does not "
+                                 "give: add them to _GLA_POINTERS or its constants")
+            args = [runtime[p.name] for p in kernel.params if not p.is_constexpr]
+            kwargs = {p.name: const[p.name] for p in kernel.params if p.is_constexpr}
+            yield name, kernel, cfg, SimpleNamespace(args=args, kwargs=kwargs)
+
+
+def gla_main(args) -> None:
+    from benchmarks.timing import md_table
+
+    rows, out = [], []
+    for name, kernel, cfg, launch in gla_launches(args.gla_layout):
+        usage = compile_usage(kernel, launch, args.arch, cfg.num_warps, cfg.num_stages)
+        tiles = ", ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
+        rec = dict(layout=args.gla_layout, kernel=name, tiles=tiles, warps=cfg.num_warps, stages=cfg.num_stages,
+                   **usage)
+        out.append(rec)
+        rows.append([name, tiles, cfg.num_warps, cfg.num_stages, usage["registers"], usage["stack"]])
+        print(rec, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"arch": args.arch, "rows": out}, indent=1))
+    print(f"\nThe pieces GLA's passes (ops/gla/triton_fwd.py, triton_bwd.py) on SSE's layout ({args.gla_layout}), "
+          f"compiled for sm_{args.arch}, bf16, K=V=128, every autotune config")
+    print(md_table(["pass", "tiles", "warps", "stages", "registers", "stack (spill) B"], rows))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="SSE layer shapes of benchmarks/ops/sse_step.py")
@@ -128,8 +196,14 @@ def main(argv=None):
     ap.add_argument("--warps", default="4", help="num_warps to compile with, comma-separated (the launch uses 4)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 = H100 / H200")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
+    ap.add_argument("--kernels", default="step", choices=["step", "gla"],
+                    help="step: SSE's decode step; gla: the pieces GLA's five passes, every autotune config")
+    ap.add_argument("--gla-layout", default="shared", choices=GLA_LAYOUTS,
+                    help="with --kernels gla: shared (training's default), both (both paths in place), plain")
     args = ap.parse_args(argv)
     cuobjdump()
+    if args.kernels == "gla":
+        return gla_main(args)
     from benchmarks.ops.sse_step import build
     from benchmarks.timing import md_table
     from hybridize.ops.sse.triton_fused_step import _sse_gla_step_kernel

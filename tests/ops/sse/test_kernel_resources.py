@@ -74,3 +74,43 @@ def test_the_135m_step_compiles_without_spills():
     assert signature["y"] == "*bf16" and signature["st_sh"] == "*fp32"
     usage = kr.compile_usage(_sse_gla_step_kernel, launch, 90, 4)
     assert usage["stack"] == 0 and 0 < usage["registers"] <= 128
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", kr.GLA_LAYOUTS)
+def test_gla_launches_fill_every_pass_signature(layout):
+    """`--kernels gla`: every config of the pieces GLA's five passes, each launch giving every parameter of its kernel
+    (one runtime argument per non-constexpr parameter), the layout's flags and the config's tiles."""
+    from hybridize.ops.gla import triton_bwd as tb, triton_fwd as tf
+
+    launches = list(kr.gla_launches(layout))
+    lists = {"piece states": tf._state_configs, "output": tf._out_configs, "dq": tb._dq_configs,
+             "dk": tb._row_configs, "dv": tb._col_configs}
+    assert [n for n, *_ in launches] == [n for n, f in lists.items() for _ in f()]
+    for name, kernel, cfg, launch in launches:
+        assert len(launch.args) == sum(not p.is_constexpr for p in kernel.params)
+        assert set(launch.kwargs) == {p.name for p in kernel.params if p.is_constexpr}
+        assert cfg.kwargs.items() <= launch.kwargs.items()
+        assert launch.kwargs["GATHER"] == (layout != "plain") and launch.kwargs["PACKED"] == (layout == "shared")
+
+
+@needs_triton
+def test_gla_launches_name_a_parameter_they_do_not_know(monkeypatch):
+    """A pass parameter the tool has no placeholder for fails in one line that names it."""
+    pointers = {dt: tuple(n for n in names if n != "dgq") for dt, names in kr._GLA_POINTERS.items()}
+    monkeypatch.setattr(kr, "_GLA_POINTERS", pointers)
+    with pytest.raises(SystemExit, match=r"_dq_kernel takes \['dgq'\]"):
+        list(kr.gla_launches("shared"))
+
+
+@needs_tools
+def test_gla_passes_compile_for_sm90():
+    """The first config of every pass compiles for sm_90 with the launcher's hints and reports its registers."""
+    seen = set()
+    for name, kernel, cfg, launch in kr.gla_launches("shared"):
+        if name in seen:
+            continue
+        seen.add(name)
+        usage = kr.compile_usage(kernel, launch, 90, cfg.num_warps, cfg.num_stages)
+        assert 0 < usage["registers"] <= 255 and usage["stack"] >= 0
+    assert seen == {"piece states", "output", "dq", "dk", "dv"}
