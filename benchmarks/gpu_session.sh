@@ -24,6 +24,9 @@
 #   gemm      decode_gemm.py: F.linear vs the Triton decode GEMM per weight shape, 8 rows (autotunes first)
 #   sse_profile  profile_sse.py: SSE varlen n4k1, chunk_gla on T tokens and on SSE's 2T layout, device vs wall
 #             time and top kernels, 4k/16k
+#   sse_ab    profile_sse.py alternating between this tree and another commit's (BASE: a folder holding that tree,
+#             e.g. `git archive <commit> hybridize benchmarks | tar -x -C .base` here, carried), ROUNDS times,
+#             SSE only (--no-fla), at SSE_T (default 16384): a kernel change's A/B in one process pair per round
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -100,6 +103,14 @@ for s in "${STEPS_[@]}"; do
       timeout 200 python3 -m benchmarks.ops.decode_gemm --rows 8 --out "$OUT/decode_gemm.json" 2>&1 | tail -16 ;;
     sse_profile)
       timeout 200 python3 -m benchmarks.ops.profile_sse --T 4096,16384 --out "$OUT/profile_sse.json" 2>&1 | tail -120 ;;
+    sse_ab)
+      for r in $(seq 1 "${ROUNDS:-2}"); do
+        for side in this base; do
+          dir=.; [ "$side" = base ] && dir=${BASE:?BASE: the other tree}
+          (cd "$dir" && timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
+             --out "$OUT/sse_ab_${side}_$r.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$side $r] /"
+        done
+      done ;;
     scale)
       random_teacher
       for mp in bf16 no; do
