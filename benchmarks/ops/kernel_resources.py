@@ -148,12 +148,15 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
     from hybridize.ops.common.triton_utils import tune_buckets
     from hybridize.ops.gla import triton_bwd as tb, triton_fwd as tf
 
-    gather, packed, scaled = layout != "plain", layout == "shared", layout == "both"
     runtime = {name: torch.empty(16, dtype=dt) for dt, names in _GLA_POINTERS.items() for name in names}
-    runtime["wsc"] = torch.empty(16, dtype=torch.float32 if scaled else torch.int64)   # else the order, unread
-    runtime |= dict(L0=T if gather else 0, scale=K ** -0.5, **tune_buckets(2 * T if gather else T, 1024 * H))
-    flags = dict(H=H, K=K, V=V, PREC="tf32", G_MIN=tf.G_MIN, PROD=2, KS=1, GATHER=gather, SCALE_Q=scaled,
-                 SCALE_K=scaled, PACKED=packed)
+    ph = runtime
+    gather = None if layout == "plain" else tf.Gather(
+        ph["q_sp"], ph["k_sp"], ph["v_sp"], ph["g_sp"], ph["order"], torch.empty(16) if layout == "both" else None, 1,
+        T, True, True, packed=layout == "shared")
+    (*_, wsc, L0), gather_flags = tf._gather_args(ph["q"], ph["k"], ph["v"], ph["g"], gather)   # as the passes get them
+    runtime |= dict(wsc=wsc, L0=L0, scale=K ** -0.5, **tune_buckets(2 * T if gather else T, 1024 * H))
+    flags = dict(H=H, K=K, V=V, PREC=tf._precision(torch.bfloat16), G_MIN=tf.G_MIN, PROD=tb._products(torch.bfloat16),
+                 **gather_flags)
     full_k, full_v = dict(BK=triton.next_power_of_2(K)), dict(BV=triton.next_power_of_2(V))
     passes = [("piece states", tf._piece_state_kernel, tf._state_configs, {}),
               ("output", tf._output_kernel, tf._out_configs, full_k), ("dq", tb._dq_kernel, tb._dq_configs, full_v),
