@@ -27,6 +27,8 @@
 #   sse_ab    profile_sse.py alternating between this tree and another commit's (BASE: a folder holding that tree,
 #             e.g. `git archive <commit> hybridize benchmarks | tar -x -C .base` here, carried), ROUNDS times,
 #             SSE only (--no-fla), at SSE_T (default 16384): a kernel change's A/B in one process pair per round
+#   sse_env   profile_sse.py on this tree alternating between kernel-option settings (ENV_AB: `;`-separated
+#             environment assignments), ROUNDS times, SSE only, at SSE_T
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -109,6 +111,16 @@ for s in "${STEPS_[@]}"; do
           dir=.; [ "$side" = base ] && dir=${BASE:?BASE: the other tree}
           (cd "$dir" && timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
              --out "$OUT/sse_ab_${side}_$r.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$side $r] /"
+        done
+      done ;;
+    sse_env)
+      # the same tree under each kernel-option setting of ENV_AB (`;`-separated environment assignments, e.g.
+      # "HYBRIDIZE_GLA_SUB_TILES=1;HYBRIDIZE_GLA_SUB_TILES=2"), alternating, ROUNDS times, SSE only, at SSE_T
+      IFS=';' read -ra SETS <<< "${ENV_AB:?ENV_AB: settings to alternate}"
+      for r in $(seq 1 "${ROUNDS:-2}"); do
+        for i in "${!SETS[@]}"; do
+          (env ${SETS[$i]} timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
+             --out "$OUT/sse_env_${i}_$r.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[${SETS[$i]} $r] /"
         done
       done ;;
     scale)

@@ -18,6 +18,7 @@ constants), compiles for the target and reads the cubin's registers, stack (spil
 `cuobjdump` bundled in Triton's NVIDIA backend. Prints a markdown table and writes `--out` JSON.
 
     python -m benchmarks.ops.kernel_resources --kernels gla                   # the pieces GLA's passes, every config
+    python -m benchmarks.ops.kernel_resources --kernels gla --gla-passes dk,dv  # those passes only (seconds)
 
 `--kernels gla`: the same for the five passes of the pieces GLA (`ops/gla/triton_fwd.py`, `triton_bwd.py`: piece
 states, output, dq, dk, dv) on SSE's layout as training reads it (`--gla-layout shared`: the shared path in place, the
@@ -140,9 +141,11 @@ _GLA_POINTERS = {torch.bfloat16: ("q", "k", "v", "do", "q_sp", "k_sp", "v_sp", "
 GLA_LAYOUTS = ("shared", "both", "plain")
 
 
-def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 128, V: int = 128):
-    """(pass, kernel, config, launch) for every config of the pieces GLA's five passes on SSE's layout of T tokens
-    (2T rows; `T` rows for `plain`), with the constexprs `forward_pieces` / `backward_pieces` give them."""
+def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 128, V: int = 128,
+                 only: tuple[str, ...] = ()):
+    """(pass, kernel, config, launch) for every config of the pieces GLA's five passes (or those named in `only`) on
+    SSE's layout of T tokens (2T rows; `T` rows for `plain`), with the constexprs `forward_pieces` /
+    `backward_pieces` give them."""
     import triton
 
     from hybridize.ops.common.triton_utils import tune_buckets
@@ -161,7 +164,12 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
     passes = [("piece states", tf._piece_state_kernel, tf._state_configs, {}),
               ("output", tf._output_kernel, tf._out_configs, full_k), ("dq", tb._dq_kernel, tb._dq_configs, full_v),
               ("dk", tb._dk_kernel, tb._row_configs, full_v), ("dv", tb._dv_kernel, tb._col_configs, full_k)]
+    names = [p[0] for p in passes]
+    if set(only) - set(names):
+        raise SystemExit(f"kernel_resources: --gla-passes takes {', '.join(names)}; got {', '.join(only)}")
     for name, kernel, configs, fixed in passes:
+        if only and name not in only:
+            continue
         for cfg in configs():
             const = flags | fixed | cfg.kwargs
             unknown = [p.name for p in kernel.params if p.name not in (const if p.is_constexpr else runtime)]
@@ -177,7 +185,8 @@ def gla_main(args) -> None:
     from benchmarks.timing import md_table
 
     rows, out = [], []
-    for name, kernel, cfg, launch in gla_launches(args.gla_layout):
+    only = tuple(p.strip() for p in args.gla_passes.split(",") if p.strip())
+    for name, kernel, cfg, launch in gla_launches(args.gla_layout, only=only):
         usage = compile_usage(kernel, launch, args.arch, cfg.num_warps, cfg.num_stages)
         tiles = ", ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
         rec = dict(layout=args.gla_layout, kernel=name, tiles=tiles, warps=cfg.num_warps, stages=cfg.num_stages,
@@ -203,6 +212,8 @@ def main(argv=None):
                     help="step: SSE's decode step; gla: the pieces GLA's five passes, every autotune config")
     ap.add_argument("--gla-layout", default="shared", choices=GLA_LAYOUTS,
                     help="with --kernels gla: shared (training's default), both (both paths in place), plain")
+    ap.add_argument("--gla-passes", default="", help="with --kernels gla: only these passes, comma-separated "
+                                                     "(piece states, output, dq, dk, dv; default all)")
     args = ap.parse_args(argv)
     cuobjdump()
     if args.kernels == "gla":

@@ -159,6 +159,9 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         b_Bt = tl.where(triu, tl.dot(b_v, tl.trans(b_do), input_precision=PREC), 0.0)
         b_dk = tl.dot(b_Bt.to(dt), (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
                       input_precision=PREC) * tl.exp(b_ref[None, :] - b_gc)
+        # rounded here, not at the update: q in fp32 dies earlier (the picked BK=32, 2-warp config spills 16 bytes,
+        # not 24; 1.19 against 1.21 ms at 16k on SSE's layout, one H200; benchmarks/RESULTS.md)
+        b_qd = (b_qs * tl.exp(b_gc)).to(dt)
         b_dk += mdot_r(b_v, tl.trans(b_dS), PROD, PREC) * tl.exp(b_last[None, :] - b_gc)
         pk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
@@ -168,7 +171,6 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         b_dg = b_c[None, :] + b_tot[None, :] - tl.cumsum(b_dG, 0) + b_dG
         tl.store(dg + pk, tl.where(b_pass, b_dg, 0.0).to(dg.dtype.element_ty), mask=m_tk)
         b_c += b_tot
-        b_qd = (b_qs * tl.exp(b_gc)).to(dt)
         b_dS = b_dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
 
 

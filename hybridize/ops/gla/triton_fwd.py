@@ -163,11 +163,39 @@ def _scan_kernel(l_in, d_in, s0, starts, s_end, segs, f_starts, f_end, off, H: t
 
 
 @triton.jit
+def _out_inputs(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, bos, rows, m_t, i_h, o_k, m_k, o_v, m_v, scale,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr,
+                GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr):
+    """The output pass's tile of rows `[BT]`: scale * q (fp32), k `[BT, BK]`, the floored gates' inclusive cumsum
+    (fp32) and total `[BK]`, v `[BT, BV]` (loads in a branch, `_load`'s SELECT off)."""
+    src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
+    b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_K)
+    b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False).to(tl.float32), G_MIN)
+    b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER, False)
+    return b_q.to(tl.float32) * scale, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0), b_v
+
+
+@triton.jit
+def _intra(b_qs, b_k, b_gc, b_last, tril, dt, PREC: tl.constexpr):
+    """A `[BT, BT]` = tril(q k^T * exp(Gc_t - Gc_s)) within one 16-token tile, in dt, the factor split at half the
+    tile's decay (each part within exp(+-64) under G_MIN)."""
+    b_ref = 0.5 * b_last
+    b_A = tl.dot((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
+                 tl.trans((b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt)), input_precision=PREC)
+    return tl.where(tril, b_A, 0.0).to(dt)
+
+
+@triton.jit
 def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, o, scale, H: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
                    SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr, LEN, ROWS):
-    # one program per (value block, piece, head); LEN / ROWS: autotune key only
+    # one program per (value block, piece, head); LEN / ROWS: autotune key only. The tile's inputs and scores in
+    # helpers (and the state rounded before the products) as written here: 255 registers a thread and no spill at
+    # BV=128 with 4 warps, against 32 bytes spilled written inline (0.63 against 0.70 ms at 16k on SSE's layout, one
+    # H200; benchmarks/RESULTS.md)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -181,25 +209,16 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
     for i_t in range(0, tl.cdiv(L, BT)):
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
-        src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
-        pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
-        b_k = _scaled(_load(k, k_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_K)
-        b_g = tl.maximum(_load(g, g_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False).to(tl.float32), G_MIN)
-        b_v = _load(v, v_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER, False)
-        b_gc = tl.cumsum(b_g, 0)
-        b_last = tl.sum(b_g, 0)
-        b_ref = 0.5 * b_last
+        b_qs, b_k, b_gc, b_last, b_v = _out_inputs(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, bos, rows,
+                                                   m_t, i_h, o_k, m_k, o_v, m_v, scale, H, K, V, G_MIN, KS, GATHER,
+                                                   SCALE_Q, SCALE_K, PACKED)
         dt = b_v.dtype
-        b_qs = b_q.to(tl.float32) * scale
-        b_o = tl.dot((b_qs * tl.exp(b_gc)).to(dt), b_S.to(dt), input_precision=PREC)
-        b_A = tl.dot((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt),
-                     tl.trans((b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt)), input_precision=PREC)
-        b_A = tl.where(tril, b_A, 0.0)
-        b_o += tl.dot(b_A.to(dt), b_v, input_precision=PREC)
-        tl.store(o + pv, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)
+        b_Sd = b_S.to(dt)
+        b_o = tl.dot((b_qs * tl.exp(b_gc)).to(dt), b_Sd, input_precision=PREC)
+        b_o += tl.dot(_intra(b_qs, b_k, b_gc, b_last, tril, dt, PREC), b_v, input_precision=PREC)
+        tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+        b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)     # exponents <= 0
         b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
 
 

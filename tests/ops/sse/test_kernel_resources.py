@@ -95,6 +95,17 @@ def test_gla_launches_fill_every_pass_signature(layout):
 
 
 @needs_triton
+def test_gla_launches_take_only_the_passes_asked():
+    """`--gla-passes dq,dv`: those passes' configs alone; a name that is not a pass fails in one line."""
+    from hybridize.ops.gla import triton_bwd as tb
+
+    names = [n for n, *_ in kr.gla_launches("shared", only=("dq", "dv"))]
+    assert names == ["dq"] * len(tb._dq_configs()) + ["dv"] * len(tb._col_configs())
+    with pytest.raises(SystemExit, match="--gla-passes takes piece states, output, dq, dk, dv; got dw"):
+        list(kr.gla_launches("shared", only=("dw",)))
+
+
+@needs_triton
 def test_gla_launches_name_a_parameter_they_do_not_know(monkeypatch):
     """A pass parameter the tool has no placeholder for fails in one line that names it."""
     pointers = {dt: tuple(n for n in names if n != "dgq") for dt, names in kr._GLA_POINTERS.items()}
