@@ -54,6 +54,13 @@ AutoTokenizer.from_pretrained(".tiny/smollm2").save_pretrained("/root/rand-smoll
 PY
 }
 
+sse_run() {  # sse_run LABEL NAME DIR [VAR=VALUE ...]: profile_sse.py on the tree in DIR, SSE only, at SSE_T
+  local label=$1 name=$2 dir=$3
+  shift 3
+  (cd "$dir" && env "$@" timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
+     --out "$OUT/$name.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$label] /"
+}
+
 for s in "${STEPS_[@]}"; do
   step "$s"
   case $s in
@@ -107,20 +114,17 @@ for s in "${STEPS_[@]}"; do
       timeout 200 python3 -m benchmarks.ops.profile_sse --T 4096,16384 --out "$OUT/profile_sse.json" 2>&1 | tail -120 ;;
     sse_ab)
       for r in $(seq 1 "${ROUNDS:-2}"); do
-        for side in this base; do
-          dir=.; [ "$side" = base ] && dir=${BASE:?BASE: the other tree}
-          (cd "$dir" && timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
-             --out "$OUT/sse_ab_${side}_$r.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$side $r] /"
-        done
+        sse_run "this $r" "sse_ab_this_$r" .
+        sse_run "base $r" "sse_ab_base_$r" "${BASE:?BASE: the other tree}"
       done ;;
     sse_env)
       # the same tree under each kernel-option setting of ENV_AB (`;`-separated environment assignments, e.g.
-      # "HYBRIDIZE_GLA_SUB_TILES=1;HYBRIDIZE_GLA_SUB_TILES=2"), alternating, ROUNDS times, SSE only, at SSE_T
+      # "HYBRIDIZE_GLA_ROWS=512;HYBRIDIZE_GLA_ROWS=1024"), alternating, ROUNDS times
       IFS=';' read -ra SETS <<< "${ENV_AB:?ENV_AB: settings to alternate}"
       for r in $(seq 1 "${ROUNDS:-2}"); do
         for i in "${!SETS[@]}"; do
-          (env ${SETS[$i]} timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
-             --out "$OUT/sse_env_${i}_$r.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[${SETS[$i]} $r] /"
+          # shellcheck disable=SC2086  # one setting may hold several assignments
+          sse_run "${SETS[$i]} $r" "sse_env_${i}_$r" . ${SETS[$i]}
         done
       done ;;
     scale)

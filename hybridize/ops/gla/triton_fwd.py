@@ -167,7 +167,9 @@ def _out_inputs(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, bos, rows, m
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr,
                 GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr):
     """The output pass's tile of rows `[BT]`: scale * q (fp32), k `[BT, BK]`, the floored gates' inclusive cumsum
-    (fp32) and total `[BK]`, v `[BT, BV]` (loads in a branch, `_load`'s SELECT off)."""
+    (fp32) and total `[BK]`, v `[BT, BV]` (loads in a branch, `_load`'s SELECT off). The backward's `_tile` loads the
+    same q, k, g, but built on it (v loaded after the gates' sums) this pass compiles to different PTX for sm_90, not
+    timed; this form is the one measured (benchmarks/RESULTS.md)."""
     src, sparse, w = _sources(rows, m_t, bos, order, wsc, L0, KS, GATHER, SCALE_Q or SCALE_K, PACKED)
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = _scaled(_load(q, q_sp, src, sparse, i_h, o_k, m_tk, K, H, GATHER, False), w, SCALE_Q)
