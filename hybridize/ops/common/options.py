@@ -75,7 +75,7 @@ class KernelOptions:
                                        "(hi/lo pair)", "HYBRIDIZE_GLA_PRODUCTS", GLA_PRODUCTS)
     gla_tune_top: int = _opt(0, "pieces GLA: keep the first n configs of its autotune lists (0 = all; 1 for tests "
                                 "that only check numbers)", "HYBRIDIZE_GLA_TUNE_TOP", min=0)
-    gla_rows: int = _opt(1024, "pieces GLA: (piece, head) rows the automatic piece length aims at",
+    gla_rows: int = _opt(512, "pieces GLA: (piece, head) rows the automatic piece length aims at",
                          "HYBRIDIZE_GLA_ROWS", min=1)
     sse_gla_pieces: bool = _opt(True, "SSE varlen GLA on CUDA bf16 runs our pieces GLA (false: dispatch's op, "
                                       "fla's chunk_gla)", "HYBRIDIZE_SSE_GLA_PIECES")

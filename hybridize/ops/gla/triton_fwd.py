@@ -250,17 +250,14 @@ def _state_configs():
             for bt, br, bc, w, st in tune_list(table)]
 
 
-#: (piece, head) rows the automatic piece length aims at (`triton_utils.piece_len`): the default of the kernel
-#: option `gla_rows` (`HYBRIDIZE_GLA_ROWS` overrides): H100 sweep on SSE's 2T layout (benchmarks/RESULTS.md),
-#: forward+backward 16k: 128 rows 5.35 ms, 256 4.84, 512 4.64, 1024 4.59; forward 1.55 / 1.38 / 1.31 / 1.31
-#: (at 4k every setting from 256 up gives 512-token pieces)
-ROWS = 1024
-
-
 def _pieces_for(q, B, T, cu, segment_len):
     """The piece table of a call (`segment_len`: None automatic on GPU / one piece per sequence in the
     interpreter, 0 one piece per sequence) and its length (None: one piece per sequence)."""
     if segment_len is None:
+        # the option `gla_rows` (`HYBRIDIZE_GLA_ROWS`), default 512 (piece, head) rows: on SSE's 2T layout 1024-token
+        # pieces at 16k, 2048 at 32k, 4096 at 64k. One H200, forward+backward (benchmarks/RESULTS.md): 16k 4.36-4.38
+        # ms against 4.48-4.49 with 512-token pieces (1024 rows, the H100 sweep's pick on older kernels: 4.59 against
+        # 4.64 ms there); 32k 9.60 against 9.64. From 8k down every setting from 512 up gives 512-token pieces.
         rows = current_kernel_options().gla_rows
         seg_len = None if interpreting() else piece_len(B, T, q.shape[2], T if cu is None else B * T, rows)
     else:

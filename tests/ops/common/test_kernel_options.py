@@ -71,7 +71,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
                         "HYBRIDIZE_SSE_STEP_LOWRANK"}
     assert KernelOptions.from_env({}) == KernelOptions() == KernelOptions.from_env({v: "" for v in ENV})
     d = KernelOptions().to_dict()
-    assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 1024 and d["ccq_segment"] is None
+    assert d["kernels"] == "auto" and d["ccq_rows"] == 128 and d["gla_rows"] == 512 and d["ccq_segment"] is None
     assert d["sse_gla_pieces"] and d["sse_triton"] and d["sse_fused_step"] and d["window_step"] and d["sse_step_finish"]
     assert not d["force_triton"] and d["pdl"] and d["sse_merged_lowrank"] == "auto"
     assert d["sse_step_lowrank"] == "auto"
