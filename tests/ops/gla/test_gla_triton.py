@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hybridize.errors import UserError
 from hybridize.ops.gla.reference import naive_recurrent_gla
 
-from tests.ops.triton_gates import cuda_only, interp_only, rel
+from tests.ops.triton_gates import HAS_TRITON, cuda_only, interp_only, rel
 
 
 def inputs(B, T, H, K, V, device="cpu", seed=0, strength=1.0):
@@ -234,3 +234,21 @@ def test_gla_tune_top_keeps_the_first_configs(monkeypatch):
     monkeypatch.setenv("HYBRIDIZE_GLA_TUNE_TOP", "1")
     assert [[str(c) for c in f()] for f in lists] == [[str(c[0])] for c in full]
     assert min(len(c) for c in full) > 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
+def test_automatic_piece_length_on_sse_layout(monkeypatch):
+    """The default `gla_rows` (512) on SSE's 2T-row layout, H=16: 512-token pieces up to 8k, then 1024 / 2048 / 4096
+    tokens at 16k / 32k / 64k (the lengths timed fastest on one H200, benchmarks/RESULTS.md); the option overrides."""
+    from hybridize.ops.common.options import current_kernel_options
+    from hybridize.ops.common.triton_utils import piece_len
+
+    for var in ("HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_CCQ_SEGMENT"):
+        monkeypatch.delenv(var, raising=False)
+
+    def lengths():
+        rows = current_kernel_options().gla_rows
+        return [piece_len(1, 2 * T, 16, 2 * T, rows) for T in (4096, 8192, 16384, 32768, 65536)]
+    assert lengths() == [512, 512, 1024, 2048, 4096]
+    monkeypatch.setenv("HYBRIDIZE_GLA_ROWS", "1024")
+    assert lengths() == [512, 512, 512, 1024, 2048]
