@@ -26,9 +26,10 @@
 #             time and top kernels, 4k/16k
 #   sse_ab    profile_sse.py alternating between this tree and another commit's (BASE: a folder holding that tree,
 #             e.g. `git archive <commit> hybridize benchmarks | tar -x -C .base` here, carried), ROUNDS times,
-#             SSE only (--no-fla), at SSE_T (default 16384): a kernel change's A/B in one process pair per round
+#             SSE only (--no-fla), at SSE_T (default 16384): a kernel change's A/B in one process pair per round;
+#             every run's rows in $OUT/sse_ab.json
 #   sse_env   profile_sse.py on this tree alternating between kernel-option settings (ENV_AB: `;`-separated
-#             environment assignments), ROUNDS times, SSE only, at SSE_T
+#             environment assignments), ROUNDS times, SSE only, at SSE_T; every run's rows in $OUT/sse_env.json
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -54,11 +55,23 @@ AutoTokenizer.from_pretrained(".tiny/smollm2").save_pretrained("/root/rand-smoll
 PY
 }
 
+RUNS=$(mktemp -d)   # sse_run's per-run rows, merged into one file per step (a device call returns at most 8 files)
+trap 'rm -rf "$RUNS"' EXIT
+
 sse_run() {  # sse_run LABEL NAME DIR [VAR=VALUE ...]: profile_sse.py on the tree in DIR, SSE only, at SSE_T
   local label=$1 name=$2 dir=$3
   shift 3
   (cd "$dir" && env "$@" timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
-     --out "$OUT/$name.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$label] /"
+     --out "$RUNS/$name.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$label] /"
+}
+
+merge_runs() {  # merge_runs STEP: $OUT/STEP.json = {run name: its profile_sse rows} of the runs so far, in run order
+  python3 - "$RUNS" "$OUT/$1.json" <<'PY'
+import json, pathlib, sys
+runs = sorted(pathlib.Path(sys.argv[1]).glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+pathlib.Path(sys.argv[2]).write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in runs}, indent=1))
+PY
+  rm -f "$RUNS"/*.json
 }
 
 for s in "${STEPS_[@]}"; do
@@ -116,7 +129,8 @@ for s in "${STEPS_[@]}"; do
       for r in $(seq 1 "${ROUNDS:-2}"); do
         sse_run "this $r" "sse_ab_this_$r" .
         sse_run "base $r" "sse_ab_base_$r" "${BASE:?BASE: the other tree}"
-      done ;;
+      done
+      merge_runs sse_ab ;;
     sse_env)
       # the same tree under each kernel-option setting of ENV_AB (`;`-separated environment assignments, e.g.
       # "HYBRIDIZE_GLA_ROWS=512;HYBRIDIZE_GLA_ROWS=1024"), alternating, ROUNDS times
@@ -126,7 +140,8 @@ for s in "${STEPS_[@]}"; do
           # shellcheck disable=SC2086  # one setting may hold several assignments
           sse_run "${SETS[$i]} $r" "sse_env_${i}_$r" . ${SETS[$i]}
         done
-      done ;;
+      done
+      merge_runs sse_env ;;
     scale)
       random_teacher
       for mp in bf16 no; do
