@@ -152,11 +152,10 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
     from hybridize.ops.gla import triton_bwd as tb, triton_fwd as tf
 
     runtime = {name: torch.empty(16, dtype=dt) for dt, names in _GLA_POINTERS.items() for name in names}
-    ph = runtime
     gather = None if layout == "plain" else tf.Gather(
-        ph["q_sp"], ph["k_sp"], ph["v_sp"], ph["g_sp"], ph["order"], torch.empty(16) if layout == "both" else None, 1,
-        T, True, True, packed=layout == "shared")
-    (*_, wsc, L0), gather_flags = tf._gather_args(ph["q"], ph["k"], ph["v"], ph["g"], gather)   # as the passes get them
+        *(runtime[n] for n in ("q_sp", "k_sp", "v_sp", "g_sp", "order")), torch.empty(16) if layout == "both" else None,
+        1, T, True, True, packed=layout == "shared")
+    (*_, wsc, L0), gather_flags = tf._gather_args(*(runtime[n] for n in "qkvg"), gather)   # as the passes get them
     runtime |= dict(wsc=wsc, L0=L0, scale=K ** -0.5, **tune_buckets(2 * T if gather else T, 1024 * H))
     flags = dict(H=H, K=K, V=V, PREC=tf._precision(torch.bfloat16), G_MIN=tf.G_MIN, PROD=tb._products(torch.bfloat16),
                  **gather_flags)
