@@ -135,7 +135,8 @@ def step_launch_for(m, B: int, pdl: bool = True):
 
 
 #: the pieces GLA's runtime pointer arguments by name: their dtype (placeholders; only dtype and alignment specialise)
-_GLA_POINTERS = {torch.bfloat16: ("q", "k", "v", "do", "q_sp", "k_sp", "v_sp", "do_sp", "o", "dq", "dk", "dv"),
+_GLA_POINTERS = {torch.bfloat16: ("q", "k", "v", "do", "q_sp", "k_sp", "v_sp", "do_sp", "o", "dq", "dk", "dv", "a_out",
+                                   "a_in"),
                  torch.float32: ("g", "g_sp", "starts", "rstarts", "l_out", "d_out", "d_own", "dgq", "off", "dg"),
                  torch.int64: ("order", "seg")}
 GLA_LAYOUTS = ("shared", "both", "plain")
@@ -161,7 +162,8 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
                  **gather_flags)
     full_k, full_v = dict(BK=triton.next_power_of_2(K)), dict(BV=triton.next_power_of_2(V))
     passes = [("piece states", tf._piece_state_kernel, tf._state_configs, {}),
-              ("output", tf._output_kernel, tf._out_configs, full_k), ("dq", tb._dq_kernel, tb._dq_configs, full_v),
+              ("output", tf._output_kernel, tf._out_configs, full_k | dict(KEEP_A=True)),   # as in training
+              ("dq", tb._dq_kernel, tb._dq_configs, full_v),
               ("dk", tb._dk_kernel, tb._row_configs, full_v), ("dv", tb._dv_kernel, tb._col_configs, full_k)]
     names = [p[0] for p in passes]
     if set(only) - set(names):

@@ -45,8 +45,8 @@ from hybridize.ops.common.options import current_kernel_options
 
 from hybridize.ops.common.triton_utils import (autotuned, interpreter_shim, interpreting, mdot_r, seg_bounds,
                                                tune_buckets)
-from hybridize.ops.gla.triton_fwd import (G_MIN, Gather, _gather_args, _load, _pieces_for, _precision, _scaled,
-                                          _sources, check_inputs, forward_pieces, reverse_scan, tune_list)
+from hybridize.ops.gla.triton_fwd import (G_MIN, SCORE_TILE, Gather, _gather_args, _load, _pieces_for, _precision,
+                                          _scaled, _sources, check_inputs, forward_pieces, reverse_scan, tune_list)
 
 
 @triton.jit
@@ -177,12 +177,14 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
 
 
 @triton.jit
-def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstarts, dv, scale, H: tl.constexpr,
+def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstarts, a_in, dv, scale, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
                KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
                PACKED: tl.constexpr, LEN, ROWS):
-    # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV]
+    # one program per (value block, piece, head), backward in time carrying the state gradient's columns dS[K, BV];
+    # the tiles' scores A as the forward's output pass kept them (a_in `[rows, H, BT]`), read transposed
+    tl.static_assert(BT == 16, "the kept scores are 16-token tiles (triton_fwd.SCORE_TILE)")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -190,7 +192,6 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstart
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    triu = o_t[:, None] <= o_t[None, :]
     b_dS = tl.load(rstarts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
     NT = tl.cdiv(L, BT)
@@ -204,12 +205,9 @@ def _dv_kernel(q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, seg, rstart
         pv = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_do = _load(do, do_sp, src, sparse, i_h, o_v, m_t[:, None] & m_v[None, :], V, H, GATHER, False)
         dt = b_do.dtype
-        b_ref = 0.5 * b_last
         b_qs = b_q.to(tl.float32) * scale
-        b_At = tl.dot((b_k.to(tl.float32) * tl.exp(b_ref[None, :] - b_gc)).to(dt),
-                      tl.trans((b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt)), input_precision=PREC)
-        b_At = tl.where(triu, b_At, 0.0)
-        b_dv = tl.dot(b_At.to(dt), b_do, input_precision=PREC)
+        b_At = tl.load(a_in + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)
+        b_dv = tl.dot(b_At, b_do, input_precision=PREC)
         b_dv += mdot_r((b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt), b_dS, PROD, PREC)
         tl.store(dv + pv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         b_qd = (b_qs * tl.exp(b_gc)).to(dt)
@@ -244,15 +242,16 @@ def _col_configs():
     return [triton.Config({"BT": bt, "BV": bv}, num_warps=w, num_stages=st) for bt, bv, w, st in tune_list(table)]
 
 
-def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, pc, scale, prod: int | None = None,
+def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale, prod: int | None = None,
                     gather: Gather | None = None, do_sparse: torch.Tensor | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
-    final state's `dht` (fp32 or None), with the forward's piece starts, final states `s_fin` `[N, H, K, V]` and
-    total log-decays. `prod`: the products setting the forward read (`_products`; None: read it now). `gather`: the
-    forward read SSE's layout in place (`triton_fwd.Gather`; q, k, v, g the shared path's tensors): the passes read
-    it in place too, `do` is the combined output's gradient `[1, L, H, V]` (a sparse row reads its token's), and the
-    gradients come in the packed layout `[1, L0 + M, ...]`, the rows the packer would have built. With
-    `gather.packed` the sparse rows' output gradient comes packed too, `do_sparse` `[1, M, H, V]`."""
+    final state's `dht` (fp32 or None), with the forward's piece starts, final states `s_fin` `[N, H, K, V]`, total
+    log-decays and in-tile scores (`forward_pieces(keep_scores=True)`). `prod`: the products setting the forward read
+    (`_products`; None: read it now). `gather`: the forward read SSE's layout in place (`triton_fwd.Gather`; q, k, v,
+    g the shared path's tensors): the passes read it in place too, `do` is the combined output's gradient
+    `[1, L, H, V]` (a sparse row reads its token's), and the gradients come in the packed layout `[1, L0 + M, ...]`,
+    the rows the packer would have built. With `gather.packed` the sparse rows' output gradient comes packed too,
+    `do_sparse` `[1, M, H, V]`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gather is not None:
@@ -272,6 +271,8 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, pc, scale, prod: 
     dq, dk, dg = (torch.empty(B, T, H, K, dtype=t.dtype, device=q.device) for t in (q, k, g))
     dv = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     dgq, own = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, V, **f32)
+    if scores is None or scores.shape != (B * T, H, SCORE_TILE) or scores.dtype != v.dtype:
+        raise ValueError("backward_pieces needs the forward's scores: forward_pieces(..., keep_scores=True)")
     prod = _products(q.dtype) if prod is None else prod
     common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
@@ -290,11 +291,12 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, pc, scale, prod: 
     if interp:
         grid = (triton.cdiv(K, 16), G * H)
         _dk_kernel[grid](*rows, rstarts, dgq, off, dk, dg, scale, BT=16, BK=16, BV=BVF, **common)
-        _dv_kernel[(triton.cdiv(V, 16), G * H)](*v_rows, rstarts, dv, scale, BT=16, BK=BKF, BV=16, **common)
+        _dv_kernel[(triton.cdiv(V, 16), G * H)](*v_rows, rstarts, scores, dv, scale, BT=16, BK=BKF, BV=16,
+                                                **common)
         return dq, dk, dv, dg, dh0
     autotuned(_dk_kernel, _row_configs, key)[by_rows](*rows, rstarts, dgq, off, dk, dg, scale, BV=BVF, **common)
     autotuned(_dv_kernel, _col_configs, key)[lambda m: (triton.cdiv(V, m["BV"]), G * H)](
-        *v_rows, rstarts, dv, scale, BK=BKF, **common)
+        *v_rows, rstarts, scores, dv, scale, BK=BKF, **common)
     return dq, dk, dv, dg, dh0
 
 
@@ -315,8 +317,8 @@ class _GLAFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size):
-        o, starts, decay, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size)
-        ctx.save_for_backward(q, k, v, g, starts, s_end, decay)
+        o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, keep_scores=True)
+        ctx.save_for_backward(q, k, v, g, starts, s_end, decay, scores)
         ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's option, also for a backward run outside its block
         ctx.set_materialize_grads(False)
@@ -324,10 +326,10 @@ class _GLAFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, starts, s_end, decay = ctx.saved_tensors
+        q, k, v, g, starts, s_end, decay, scores = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, ctx.pc, ctx.scale,
+        dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, scores, ctx.pc, ctx.scale,
                                               ctx.prod)
         return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None
 

@@ -190,14 +190,17 @@ def _intra(b_qs, b_k, b_gc, b_last, tril, dt, PREC: tl.constexpr):
 
 
 @triton.jit
-def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, o, scale, H: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
-                   SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr, LEN, ROWS):
+def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, starts, o, a_out, scale,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                   BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, KS: tl.constexpr, GATHER: tl.constexpr,
+                   SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr, PACKED: tl.constexpr, KEEP_A: tl.constexpr, LEN,
+                   ROWS):
     # one program per (value block, piece, head); LEN / ROWS: autotune key only. The tile's inputs and scores in
     # helpers (and the state rounded before the products) as written here: 255 registers a thread and no spill at
     # BV=128 with 4 warps, against 32 bytes spilled written inline (0.63 against 0.70 ms at 16k on SSE's layout, one
-    # H200; benchmarks/RESULTS.md)
+    # H200; benchmarks/RESULTS.md). KEEP_A: the first value block also stores each tile's scores A `[BT, BT]` (in
+    # dt) at its rows, a_out `[rows, H, BT]`, for the backward's dv pass (`keep_scores`)
+    tl.static_assert(BT == 16, "the kept scores are 16-token tiles (SCORE_TILE)")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -215,14 +218,22 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
                                                    m_t, i_h, o_k, m_k, o_v, m_v, scale, H, K, V, G_MIN, KS, GATHER,
                                                    SCALE_Q, SCALE_K, PACKED)
         dt = b_v.dtype
+        b_A = _intra(b_qs, b_k, b_gc, b_last, tril, dt, PREC)
+        if KEEP_A:
+            if i_v == 0:
+                tl.store(a_out + (rows[:, None] * H + i_h) * BT + o_t[None, :], b_A, mask=m_t[:, None])
         b_Sd = b_S.to(dt)
         b_o = tl.dot((b_qs * tl.exp(b_gc)).to(dt), b_Sd, input_precision=PREC)
-        b_o += tl.dot(_intra(b_qs, b_k, b_gc, b_last, tril, dt, PREC), b_v, input_precision=PREC)
+        b_o += tl.dot(b_A, b_v, input_precision=PREC)
         tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
         b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)     # exponents <= 0
         b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
 
+
+#: every token tile of the output pass and the backward's dq / dk / dv passes: 16 tokens (see G_MIN). The scores
+#: the forward keeps for the backward (`keep_scores`) and the dq pass hands the dk pass are `[rows, H, 16]`
+SCORE_TILE = 16
 
 #: per-token log-decay floor: with 16-token tiles and the reference at half a tile's decay, every score factor
 #: stays within exp(+-64) (fp32 normal, no flush to zero), so the factorisation is exact for all gates >= G_MIN;
@@ -332,11 +343,14 @@ def _gather_args(q, k, v, g, gather):
             dict(KS=x.K, GATHER=True, SCALE_Q=x.scale_q and scaled, SCALE_K=x.scale_k and scaled, PACKED=x.packed))
 
 
-def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | None = None):
+def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | None = None,
+                   keep_scores: bool = False):
     """The forward on contiguous inputs over the pieces `pc`: (o `[B, T, H, V]`, each piece's starting state
     `[G, H, K, V]`, each piece's total log-decay `[G, H, K]` (floored gates), each sequence's final state
-    `[N, H, K, V]`), states fp32. `s0`: fp32 initial state or None. `gather`: read SSE's layout in place (then
-    o is `[1, L0 + M, H, V]`)."""
+    `[N, H, K, V]`, the scores or None), states fp32. `s0`: fp32 initial state or None. `gather`: read SSE's layout
+    in place (then o is `[1, L0 + M, H, V]`). `keep_scores`: also the output pass's in-tile scores, A `[B * T, H,
+    SCORE_TILE]` in v's dtype (row t: A[t, s] for the tokens s of its tile, as the pass rounded them for its product),
+    which the backward's dv pass reads instead of computing them again."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gather is not None:
@@ -361,16 +375,17 @@ def forward_pieces(q, k, v, g, scale, s0, pc, chunk_size=None, gather: Gather | 
             k, v, g, *st_src, pc.seg, own, decay, H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, **st_flags)
     starts, s_end = scan_pieces(own, decay, s0, pc.segs, H, K, V)
     bucket = tune_buckets(B * T, G * H)
-    args = (q, k, v, g, *src, pc.seg, starts, o, scale)
+    scores = torch.empty(B * T, H, SCORE_TILE, dtype=v.dtype, device=q.device) if keep_scores else None
+    args = (q, k, v, g, *src, pc.seg, starts, o, o if scores is None else scores, scale)
     if interpreting():
         BV = min(16, triton.next_power_of_2(V))
         _output_kernel[(triton.cdiv(V, BV), G * H)](*args, H=H, K=K, V=V, BK=BK, BT=16, BV=BV, PREC=prec,
-                                                    G_MIN=G_MIN, **flags, **bucket)
+                                                    G_MIN=G_MIN, KEEP_A=keep_scores, **flags, **bucket)
     else:
-        autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *flags, *bucket])[
+        autotuned(_output_kernel, _out_configs, ["K", "V", "PREC", *flags, "KEEP_A", *bucket])[
             lambda m: (triton.cdiv(V, m["BV"]), G * H)](*args, H=H, K=K, V=V, BK=BK, PREC=prec, G_MIN=G_MIN,
-                                                        **flags, **bucket)
-    return o, starts, decay, s_end
+                                                        KEEP_A=keep_scores, **flags, **bucket)
+    return o, starts, decay, s_end, scores
 
 
 def check_inputs(q, k, v, g, cu_seqlens):
@@ -409,7 +424,7 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
     pc = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
-    o, _, _, s_end = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, gather)
+    o, _, _, s_end, _ = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, gather)
     return o, (s_end if output_final_state else None)
 
 

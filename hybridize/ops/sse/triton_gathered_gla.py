@@ -80,11 +80,12 @@ class _GatheredGLA(torch.autograd.Function):
         L0 = L if lay.shared else 0
         sp = (sp_q, sp_k, sp_v, sp_g)
         rows = _packed_rows(sp, w, lay, emul) if packed else sp
-        o_all, starts, decay, s_end = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc,
-                                                     gather=_view(rows, w, lay, L0, emul, packed))
+        o_all, starts, decay, s_end, scores = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc,
+                                                             gather=_view(rows, w, lay, L0, emul, packed),
+                                                             keep_scores=True)
         o = _combine(o_all, lay.keep, lay.inv, lay.K, L, lay.shared)
         # packed: the packed rows are what the backward reads, the sparse q and k only for the router's row dots
-        ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, *rows, w, starts, s_end, decay)
+        ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, *rows, w, starts, s_end, decay, scores)
         ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0, ctx.packed = lay, pc, scale, emul, s0 is not None, packed
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
         ctx.prod = _products(sp_q.dtype)    # the forward's option, also for a backward run outside its block
@@ -93,7 +94,7 @@ class _GatheredGLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_end):
-        sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, r_q, r_k, r_v, r_g, w, starts, s_end, decay = ctx.saved_tensors
+        sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, r_q, r_k, r_v, r_g, w, starts, s_end, decay, scores = ctx.saved_tensors
         lay = ctx.lay
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
@@ -102,8 +103,8 @@ class _GatheredGLA(torch.autograd.Function):
         d_end = None if d_end is None else d_end.float().contiguous()
         gather = _view((r_q, r_k, r_v, r_g), w, lay, L0, ctx.emul, ctx.packed)
         do_sp = _pack(None, d_o, None, lay.keep, lay.order, lay.K) if ctx.packed else None
-        dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, s_end, decay, ctx.pc,
-                                              ctx.scale, prod=ctx.prod, gather=gather, do_sparse=do_sp)
+        dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, s_end, decay, scores,
+                                              ctx.pc, ctx.scale, prod=ctx.prod, gather=gather, do_sparse=do_sp)
         w_grad = ctx.needs_input_grad[8]
 
         def unpack(d, x_sp, scaled, same=False):
