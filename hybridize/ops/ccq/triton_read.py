@@ -73,8 +73,9 @@ import triton.language as tl
 from hybridize.ops.ccq import clean as ref_clean
 from hybridize.ops.ccq import reference as ref
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.piece_length import piece_len
 from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting,
-                                               make_pieces, mdot, mdot_r, piece_len, seg_bounds, tile_block,
+                                               make_pieces, mdot, mdot_r, seg_bounds, tile_block,
                                                tune_buckets)
 from hybridize.ops.common.varlen import check_cu_seqlens
 

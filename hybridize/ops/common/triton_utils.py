@@ -7,8 +7,8 @@
   NumPy >= 2.4), `interp_tile` (an interpreter run's token tile), `autotuned` (a kernel autotuned over a short
   curated list, once per kernel, cached on disk; `TUNED` holds them), `tune_buckets` (power-of-two buckets of
   tokens and rows, the key-only autotune arguments);
-- pieces: every sequence of the flat token axis cut into pieces of `piece_len` tokens so that B * H rows do not
-  leave most SMs idle: `Pieces`, `make_pieces` (cached on CUDA for plain shapes), `build_pieces` (on the device,
+- pieces: every sequence of the flat token axis cut into pieces of `piece_length.piece_len` tokens so that B * H
+  rows do not leave most SMs idle: `Pieces`, `make_pieces` (cached on CUDA for plain shapes), `build_pieces` (on the device,
   no host sync; the packed-documents case is one kernel, `piece_table`).
 
 Imports triton at its top: loaded only by the Triton kernel modules (on CUDA or under the interpreter).
@@ -252,21 +252,3 @@ def build_pieces(B, T, cu, mask, n0, seg_len, dev) -> Pieces:
     return Pieces(torch.stack([bos, ln], 1).contiguous(), n_before.float().contiguous(),
                   n_after.float().contiguous(), seq.contiguous(),
                   torch.stack([ends - nseg, nseg], 1).contiguous(), n_end, n_div)
-
-
-def piece_len(B, T, H, longest, rows: int | None = None):
-    """Piece length: ~kernel option `ccq_rows` (`HYBRIDIZE_CCQ_ROWS`, default 128) (piece, head) rows so that
-    B * H alone (often 16) does not leave most SMs idle, clamped to 512..4096 tokens (shorter pieces cost more
-    in the prefix scan and the per-piece sums than they gain, longer ones idle SMs; H100 sweeps in
-    benchmarks/RESULTS.md). A forward alone used 64 rows while its tile was tuned once for every shape; with
-    the tiles tuned per length and rows bucket (`_launch`) 128 rows measured faster for it too (read forward
-    4k 0.110 against 0.133 ms, 16k 0.376 against 0.495). The option `ccq_segment=<n>`
-    (`HYBRIDIZE_CCQ_SEGMENT`) overrides (0: one piece per sequence). `rows`: the target instead of `ccq_rows`
-    (the pieces GLA passes its own)."""
-    opts = current_kernel_options()
-    if opts.ccq_segment is not None:
-        n = opts.ccq_segment
-    else:
-        rows = opts.ccq_rows if rows is None else int(rows)
-        n = min(4096, max(512, triton.next_power_of_2(triton.cdiv(B * T * H, rows))))
-    return None if n <= 0 or n >= longest else n

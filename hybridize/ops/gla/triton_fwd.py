@@ -10,7 +10,7 @@ runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a 
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
 
-Every sequence is cut into pieces (`triton_utils.make_pieces`, `piece_len`). (1) `_piece_state_kernel`: each
+Every sequence is cut into pieces (`triton_utils.make_pieces`, `piece_length.piece_len`). (1) `_piece_state_kernel`: each
 piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
 per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2) `_scan_kernel`: each piece's
 starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.options import current_kernel_options
+from hybridize.ops.common.piece_length import piece_len
 
 from hybridize.ops.common.triton_utils import (autotuned, interp_tile, interpreter_shim, interpreting, make_pieces,
-                                               piece_len, seg_bounds, tile_block, tune_buckets)
+                                               seg_bounds, tile_block, tune_buckets)
 
 
 @triton.jit

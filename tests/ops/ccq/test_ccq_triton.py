@@ -243,7 +243,8 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
     """The device-side piece table (`make_pieces`, pure PyTorch) at the CUDA tests' shapes, on the CPU (where
     an index out of range raises instead of a device assert): every piece lies inside the row, pieces
     of a sequence are contiguous and cover exactly its tokens, counts match the mask."""
-    from hybridize.ops.common.triton_utils import make_pieces, piece_len
+    from hybridize.ops.common.piece_length import piece_len
+    from hybridize.ops.common.triton_utils import make_pieces
     cu_t = None if cu is None else torch.tensor(cu)
     N = B if cu is None else len(cu) - 1
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.1
@@ -275,11 +276,10 @@ def test_segment_table_bounds_at_cuda_shapes(B, T, H, cu, split):
     assert torch.equal(pc.n_div, n_end.clamp(min=1).float())
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton importable (the module imports it; no kernel runs)")
 def test_segment_len_rule(monkeypatch):
     """Piece length: ~128 (piece, head) rows, 512..4096 tokens, none when one piece would hold the whole
     sequence; the environment overrides."""
-    from hybridize.ops.common.triton_utils import piece_len
+    from hybridize.ops.common.piece_length import piece_len
     monkeypatch.delenv("HYBRIDIZE_CCQ_SEGMENT", raising=False)
     monkeypatch.delenv("HYBRIDIZE_CCQ_ROWS", raising=False)
     assert [piece_len(1, T, 16, T) for T in (4096, 16384, 32768, 65536)] == [512, 2048, 4096, 4096]
