@@ -8,8 +8,8 @@
   curated list, once per kernel, cached on disk; `TUNED` holds them), `tune_buckets` (power-of-two buckets of
   tokens and rows, the key-only autotune arguments);
 - pieces: every sequence of the flat token axis cut into pieces of `piece_length.piece_len` tokens so that B * H
-  rows do not leave most SMs idle: `Pieces`, `make_pieces` (cached on CUDA for plain shapes), `build_pieces` (on the device,
-  no host sync; the packed-documents case is one kernel, `piece_table`).
+  rows do not leave most SMs idle: `Pieces`, `make_pieces` (cached on CUDA for plain shapes), `build_pieces` (on
+  the device, no host sync; the packed-documents case is one kernel, `piece_table`).
 
 Imports triton at its top: loaded only by the Triton kernel modules (on CUDA or under the interpreter).
 """

@@ -10,8 +10,8 @@ runs a GLA over 2T token-rows (shared partition + routed tokens), so it needs a 
 varlen call uses it (`ops/sse/reference.py`, `_gla_in_pieces`); it is not registered with `dispatch`, so GLA layers
 keep fla's chunk_gla.
 
-Every sequence is cut into pieces (`triton_utils.make_pieces`, `piece_length.piece_len`). (1) `_piece_state_kernel`: each
-piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
+Every sequence is cut into pieces (`triton_utils.make_pieces`, `piece_length.piece_len`). (1) `_piece_state_kernel`:
+each piece's own state from zero, L = sum_t exp(G_end - G_t) k_t v_t^T (G the piece's inclusive cumulative log-decay,
 per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2) `_scan_kernel`: each piece's
 starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
 sequences' final states; (3) `_output_kernel`: every piece from its start, per tile of BT tokens and block of BV
