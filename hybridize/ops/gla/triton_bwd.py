@@ -14,10 +14,13 @@ piece (`triton_fwd.reverse_scan`): R(j), the state gradient each piece receives 
 state's gradient, and the suffix of dg past each piece, rowsum(S_end(j) * R(j)) (that equals dL/dg at the next
 piece's first token, see below; S_end(j) is the forward's next piece start or final state), so dg needs no scan of
 its own; (3) `_dk_kernel`, backward in time from R(j): dk, and dg as the in-tile reverse cumsum of q * dq - k * dk
-plus the carried suffix; (4) `_dv_kernel`, backward in time from R(j): dv. D was a GEMM walk of its own over wide
-tiles before the dq pass took it (it reads the same q, g and do). (One pass for dk and dv, a program per
-(piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with 256 or
-more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give more
+plus the carried suffix; (4) `_dv_kernel`, backward in time from R(j): dv, with each tile's scores A as the
+forward's output pass kept them (`forward_pieces(keep_scores=True)`, `[rows, H, 16]` in v's dtype, 16 MB at 16k
+tokens on SSE's layout) instead of computing them again: on one H200 at 16k dv took 0.53 against 0.71 ms and the
+output pass 0.67 against 0.63 for the store, forward+backward -2.8% (benchmarks/RESULTS.md). D was a GEMM walk of
+its own over wide tiles before the dq pass took it (it reads the same q, g and do). (One pass for dk and dv, a
+program per (piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with
+256 or more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give more
 programs.)
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the

@@ -16,7 +16,8 @@ per key channel), and its total log-decay, a GEMM walk over wide token tiles; (2
 starting state, S_start(j+1) = exp(G_end(j)) * S_start(j) + L(j) (rows scaled), from the initial state, and the
 sequences' final states; (3) `_output_kernel`: every piece from its start, per tile of BT tokens and block of BV
 value channels: o = (q * exp(Gc)) S + tril(A) v with A_ts = sum_d q_td k_sd exp(Gc_td - Gc_sd) (Gc the tile's
-inclusive cumulative log-decay), then S = exp(Gc_end) * S + (k * exp(Gc_end - Gc))^T v.
+inclusive cumulative log-decay), then S = exp(Gc_end) * S + (k * exp(Gc_end - Gc))^T v. Under gradient
+(`keep_scores`) the output pass also stores each tile's tril(A), rounded as for its product, for the backward's dv pass.
 
 Numerics: fp32 accumulation; 16-bit inputs give 16-bit products (the carried state and the score tile are
 rounded once for their product, as fla does). The in-tile scores factor exp(Gc_t - Gc_s) through a reference at

@@ -22,7 +22,7 @@ packs (half the copies) are gone.
 
 Measured (one H200, SSE's layout at 16k tokens, H=16, D=128, benchmarks/RESULTS.md): the forward alone 1.35 against
 1.67 ms with every row packed. Forward+backward, in one call before the dq pass took the backward's piece sums:
-sparse rows packed 4.67 ms (peak 730 MiB above the inputs; 4.38 ms since), every row packed 5.03 (1113 MiB), both
+sparse rows packed 4.67 ms (peak 730 MiB above the inputs; 4.23-4.26 ms since), every row packed 5.03 (1113 MiB), both
 paths in place 5.37 (346 MiB): read in place, a sparse piece's rows are tokens scattered over the sequence, which
 slows the backward's passes more than the packs cost. So training reads the shared path in place by default, and
 both paths in place is the memory option.
