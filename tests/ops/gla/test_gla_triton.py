@@ -148,6 +148,35 @@ def test_interp_gradient_from_the_final_state_alone():
 
 
 @interp_only
+def test_interp_kept_scores_are_each_tiles_scores():
+    """`forward_pieces(keep_scores=True)`: row t holds scale * q_t . (k_s * exp(g summed over (s, t])) for the tokens
+    s <= t of its 16-token tile (tiles counted from each piece's start), 0 above the diagonal; the same o as without
+    them; and `backward_pieces` without them fails in one line."""
+    from hybridize.ops.common.triton_utils import make_pieces
+    from hybridize.ops.gla.triton_bwd import backward_pieces
+    from hybridize.ops.gla.triton_fwd import forward_pieces
+
+    torch.set_num_threads(1)
+    B, T, H, K, V, split = 1, 45, 2, 16, 16, 20
+    q, k, v, gate, _ = (t.float() for t in inputs(B, T, H, K, V, seed=5))
+    pc = make_pieces(B, T, None, None, None, split, q.device)
+    o, starts, decay, s_end, scores = forward_pieces(q, k, v, gate, K ** -0.5, None, pc, keep_scores=True)
+    o_plain, *_, none = forward_pieces(q, k, v, gate, K ** -0.5, None, pc)
+    assert none is None and torch.equal(o, o_plain) and scores.shape == (B * T, H, 16)
+    want = torch.zeros(B * T, H, 16)
+    cg = gate[0].cumsum(0)                                    # [T, H, K]
+    for t in range(T):
+        bos = (t // split) * split
+        ts = bos + (t - bos) // 16 * 16
+        for s in range(ts, t + 1):
+            w = (q[0, t] * k[0, s] * torch.exp(cg[t] - cg[s])).sum(-1) * K ** -0.5    # [H]
+            want[t, :, s - ts] = w
+    assert rel(scores, want) < 1e-5
+    with pytest.raises(ValueError, match="keep_scores=True"):
+        backward_pieces(q, k, v, gate, torch.ones_like(v), None, starts, s_end, decay, None, pc, K ** -0.5)
+
+
+@interp_only
 @pytest.mark.parametrize("shared,K,emul,split", [(True, 1, (True, True), None), (True, 2, (True, False), 8),
                                                  (False, 1, (False, True), 8), (True, 1, (False, False), 8)])
 def test_interp_gather_reads_the_sse_layout_in_place(shared, K, emul, split):
