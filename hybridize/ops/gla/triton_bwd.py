@@ -319,8 +319,8 @@ class _GLAFn(torch.autograd.Function):
     starts and decays for the backward's dq pass and reverse scan."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size):
-        o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, keep_scores=True)
+    def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size, keep_scores):
+        o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, keep_scores=keep_scores)
         ctx.save_for_backward(q, k, v, g, starts, s_end, decay, scores)
         ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's option, also for a backward run outside its block
@@ -334,7 +334,7 @@ class _GLAFn(torch.autograd.Function):
         dht = None if dht is None else dht.float().contiguous()
         dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, scores, ctx.pc, ctx.scale,
                                               ctx.prod)
-        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None
+        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None, None
 
 
 def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -357,7 +357,9 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
     pc = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
-    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size)
+    # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g) + (() if s0 is None else (s0,)))
+    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size, keep)
     return o, (s_end if output_final_state else None)
 
 

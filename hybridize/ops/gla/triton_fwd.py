@@ -234,7 +234,7 @@ def _output_kernel(q, k, v, g, q_sp, k_sp, v_sp, g_sp, order, wsc, L0, seg, star
 
 
 #: every token tile of the output pass and the backward's dq / dk / dv passes: 16 tokens (see G_MIN). The scores
-#: the forward keeps for the backward (`keep_scores`) and the dq pass hands the dk pass are `[rows, H, 16]`
+#: the forward keeps for the backward's dv pass (`keep_scores`) are `[rows, H, 16]`
 SCORE_TILE = 16
 
 #: per-token log-decay floor: with 16-token tiles and the reference at half a tile's decay, every score factor

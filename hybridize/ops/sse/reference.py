@@ -482,9 +482,10 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
     needs a gradient and the shared path with it, "on" / "shared" / "off" as named. SSE's op at 16k on one H200
     (benchmarks/RESULTS.md): without gradient the in-place reads save the four packs (forward 1.34 against 1.65
     ms); with gradient "shared" is the fastest, 4.67 ms forward+backward (4.61 since the dq pass took the piece sums,
-    4.51 since the output pass stopped spilling, 4.38 with 1024-token pieces) against 5.03 with every row packed and
-    5.37 with both paths in place (the scattered sparse rows slow the backward's passes more than the packs cost), at
-    a peak of 730 against 1113 and 346 MiB above the inputs. Storing the sparse rows' gradients at their tokens' rows
+    4.51 since the output pass stopped spilling, 4.38 with 1024-token pieces, 4.23-4.26 since the dv pass reads the
+    forward's in-tile scores) against 5.03 with every row packed and 5.37 with both paths in place (the scattered
+    sparse rows slow the backward's passes more than the packs cost), at a peak of 730 against 1113 and 346 MiB above
+    the inputs. Storing the sparse rows' gradients at their tokens' rows
     instead of gather-summing them back was slower (4.93 against 4.48 ms)."""
     paths = [sparse] + ([] if shared is None else [shared])
     mode = current_kernel_options().sse_gla_gather

@@ -75,14 +75,15 @@ class _GatheredGLA(torch.autograd.Function):
     shared path is read in place)."""
 
     @staticmethod
-    def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul, packed):
+    def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul, packed,
+                keep_scores):
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
         sp = (sp_q, sp_k, sp_v, sp_g)
         rows = _packed_rows(sp, w, lay, emul) if packed else sp
         o_all, starts, decay, s_end, scores = forward_pieces(sh_q, sh_k, sh_v, sh_g, scale, s0, pc,
                                                              gather=_view(rows, w, lay, L0, emul, packed),
-                                                             keep_scores=True)
+                                                             keep_scores=keep_scores)
         o = _combine(o_all, lay.keep, lay.inv, lay.K, L, lay.shared)
         # packed: the packed rows are what the backward reads, the sparse q and k only for the router's row dots
         ctx.save_for_backward(sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, *rows, w, starts, s_end, decay, scores)
@@ -119,7 +120,7 @@ class _GatheredGLA(torch.autograd.Function):
         dots = [t for t in (dots_q, dots_k) if t is not None]
         d_w = sum(dots[1:], dots[0]).to(w.dtype) if dots else None
         return (d_shq, d_shk, d_shv, d_shg, d_spq, d_spk, d_spv, d_spg, d_w,
-                dh0 if ctx.has_h0 else None, None, None, None, None, None)
+                dh0 if ctx.has_h0 else None, None, None, None, None, None, None)
 
 
 def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | None = None,
@@ -149,7 +150,9 @@ def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | No
     rows = (L if lay.shared else 0) + lay.order.numel()
     pc = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
     s0 = None if initial_state is None else initial_state.float().contiguous()
-    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed)
+    # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (*sh, *sp, w) + (() if s0 is None else (s0,)))
+    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed, keep)
 
 
 __all__ = ["Layout", "gathered_gla"]

@@ -177,6 +177,28 @@ def test_interp_kept_scores_are_each_tiles_scores():
 
 
 @interp_only
+def test_interp_scores_are_kept_only_when_a_backward_can_follow(monkeypatch):
+    """`gla_triton` asks the forward to keep its scores under gradient only: not under no_grad, nor for inputs
+    that need none."""
+    from hybridize.ops.gla import triton_bwd
+
+    torch.set_num_threads(1)
+    seen, real = [], triton_bwd.forward_pieces
+
+    def spy(*a, keep_scores=False, **kw):
+        seen.append(keep_scores)
+        return real(*a, keep_scores=keep_scores, **kw)
+    monkeypatch.setattr(triton_bwd, "forward_pieces", spy)
+    q, k, v, gate, _ = (t.float() for t in inputs(1, 20, 1, 16, 16, seed=6))
+    with torch.no_grad():
+        triton_bwd.gla_triton(q.requires_grad_(), k, v, gate, chunk_size=16)
+    triton_bwd.gla_triton(q.detach(), k, v, gate, chunk_size=16)
+    o, _ = triton_bwd.gla_triton(q.detach().requires_grad_(), k, v, gate, chunk_size=16)
+    o.sum().backward()
+    assert seen == [False, False, True]
+
+
+@interp_only
 @pytest.mark.parametrize("shared,K,emul,split", [(True, 1, (True, True), None), (True, 2, (True, False), 8),
                                                  (False, 1, (False, True), 8), (True, 1, (False, False), 8)])
 def test_interp_gather_reads_the_sse_layout_in_place(shared, K, emul, split):
