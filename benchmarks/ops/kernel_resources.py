@@ -23,7 +23,8 @@ constants), compiles for the target and reads the cubin's registers, stack (spil
 `--kernels gla`: the same for the five passes of the pieces GLA (`ops/gla/triton_fwd.py`, `triton_bwd.py`: piece
 states, output, dq, dk, dv) on SSE's layout as training reads it (`--gla-layout shared`: the shared path in place, the
 sparse rows packed; `both`: both paths in place with the router scale; `plain`: a plain GLA call), bf16, every config
-of each pass's autotune list. The arguments are placeholders of the right dtype and alignment (only those specialise
+of each pass's autotune list, with each compiled pass's layout conversions, shared-memory allocations and barriers
+(`ir_counts`). The arguments are placeholders of the right dtype and alignment (only those specialise
 the compile); the kernels' parameters are checked against them, so a renamed or new one fails here in one line.
 (The dq pass taking the backward's piece sums took the config it picks on SSE's 16k layout from 238 to 255
 registers, and five of its ten configs now spill, against one of seven before: benchmarks/RESULTS.md.)
@@ -74,6 +75,14 @@ def parse_usage(text: str) -> dict:
     return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": int(fields["SHARED"])}
 
 
+def ir_counts(ttgir: str, ptx: str) -> dict:
+    """How often a compiled kernel moves values between register layouts: `convert_layout` ops and shared-memory
+    allocations (`local_alloc`, the products' operands among them) in its TTGIR, barriers (`bar.sync`) in its PTX.
+    Each conversion is a trip through shared memory, which the pieces GLA's passes wait on most."""
+    return {"convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc"),
+            "barriers": ptx.count("bar.sync")}
+
+
 def specialise(fn, launch) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of `launch` for `fn`, as Triton's launcher builds them from the arguments."""
     from triton._C.libtriton import native_specialize_impl
@@ -98,7 +107,7 @@ def specialise(fn, launch) -> tuple[dict, dict, dict]:
 
 
 def compile_usage(fn, launch, arch: int, num_warps: int, num_stages: int | None = None) -> dict:
-    """Compile `launch` of `fn` for sm_<arch> and read the cubin's resource usage."""
+    """Compile `launch` of `fn` for sm_<arch> and read the cubin's resource usage, and `ir_counts`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -112,7 +121,7 @@ def compile_usage(fn, launch, arch: int, num_warps: int, num_stages: int | None 
         path.write_bytes(kernel.asm["cubin"])
         out = subprocess.run([str(cuobjdump()), "--dump-resource-usage", str(path)], capture_output=True, text=True,
                              check=True).stdout
-    return parse_usage(out)
+    return parse_usage(out) | ir_counts(kernel.asm["ttgir"], kernel.asm["ptx"])
 
 
 def step_launch_for(m, B: int, pdl: bool = True):
@@ -193,13 +202,15 @@ def gla_main(args) -> None:
         rec = dict(layout=args.gla_layout, kernel=name, tiles=tiles, warps=cfg.num_warps, stages=cfg.num_stages,
                    **usage)
         out.append(rec)
-        rows.append([name, tiles, cfg.num_warps, cfg.num_stages, usage["registers"], usage["stack"]])
+        rows.append([name, tiles, cfg.num_warps, cfg.num_stages, usage["registers"], usage["stack"],
+                     usage["convert_layout"], usage["local_alloc"], usage["barriers"]])
         print(rec, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"arch": args.arch, "rows": out}, indent=1))
     print(f"\nThe pieces GLA's passes (ops/gla/triton_fwd.py, triton_bwd.py) on SSE's layout ({args.gla_layout}), "
           f"compiled for sm_{args.arch}, bf16, K=V=128, every autotune config")
-    print(md_table(["pass", "tiles", "warps", "stages", "registers", "stack (spill) B"], rows))
+    print(md_table(["pass", "tiles", "warps", "stages", "registers", "stack (spill) B", "convert_layout",
+                    "local_alloc", "bar.sync"], rows))
 
 
 def main(argv=None):

@@ -34,6 +34,13 @@ Resource usage:
 """
 
 
+def test_ir_counts_count_conversions_allocations_and_barriers():
+    ttgir = ("%1 = ttg.convert_layout %0 : tensor<16x32xf32, #mma> -> tensor<16x32xf32, #blocked>\n"
+             "%2 = ttg.local_alloc %1 : ...\n%3 = ttg.convert_layout %2 ...\n")
+    assert kr.ir_counts(ttgir, "bar.sync 0;\n\tbar.sync 0;\nbar.arrive 1;") == {
+        "convert_layout": 2, "local_alloc": 1, "barriers": 2}
+
+
 def test_parse_usage_reads_the_function_line():
     assert kr.parse_usage(SAMPLE) == {"registers": 167, "stack": 16, "shared": 1024}
     with pytest.raises(ValueError, match="no resource line"):
@@ -124,4 +131,5 @@ def test_gla_passes_compile_for_sm90():
         seen.add(name)
         usage = kr.compile_usage(kernel, launch, 90, cfg.num_warps, cfg.num_stages)
         assert 0 < usage["registers"] <= 255 and usage["stack"] >= 0
+        assert usage["local_alloc"] > 0 and usage["barriers"] > 0 and usage["convert_layout"] >= 0
     assert seen == {"piece states", "output", "dq", "dk", "dv"}
