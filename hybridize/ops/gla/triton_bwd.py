@@ -20,8 +20,8 @@ tokens on SSE's layout) instead of computing them again: on one H200 at 16k dv t
 output pass 0.67 against 0.63 for the store, forward+backward -2.8% (benchmarks/RESULTS.md). D was a GEMM walk of
 its own over wide tiles before the dq pass took it (it reads the same q, g and do). (One pass for dk and dv, a
 program per (piece, head) carrying the whole K x V gradient, measured slower on the H100 at 16k on SSE's layout with
-256 or more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give more
-programs.)
+256 or more rows: 2.31-2.49 ms against 2.01-2.19 for the two, benchmarks/RESULTS.md; their key / value blocks give
+more programs.)
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
 next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-1} is S_end(j).
@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridize.ops.common.fla_adapter import needs_grad
 from hybridize.ops.common.options import current_kernel_options
 
 from hybridize.ops.common.triton_utils import (autotuned, interpreter_shim, interpreting, mdot_r, seg_bounds,
@@ -259,6 +260,8 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     V = v.shape[-1]
     if gather is not None:
         B, T = 1, gather.L0 + gather.order.numel()
+    if scores is None or scores.shape != (B * T, H, SCORE_TILE) or scores.dtype != v.dtype:
+        raise ValueError("backward_pieces needs the forward's scores: forward_pieces(..., keep_scores=True)")
     G = pc.seg.shape[0]
     f32 = dict(dtype=torch.float32, device=q.device)
     prec = _precision(q.dtype)
@@ -274,8 +277,6 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     dq, dk, dg = (torch.empty(B, T, H, K, dtype=t.dtype, device=q.device) for t in (q, k, g))
     dv = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     dgq, own = torch.empty(B, T, H, K, **f32), torch.empty(G, H, K, V, **f32)
-    if scores is None or scores.shape != (B * T, H, SCORE_TILE) or scores.dtype != v.dtype:
-        raise ValueError("backward_pieces needs the forward's scores: forward_pieces(..., keep_scores=True)")
     prod = _products(q.dtype) if prod is None else prod
     common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
     rows = (q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
@@ -320,7 +321,8 @@ class _GLAFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size, keep_scores):
-        o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, keep_scores=keep_scores)
+        o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size,
+                                                         keep_scores=keep_scores)
         ctx.save_for_backward(q, k, v, g, starts, s_end, decay, scores)
         ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's option, also for a backward run outside its block
@@ -358,8 +360,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     pc = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
     # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g) + (() if s0 is None else (s0,)))
-    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size, keep)
+    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size, needs_grad(q, k, v, g, s0))
     return o, (s_end if output_final_state else None)
 
 

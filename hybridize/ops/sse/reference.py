@@ -485,8 +485,8 @@ def _gla_gathers(op: str, shared: PathInputs | None, sparse: PathInputs, w: torc
     4.51 since the output pass stopped spilling, 4.38 with 1024-token pieces, 4.23-4.26 since the dv pass reads the
     forward's in-tile scores) against 5.03 with every row packed and 5.37 with both paths in place (the scattered
     sparse rows slow the backward's passes more than the packs cost), at a peak of 730 against 1113 and 346 MiB above
-    the inputs. Storing the sparse rows' gradients at their tokens' rows
-    instead of gather-summing them back was slower (4.93 against 4.48 ms)."""
+    the inputs. Storing the sparse rows' gradients at their tokens' rows instead of gather-summing them back was
+    slower (4.93 against 4.48 ms)."""
     paths = [sparse] + ([] if shared is None else [shared])
     mode = current_kernel_options().sse_gla_gather
     if mode == "off" or not _gla_in_pieces(op, sparse) or any(p.g is None or p.g.dim() != 4 for p in paths):

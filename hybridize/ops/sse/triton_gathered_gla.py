@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from hybridize.ops.common.fla_adapter import needs_grad
 from hybridize.ops.gla.triton_bwd import _products, backward_pieces
 from hybridize.ops.gla.triton_fwd import Gather, _pieces_for, check_inputs, forward_pieces
 from hybridize.ops.sse.triton_route import _combine, _pack, _unpack_grad
@@ -151,8 +152,7 @@ def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | No
     pc = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
     s0 = None if initial_state is None else initial_state.float().contiguous()
     # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (*sh, *sp, w) + (() if s0 is None else (s0,)))
-    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed, keep)
+    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed, needs_grad(*sh, *sp, w, s0))
 
 
 __all__ = ["Layout", "gathered_gla"]
