@@ -25,7 +25,8 @@
 #   sse_profile  profile_sse.py: SSE varlen n4k1, chunk_gla on T tokens and on SSE's 2T layout, device vs wall
 #             time and top kernels, 4k/16k
 #   sse_ab    profile_sse.py alternating between this tree and another commit's (BASE: a folder holding that tree,
-#             e.g. `git archive <commit> hybridize benchmarks | tar -x -C .base` here, carried), ROUNDS times,
+#             e.g. `git archive <commit> hybridize benchmarks | tar -x -C .base` here, carried; or several such
+#             folders, space-separated, each run in turn and named by its folder's name), ROUNDS times,
 #             SSE only (--no-fla), at SSE_T (default 16384): a kernel change's A/B in one process pair per round;
 #             every run's rows in $OUT/sse_ab.json
 #   sse_env   profile_sse.py on this tree alternating between kernel-option settings (ENV_AB: `;`-separated
@@ -63,6 +64,16 @@ sse_run() {  # sse_run LABEL NAME DIR [VAR=VALUE ...]: profile_sse.py on the tre
   shift 3
   (cd "$dir" && env "$@" timeout 200 python3 -m benchmarks.ops.profile_sse --T "${SSE_T:-16384}" --no-fla \
      --out "$RUNS/$name.json" 2>&1 | grep -v Warning | tail -30) | sed "s/^/[$label] /"
+}
+
+summarize_runs() {  # summarize_runs STEP: one line per run and case of $OUT/STEP.json (device ms, top kernels)
+  python3 - "$OUT/$1.json" <<'PY'
+import json, sys
+for run, rows in json.load(open(sys.argv[1])).items():
+    for c in rows["cases"]:
+        top = ", ".join(f"{t['kernel'].strip('_')[:14]} {t['ms']:.3f}" for t in c["top"][:5])
+        print(f"{run:<22} {c['case']:<26} {c['T']:>6} {c['device_ms']:8.3f} ms  peak {c.get('peak_mb', 0):6.0f} MiB  {top}")
+PY
 }
 
 merge_runs() {  # merge_runs STEP: $OUT/STEP.json = {run name: its profile_sse rows} of the runs so far, in run order
@@ -128,9 +139,13 @@ for s in "${STEPS_[@]}"; do
     sse_ab)
       for r in $(seq 1 "${ROUNDS:-2}"); do
         sse_run "this $r" "sse_ab_this_$r" .
-        sse_run "base $r" "sse_ab_base_$r" "${BASE:?BASE: the other tree}"
+        read -ra BASES <<< "${BASE:?BASE: the other tree(s)}"
+        for b in "${BASES[@]}"; do
+          sse_run "$(basename "$b") $r" "sse_ab_$(basename "$b")_$r" "$b"
+        done
       done
-      merge_runs sse_ab ;;
+      merge_runs sse_ab
+      summarize_runs sse_ab ;;
     sse_env)
       # the same tree under each kernel-option setting of ENV_AB (`;`-separated environment assignments, e.g.
       # "HYBRIDIZE_GLA_ROWS=512;HYBRIDIZE_GLA_ROWS=1024"), alternating, ROUNDS times
@@ -141,7 +156,8 @@ for s in "${STEPS_[@]}"; do
           sse_run "${SETS[$i]} $r" "sse_env_${i}_$r" . ${SETS[$i]}
         done
       done
-      merge_runs sse_env ;;
+      merge_runs sse_env
+      summarize_runs sse_env ;;
     scale)
       random_teacher
       for mp in bf16 no; do

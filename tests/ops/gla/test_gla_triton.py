@@ -121,6 +121,39 @@ def test_interp_varlen(check, split):
 
 
 @interp_only
+def test_interp_every_launch_names_only_its_kernels_parameters(monkeypatch):
+    """A compiled launch refuses a keyword its kernel does not declare ("specified but unrecognised"); the
+    interpreter ignores it. So every pass of the op, forward and backward, is launched here through a check of its
+    keywords against the kernel's parameters (a constexpr meant for two passes once reached a third, which only a GPU run showed)."""
+    from hybridize.ops.gla import triton_bwd, triton_fwd
+    from hybridize.ops.gla.triton_bwd import gla_triton
+
+    seen = []
+
+    class Checked:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                unknown = set(kwargs) - set(self.kernel.arg_names) - {"num_warps", "num_stages"}
+                assert not unknown, (self.kernel.__name__, unknown)
+                seen.append(self.kernel.__name__)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for mod in (triton_fwd, triton_bwd):
+        for name in dir(mod):
+            if name.startswith("_") and name.endswith("_kernel"):
+                monkeypatch.setattr(mod, name, Checked(getattr(mod, name)))
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = (t.float().requires_grad_() for t in inputs(1, 40, 1, 16, 16, seed=2))
+    o, end = gla_triton(q, k, v, gate, initial_state=h0, output_final_state=True, segment_len=32)
+    (o.sum() + end.sum()).backward()
+    assert {"_dq_kernel", "_dk_kernel", "_dv_kernel", "_output_kernel"} <= set(seen), seen
+
+
+@interp_only
 def test_interp_floored_gates_get_no_gradient():
     """Gates far below G_MIN: the gradients equal the reference's through a clamp at G_MIN (zero for the
     floored gates), finite."""
