@@ -29,7 +29,9 @@ by 1/a leaves the output unchanged, so a sequence's terms sum to zero without an
 16-bit products adds up over the piece. Against a float64 reference on bf16 inputs with mild gates
 (`benchmarks/ops/gla_grad_error.py`, one H200) dg's error is 1.5e-2 with 512-token pieces, 6e-3 with 64 and 3.4e-2
 with 2048, against 1.6e-3 for fla's chunk_gla, which restarts its sums every 64-token chunk from its stored states;
-dq, dk and dv are within 1.5x of fla's. The automatic pieces reach 2048 tokens at 32k on SSE's layout
+dq, dk and dv are within 1.5x of fla's. The automatic pieces reach 2048 tokens at 32k on SSE's layout. A CPU model
+of these roundings (`benchmarks/ops/gla_dg_rounding.py`, which reproduces those figures) finds no single one
+dominant: the in-tile products, the state reads and the state updates' operands each matter, times the sum's length
 (benchmarks/RESULTS.md, "the gates' gradient").
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the

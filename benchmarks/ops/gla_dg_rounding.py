@@ -1,0 +1,153 @@
+"""Where the pieces GLA's gate gradient loses its precision: a CPU model of the backward's roundings.
+
+`gla_grad_error.py` measures on a GPU that our dg is 9-22x less precise than fla's chunk_gla (1.46e-2 with 512-token
+pieces, 3.38e-2 with 2048, against 1.57e-3), while dq, dk and dv are within 1.5x. This script models the dq and
+dk passes (`ops/gla/triton_bwd.py`) tile by tile in PyTorch on the CPU: 16-token tiles, fp32 accumulation, and a
+rounding wherever the kernels round an operand to bf16 for a product, each of which can be made more precise here:
+
+    intra   the in-tile products (the tril(do v^T) scores and the decayed k / q operand): bf16 | tf32 | fp32
+    read    the products with the carried state (dq: do S^T; dk: v dS^T): bf16 | split (hi/lo, the kernel option
+            gla_products=split) | fp32
+    update  the decayed operands of the state updates (dq: k exp(last - Gc); dk: q exp(Gc)): bf16 | split | fp32
+    anchor  every n tokens dg's suffix sum restarts from its exact value rowsum(S * dS) (S rounded as `anchor_dtype`
+            says); 0: one sum over the whole sequence. A piece boundary of the kernels does the same, so n plays the
+            piece length
+    dgq     q * dq formed from an fp32 dq (the kernels) or a bf16 one
+
+One sequence, no initial state, the inputs of `gla_grad_error.py` (bf16 q, k, v and output gradient, fp32 gates
+logsigmoid(x)/16), dg against the chunked float64 reference (`ops/gla/reference.chunk_gla`), ||x - ref|| / ||ref||.
+At 4096 tokens the model gives 1.46e-2 for 512-token pieces, 2.90e-2 for 2048, 5.6e-3 for 64 and 1.68e-2 with a bf16
+dq, against 1.46e-2, 3.38e-2, 6.1e-3 and 1.69e-2 measured on one H200, so it can rank precision options without a
+GPU (benchmarks/RESULTS.md, "the gates' gradient"). Every product in fp32 gives 4e-6.
+
+    python -m benchmarks.ops.gla_dg_rounding [--T 4096] [--out rows.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+BT = 16
+MODES = ("bf16", "tf32", "split", "fp32")
+
+
+def rounded(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """`x` (fp32) as a product's operand in `mode`: bf16, tf32 (10 mantissa bits, round to nearest), split (a bf16
+    hi plus a bf16 lo: two products) or fp32 (as is)."""
+    if mode == "bf16":
+        return x.bfloat16().float()
+    if mode == "tf32":
+        bits = x.float().contiguous().view(torch.int32)
+        return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    if mode == "split":
+        hi = x.bfloat16().float()
+        return hi + (x - hi).bfloat16().float()
+    if mode == "fp32":
+        return x
+    raise ValueError(f"rounding mode {mode!r}: use one of {', '.join(MODES)}")
+
+
+def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16", read: str = "bf16",
+             update: str = "bf16", anchor_dtype: str = "bf16", dgq: str = "fp32") -> torch.Tensor:
+    """dg `[T, H, K]` of one sequence as the dq and dk passes compute it, under the given roundings: q, k, g
+    `[T, H, K]`, v, do `[T, H, V]` (fp32 tensors holding the inputs' values), T a multiple of 16, no initial state
+    and no final-state gradient."""
+    T, H, K = q.shape
+    if T % BT or anchor % BT:
+        raise ValueError(f"gla_dg_rounding: T ({T}) and anchor ({anchor}) must be multiples of {BT}")
+    q, k, v, g, do = (t.transpose(0, 1).float() for t in (q, k, v, g, do))     # [H, T, D]
+    tril = torch.tril(torch.ones(BT, BT))
+    triu = tril.T
+    tiles = [slice(i * BT, (i + 1) * BT) for i in range(T // BT)]
+    S = torch.zeros(H, K, v.shape[-1])
+    q_dq = torch.empty(H, T, K)
+    anchors = {}
+    for i, sl in enumerate(tiles):                        # the dq pass, forward in time
+        if anchor and i and (i * BT) % anchor == 0:
+            anchors[i] = rounded(S, anchor_dtype)
+        gc = g[:, sl].cumsum(1)
+        last, bk = gc[:, -1:], k[:, sl]
+        ref = 0.5 * last
+        dq = (rounded(do[:, sl], "bf16") @ rounded(S, read).transpose(1, 2)) * gc.exp()
+        S = S * last.exp().transpose(1, 2) + rounded(bk * (last - gc).exp(), update).transpose(1, 2) @ v[:, sl]
+        B = (do[:, sl] @ v[:, sl].transpose(1, 2)) * tril
+        dq = dq + (rounded(B, intra) @ rounded(bk * (ref - gc).exp(), intra)) * (gc - ref).exp()
+        q_dq[:, sl] = rounded(dq * scale, dgq) * q[:, sl]
+    dS = torch.zeros_like(S)
+    suffix = torch.zeros(H, K)
+    dg = torch.empty(H, T, K)
+    for i in reversed(range(len(tiles))):                 # the dk pass, backward in time
+        sl = tiles[i]
+        if i + 1 in anchors:
+            suffix = (anchors[i + 1] * dS).sum(-1)
+        gc = g[:, sl].cumsum(1)
+        last, qs = gc[:, -1:], q[:, sl] * scale
+        ref = 0.5 * last
+        Bt = (v[:, sl] @ do[:, sl].transpose(1, 2)) * triu
+        dk = (rounded(Bt, intra) @ rounded(qs * (gc - ref).exp(), intra)) * (ref - gc).exp()
+        dk = dk + (v[:, sl] @ rounded(dS, read).transpose(1, 2)) * (last - gc).exp()
+        dG = q_dq[:, sl] - dk * k[:, sl]
+        dg[:, sl] = suffix[:, None] + triu @ dG
+        suffix = suffix + dG.sum(1)
+        dS = dS * last.exp().transpose(1, 2) + rounded(qs * gc.exp(), update).transpose(1, 2) @ do[:, sl]
+    return dg.transpose(0, 1)
+
+
+def inputs(T: int, H: int = 16, K: int = 128, V: int = 128, gate_scale: float = 16.0, seed: int = 0):
+    """`gla_grad_error.py`'s inputs on the CPU: bf16-valued q, k (times K^-1/2), v, do; fp32 gates."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    bf = lambda x: x.bfloat16().float()  # noqa: E731
+    return bf(r(T, H, K)), bf(r(T, H, K) * K ** -0.5), bf(r(T, H, V)), F.logsigmoid(r(T, H, K)) / gate_scale, \
+        bf(r(T, H, V))
+
+
+def reference_dg(q, k, v, g, do, scale: float) -> torch.Tensor:
+    """dg of the chunked float64 reference on the same values."""
+    from hybridize.ops.gla.reference import chunk_gla
+
+    leaves = [t[None].double().requires_grad_() for t in (q, k, v, g)]
+    o, _ = chunk_gla(*leaves, scale=scale)
+    o.backward(do[None].double())
+    return leaves[3].grad[0]
+
+
+#: the settings printed by default: the kernels today at several piece lengths, then each rounding made precise
+CASES = [dict(anchor=a) for a in (0, 2048, 512, 256, 64)] + [
+    dict(anchor=512, dgq="bf16"), dict(anchor=512, intra="tf32"), dict(anchor=512, read="split"),
+    dict(anchor=512, read="split", intra="tf32"), dict(anchor=512, read="split", update="split"),
+    dict(anchor=0, read="split", update="split", intra="tf32"), dict(anchor=256, read="split", update="split",
+                                                                      intra="tf32"),
+    dict(anchor=64, intra="tf32"), dict(anchor=256, read="fp32", update="fp32", intra="fp32"),
+    dict(anchor=0, read="fp32", update="fp32", intra="fp32")]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=4096, help="sequence length (a multiple of 16)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--gate-scale", type=float, default=16.0, help="log-decays are logsigmoid(randn) / this")
+    ap.add_argument("--out", default="", help="write the rows here as JSON too")
+    a = ap.parse_args(argv)
+    x = inputs(a.T, a.heads, gate_scale=a.gate_scale)
+    scale = x[0].shape[-1] ** -0.5
+    t0 = time.time()
+    want = reference_dg(*x, scale)
+    print(f"T={a.T}, H={a.heads}, K=V=128, gates logsigmoid(x)/{a.gate_scale:g}; float64 reference "
+          f"{time.time() - t0:.0f} s. dg's error ||dg - ref|| / ||ref|| (defaults: every rounding bf16, fp32 q dq)")
+    rows = []
+    for case in CASES:
+        err = ((model_dg(*x, scale, **case).double() - want).norm() / want.norm()).item()
+        rows.append(dict(T=a.T, **case, dg_error=err))
+        print(f"  {', '.join(f'{k}={v}' for k, v in case.items()):<55} {err:.2e}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The CPU model of the pieces GLA backward's roundings (`benchmarks/ops/gla_dg_rounding.py`): exact when nothing is
+rounded (with and without anchors, so the model's tiles, suffix sums and anchor resets are the algorithm), and each
+rounding mode as precise as it claims."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.ops.gla_dg_rounding import inputs, model_dg, reference_dg, rounded
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("anchor", [0, 32, 48])
+def test_model_without_rounding_is_the_gradient(anchor):
+    torch.manual_seed(0)
+    x = inputs(112, H=2, K=16, V=16, gate_scale=4.0)
+    want = reference_dg(*x, 0.25)
+    exact = dict(intra="fp32", read="fp32", update="fp32", anchor_dtype="fp32")
+    assert rel(model_dg(*x, 0.25, anchor=anchor, **exact), want) < 1e-5
+    assert rel(model_dg(*x, 0.25, anchor=anchor), want) > 1e-3      # the kernels' bf16 roundings do show
+
+
+def test_rounding_modes():
+    x = torch.randn(4096) * 3
+    assert rel(rounded(x, "bf16"), x) < 2 ** -8 and rel(rounded(x, "bf16"), x) > 2 ** -12
+    assert 2 ** -14 < rel(rounded(x, "tf32"), x) < 2 ** -11
+    assert rel(rounded(x, "split"), x) < 2 ** -15
+    assert torch.equal(rounded(x, "fp32"), x)
+    with pytest.raises(ValueError, match="use one of"):
+        rounded(x, "fp8")
