@@ -31,6 +31,9 @@
 #             every run's rows in $OUT/sse_ab.json
 #   sse_env   profile_sse.py on this tree alternating between kernel-option settings (ENV_AB: `;`-separated
 #             environment assignments), ROUNDS times, SSE only, at SSE_T; every run's rows in $OUT/sse_env.json
+#   grad_error  gla_grad_error.py: the pieces GLA's gradients beside chunk_gla's against a float64 reference at
+#             GRAD_T (default 4096) tokens, with the automatic pieces and pieces of each GRAD_SEGMENTS length
+#             (default "2048 0"; 0: one piece); rows in $OUT/grad_error_<pieces>.json
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -72,7 +75,8 @@ import json, sys
 for run, rows in json.load(open(sys.argv[1])).items():
     for c in rows["cases"]:
         top = ", ".join(f"{t['kernel'].strip('_')[:14]} {t['ms']:.3f}" for t in c["top"][:5])
-        print(f"{run:<22} {c['case']:<26} {c['T']:>6} {c['device_ms']:8.3f} ms  peak {c.get('peak_mb', 0):6.0f} MiB  {top}")
+        print(f"{run:<22} {c['case']:<26} {c['T']:>6} {c['device_ms']:8.3f} ms  "
+              f"peak {c.get('peak_mb', 0):6.0f} MiB  {top}")
 PY
 }
 
@@ -158,6 +162,12 @@ for s in "${STEPS_[@]}"; do
       done
       merge_runs sse_env
       summarize_runs sse_env ;;
+    grad_error)
+      for seg in auto ${GRAD_SEGMENTS:-2048 0}; do
+        arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
+        timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
+          --out "$OUT/grad_error_$seg.json" 2>&1 | grep -v Warning | tail -4
+      done ;;
     scale)
       random_teacher
       for mp in bf16 no; do

@@ -124,7 +124,8 @@ def test_interp_varlen(check, split):
 def test_interp_every_launch_names_only_its_kernels_parameters(monkeypatch):
     """A compiled launch refuses a keyword its kernel does not declare ("specified but unrecognised"); the
     interpreter ignores it. So every pass of the op, forward and backward, is launched here through a check of its
-    keywords against the kernel's parameters (a constexpr meant for two passes once reached a third, which only a GPU run showed)."""
+    keywords against the kernel's parameters (a constexpr meant for two passes once reached a third, and only a GPU
+    run showed it)."""
     from hybridize.ops.gla import triton_bwd, triton_fwd
     from hybridize.ops.gla.triton_bwd import gla_triton
 
