@@ -117,8 +117,8 @@ def reference_dg(q, k, v, g, do, scale: float) -> torch.Tensor:
 
 
 #: the settings printed by default: the kernels today at several piece lengths, then each rounding made precise
-CASES = [dict(anchor=a) for a in (0, 2048, 512, 256, 64)] + [
-    dict(anchor=512, dgq="bf16"), dict(anchor=512, intra="tf32"), dict(anchor=512, read="split"),
+CASES = [dict(anchor=a) for a in (0, 2048, 1024, 512, 256, 128, 64)] + [
+    dict(anchor=512, dgq="bf16"), dict(anchor=256, dgq="bf16"), dict(anchor=512, intra="tf32"), dict(anchor=512, read="split"),
     dict(anchor=512, read="split", intra="tf32"), dict(anchor=512, read="split", update="split"),
     dict(anchor=0, read="split", update="split", intra="tf32"), dict(anchor=256, read="split", update="split",
                                                                       intra="tf32"),
