@@ -13,6 +13,11 @@ rounding wherever the kernels round an operand to bf16 for a product, each of wh
             says); 0: one sum over the whole sequence. A piece boundary of the kernels does the same, so n plays the
             piece length
     dgq     q * dq formed from an fp32 dq (the kernels) or a bf16 one
+    consistent  (not in the kernels) dg's terms formed from the operands as the other pass rounded them: each part
+            of q * dq (in-tile, through the state) with q as the dk pass rounds it for that part's partner product,
+            and each part of k * dk with k as the dq pass rounds it. A pair of tokens then contributes exactly
+            opposite amounts to q dq and k dk, so the in-tile and update roundings cancel in dg's sums; only the
+            rounding of the carried state where it is read (`read`) is left (dq's parts stay fp32: `dgq` unused)
 
 One sequence, no initial state, the inputs of `gla_grad_error.py` (bf16 q, k, v and output gradient, fp32 gates
 logsigmoid(x)/16), dg against the chunked float64 reference (`ops/gla/reference.chunk_gla`), ||x - ref|| / ||ref||.
@@ -52,7 +57,8 @@ def rounded(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16", read: str = "bf16",
-             update: str = "bf16", anchor_dtype: str = "bf16", dgq: str = "fp32") -> torch.Tensor:
+             update: str = "bf16", anchor_dtype: str = "bf16", dgq: str = "fp32",
+             consistent: bool = False) -> torch.Tensor:
     """dg `[T, H, K]` of one sequence as the dq and dk passes compute it, under the given roundings: q, k, g
     `[T, H, K]`, v, do `[T, H, V]` (fp32 tensors holding the inputs' values), T a multiple of 16, no initial state
     and no final-state gradient."""
@@ -65,6 +71,7 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
     tiles = [slice(i * BT, (i + 1) * BT) for i in range(T // BT)]
     S = torch.zeros(H, K, v.shape[-1])
     q_dq = torch.empty(H, T, K)
+    k_state, k_intra = k.clone(), k.clone()     # k as the dq pass rounds it for each product (`consistent`)
     anchors = {}
     for i, sl in enumerate(tiles):                        # the dq pass, forward in time
         if anchor and i and (i * BT) % anchor == 0:
@@ -72,11 +79,19 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
         gc = g[:, sl].cumsum(1)
         last, bk = gc[:, -1:], k[:, sl]
         ref = 0.5 * last
-        dq = (rounded(do[:, sl], "bf16") @ rounded(S, read).transpose(1, 2)) * gc.exp()
-        S = S * last.exp().transpose(1, 2) + rounded(bk * (last - gc).exp(), update).transpose(1, 2) @ v[:, sl]
+        dq_state = (rounded(do[:, sl], "bf16") @ rounded(S, read).transpose(1, 2)) * gc.exp() * scale
+        k_upd = rounded(bk * (last - gc).exp(), update)
+        S = S * last.exp().transpose(1, 2) + k_upd.transpose(1, 2) @ v[:, sl]
         B = (do[:, sl] @ v[:, sl].transpose(1, 2)) * tril
-        dq = dq + (rounded(B, intra) @ rounded(bk * (ref - gc).exp(), intra)) * (gc - ref).exp()
-        q_dq[:, sl] = rounded(dq * scale, dgq) * q[:, sl]
+        k_in = rounded(bk * (ref - gc).exp(), intra)
+        dq_intra = (rounded(B, intra) @ k_in) * (gc - ref).exp() * scale
+        if consistent:
+            k_state[:, sl], k_intra[:, sl] = k_upd / (last - gc).exp(), k_in / (ref - gc).exp()
+            qs = q[:, sl] * scale
+            q_dq[:, sl] = (dq_state * rounded(qs * gc.exp(), update) / (scale * gc.exp())
+                           + dq_intra * rounded(qs * (gc - ref).exp(), intra) / (scale * (gc - ref).exp()))
+        else:
+            q_dq[:, sl] = rounded(dq_state + dq_intra, dgq) * q[:, sl]
     dS = torch.zeros_like(S)
     suffix = torch.zeros(H, K)
     dg = torch.empty(H, T, K)
@@ -88,9 +103,9 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
         last, qs = gc[:, -1:], q[:, sl] * scale
         ref = 0.5 * last
         Bt = (v[:, sl] @ do[:, sl].transpose(1, 2)) * triu
-        dk = (rounded(Bt, intra) @ rounded(qs * (gc - ref).exp(), intra)) * (ref - gc).exp()
-        dk = dk + (v[:, sl] @ rounded(dS, read).transpose(1, 2)) * (last - gc).exp()
-        dG = q_dq[:, sl] - dk * k[:, sl]
+        dk_intra = (rounded(Bt, intra) @ rounded(qs * (gc - ref).exp(), intra)) * (ref - gc).exp()
+        dk_state = (v[:, sl] @ rounded(dS, read).transpose(1, 2)) * (last - gc).exp()
+        dG = q_dq[:, sl] - dk_intra * k_intra[:, sl] - dk_state * k_state[:, sl]
         dg[:, sl] = suffix[:, None] + triu @ dG
         suffix = suffix + dG.sum(1)
         dS = dS * last.exp().transpose(1, 2) + rounded(qs * gc.exp(), update).transpose(1, 2) @ do[:, sl]
@@ -116,14 +131,18 @@ def reference_dg(q, k, v, g, do, scale: float) -> torch.Tensor:
     return leaves[3].grad[0]
 
 
-#: the settings printed by default: the kernels today at several piece lengths, then each rounding made precise
+#: the settings printed by default: the kernels today at several piece lengths, each rounding made precise, then dg's
+#: terms formed consistently
 CASES = [dict(anchor=a) for a in (0, 2048, 1024, 512, 256, 128, 64)] + [
-    dict(anchor=512, dgq="bf16"), dict(anchor=256, dgq="bf16"), dict(anchor=512, intra="tf32"), dict(anchor=512, read="split"),
+    dict(anchor=512, dgq="bf16"), dict(anchor=256, dgq="bf16"), dict(anchor=512, intra="tf32"),
+    dict(anchor=512, read="split"),
     dict(anchor=512, read="split", intra="tf32"), dict(anchor=512, read="split", update="split"),
     dict(anchor=0, read="split", update="split", intra="tf32"), dict(anchor=256, read="split", update="split",
                                                                       intra="tf32"),
     dict(anchor=64, intra="tf32"), dict(anchor=256, read="fp32", update="fp32", intra="fp32"),
-    dict(anchor=0, read="fp32", update="fp32", intra="fp32")]
+    dict(anchor=0, read="fp32", update="fp32", intra="fp32"),
+    dict(anchor=512, consistent=True), dict(anchor=256, consistent=True), dict(anchor=64, consistent=True),
+    dict(anchor=0, consistent=True, read="split"), dict(anchor=512, consistent=True, read="split")]
 
 
 def main(argv=None):

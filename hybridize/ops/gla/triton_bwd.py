@@ -31,7 +31,9 @@ by 1/a leaves the output unchanged, so a sequence's terms sum to zero without an
 with 2048, against 1.6e-3 for fla's chunk_gla, which restarts its sums every 64-token chunk from its stored states;
 dq, dk and dv are within 1.5x of fla's. The automatic pieces reach 2048 tokens at 32k on SSE's layout. A CPU model
 of these roundings (`benchmarks/ops/gla_dg_rounding.py`, which reproduces those figures) finds no single one
-dominant: the in-tile products, the state reads and the state updates' operands each matter, times the sum's length
+dominant: the in-tile products, the state reads and the state updates' operands each matter, times the sum's length.
+Forming each pass's part of dG from the other pass's rounded operands would cancel the first and third exactly
+(the model: 8.8e-3 at 512-token pieces, 2.4e-3 at any length with split state reads); not built yet
 (benchmarks/RESULTS.md, "the gates' gradient").
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the

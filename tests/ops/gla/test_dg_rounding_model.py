@@ -13,14 +13,28 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("consistent", [False, True])
 @pytest.mark.parametrize("anchor", [0, 32, 48])
-def test_model_without_rounding_is_the_gradient(anchor):
+def test_model_without_rounding_is_the_gradient(anchor, consistent):
     torch.manual_seed(0)
     x = inputs(112, H=2, K=16, V=16, gate_scale=4.0)
     want = reference_dg(*x, 0.25)
     exact = dict(intra="fp32", read="fp32", update="fp32", anchor_dtype="fp32")
-    assert rel(model_dg(*x, 0.25, anchor=anchor, **exact), want) < 1e-5
-    assert rel(model_dg(*x, 0.25, anchor=anchor), want) > 1e-3      # the kernels' bf16 roundings do show
+    assert rel(model_dg(*x, 0.25, anchor=anchor, consistent=consistent, **exact), want) < 1e-5
+    assert rel(model_dg(*x, 0.25, anchor=anchor, consistent=consistent), want) > 1e-4   # bf16 roundings do show
+
+
+def test_consistent_terms_make_dg_independent_of_the_sum_length():
+    """With dg's terms formed from the other pass's rounded operands and the state read exactly, the in-tile and
+    update roundings cancel pair by pair: one sum over 1024 tokens is as precise as sums restarted every 64, and far
+    more precise than the kernels' form over the same 1024."""
+    x = inputs(1024, H=2, K=32, V=32, gate_scale=16.0)
+    scale = 32 ** -0.5
+    want = reference_dg(*x, scale)
+    err = {(c, a): rel(model_dg(*x, scale, anchor=a, consistent=c, read="fp32", anchor_dtype="fp32"), want)
+           for c in (False, True) for a in (0, 64)}
+    assert abs(err[True, 0] - err[True, 64]) < 0.05 * err[True, 64], err
+    assert err[True, 0] < 0.3 * err[False, 0] and err[False, 0] > 2 * err[False, 64], err
 
 
 def test_rounding_modes():
