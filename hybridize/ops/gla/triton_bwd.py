@@ -33,7 +33,7 @@ dq, dk and dv are within 1.5x of fla's. The automatic pieces reach 2048 tokens a
 of these roundings (`benchmarks/ops/gla_dg_rounding.py`, which reproduces those figures) finds no single one
 dominant: the in-tile products, the state reads and the state updates' operands each matter, times the sum's length.
 Forming each pass's part of dG from the other pass's rounded operands would cancel the first and third exactly
-(the model: 8.8e-3 at 512-token pieces, 2.4e-3 at any length with split state reads); not built yet
+(the model: 8.8e-3 at 512-token pieces, 2.4e-3 at any length with split state reads); not in these kernels yet
 (benchmarks/RESULTS.md, "the gates' gradient").
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
