@@ -34,7 +34,8 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
+
+from benchmarks.ops import gla_grad_error as grad_error
 
 BT = 16
 MODES = ("bf16", "tf32", "split", "fp32")
@@ -113,12 +114,9 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
 
 
 def inputs(T: int, H: int = 16, K: int = 128, V: int = 128, gate_scale: float = 16.0, seed: int = 0):
-    """`gla_grad_error.py`'s inputs on the CPU: bf16-valued q, k (times K^-1/2), v, do; fp32 gates."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    bf = lambda x: x.bfloat16().float()  # noqa: E731
-    return bf(r(T, H, K)), bf(r(T, H, K) * K ** -0.5), bf(r(T, H, V)), F.logsigmoid(r(T, H, K)) / gate_scale, \
-        bf(r(T, H, V))
+    """`gla_grad_error.py`'s inputs on the CPU as fp32 `[T, H, D]` tensors: q, k, v, g, do."""
+    x = grad_error.inputs(T, gate_scale, seed, H, K, V, device="cpu")
+    return tuple(x[n][0].float() for n in ("q", "k", "v", "g", "do"))
 
 
 def reference_dg(q, k, v, g, do, scale: float) -> torch.Tensor:
@@ -160,7 +158,7 @@ def main(argv=None):
           f"{time.time() - t0:.0f} s. dg's error ||dg - ref|| / ||ref|| (defaults: every rounding bf16, fp32 q dq)")
     rows = []
     for case in CASES:
-        err = ((model_dg(*x, scale, **case).double() - want).norm() / want.norm()).item()
+        err = grad_error.rel(model_dg(*x, scale, **case), want)
         rows.append(dict(T=a.T, **case, dg_error=err))
         print(f"  {', '.join(f'{k}={v}' for k, v in case.items()):<55} {err:.2e}", flush=True)
     if a.out:

@@ -25,12 +25,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
 
 
-def inputs(T: int, gate_scale: float, seed: int) -> dict:
-    """bf16 q, k, v `[1, T, H, D]`, fp32 per-channel log-decays `logsigmoid(x) / gate_scale`, bf16 output gradient."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    return dict(q=r(1, T, H, K).bfloat16(), k=(r(1, T, H, K) * K ** -0.5).bfloat16(), v=r(1, T, H, V).bfloat16(),
-                g=F.logsigmoid(r(1, T, H, K)) / gate_scale, do=r(1, T, H, V).bfloat16())
+def inputs(T: int, gate_scale: float = 16.0, seed: int = 0, heads: int = H, K: int = K, V: int = V,
+           device: str = "cuda") -> dict:
+    """bf16 q, k (times K^-1/2), v `[1, T, H, D]`, fp32 per-channel log-decays `logsigmoid(x) / gate_scale`, bf16
+    output gradient (also the CPU model's inputs, `gla_dg_rounding.py`)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    return dict(q=r(1, T, heads, K).bfloat16(), k=(r(1, T, heads, K) * K ** -0.5).bfloat16(),
+                v=r(1, T, heads, V).bfloat16(), g=F.logsigmoid(r(1, T, heads, K)) / gate_scale,
+                do=r(1, T, heads, V).bfloat16())
 
 
 def grads(fn, x: dict, dtype=None) -> dict:
