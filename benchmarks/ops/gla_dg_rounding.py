@@ -1,7 +1,7 @@
 """Where the pieces GLA's gate gradient loses its precision: a CPU model of the backward's roundings.
 
-`gla_grad_error.py` measures on a GPU that our dg is 9-22x less precise than fla's chunk_gla (1.46e-2 with 512-token
-pieces, 3.38e-2 with 2048, against 1.57e-3), while dq, dk and dv are within 1.5x. This script models the dq and
+`gla_grad_error.py` measured on a GPU that our dg was 9-19x less precise than fla's chunk_gla (1.46e-2 with 512-token
+pieces, 2.92e-2 with 2048, against 1.57e-3), while dq, dk and dv are within 1.5x. This script models the dq and
 dk passes (`ops/gla/triton_bwd.py`) tile by tile in PyTorch on the CPU: 16-token tiles, fp32 accumulation, and a
 rounding wherever the kernels round an operand to bf16 for a product, each of which can be made more precise here:
 
@@ -13,7 +13,7 @@ rounding wherever the kernels round an operand to bf16 for a product, each of wh
             says); 0: one sum over the whole sequence. A piece boundary of the kernels does the same, so n plays the
             piece length
     dgq     q * dq formed from an fp32 dq (the kernels) or a bf16 one
-    consistent  (not in the kernels) dg's terms formed from the operands as the other pass rounded them: each part
+    consistent  (the kernels' way) dg's terms formed from the operands as the other pass rounded them: each part
             of q * dq (in-tile, through the state) with q as the dk pass rounds it for that part's partner product,
             and each part of k * dk with k as the dq pass rounds it. A pair of tokens then contributes exactly
             opposite amounts to q dq and k dk, so the in-tile and update roundings cancel in dg's sums; only the
@@ -22,8 +22,11 @@ rounding wherever the kernels round an operand to bf16 for a product, each of wh
 One sequence, no initial state, the inputs of `gla_grad_error.py` (bf16 q, k, v and output gradient, fp32 gates
 logsigmoid(x)/16), dg against the chunked float64 reference (`ops/gla/reference.chunk_gla`), ||x - ref|| / ||ref||.
 At 4096 tokens the model gives 1.46e-2 for 512-token pieces, 2.90e-2 for 2048, 5.6e-3 for 64 and 1.68e-2 with a bf16
-dq, against 1.46e-2, 3.38e-2, 6.1e-3 and 1.69e-2 measured on one H200, so it can rank precision options without a
-GPU (benchmarks/RESULTS.md, "the gates' gradient"). Every product in fp32 gives 4e-6.
+dq, against 1.46e-2, 2.92e-2, 6.1e-3 and 1.69e-2 measured on one H200 (the kernels before consistent terms); with
+consistent terms 8.8e-3 at 512 and 6.6e-3 with anchors every 256, against 8.80e-3 and 6.54e-3 measured once the
+kernels had them. So it ranks precision options without a GPU (benchmarks/RESULTS.md, "the gates' gradient").
+Every product in fp32 gives 4e-6. The kernels now form dg's terms consistently and reset the suffix every 512 tokens
+(`gla_dg_anchor`): `consistent=True, anchor=512`.
 
     python -m benchmarks.ops.gla_dg_rounding [--T 4096] [--out rows.json]
 """

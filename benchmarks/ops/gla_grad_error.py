@@ -59,20 +59,21 @@ def main(argv=None):
         raise SystemExit("gla_grad_error needs a CUDA GPU (it times nothing; it compares the GPU ops' gradients)")
     from fla.ops.gla import chunk_gla as fla_chunk_gla
     from hybridize.ops.gla.reference import chunk_gla as ref_chunk_gla
-    from hybridize.ops.gla.triton_bwd import gla_triton
+    from hybridize.ops.gla.triton_bwd import _dg_anchor, gla_triton
     ops = {"ours (gla_triton)": lambda q, k, v, g: gla_triton(q, k, v, g, segment_len=a.segment_len),
            "fla chunk_gla": lambda q, k, v, g: fla_chunk_gla(q, k, v, g)}
     rows = []
     pieces = "their rule" if a.segment_len is None else a.segment_len or "one per sequence"
     print(f"{torch.cuda.get_device_name()}, bf16 q/k/v, fp32 gates logsigmoid(x)/{a.gate_scale:g}, H={H}, K=V={K}, "
-          f"our pieces: {pieces}")
+          f"our pieces: {pieces}, dg anchors every {_dg_anchor() or 'no'} tokens")
     print(f"{'T':>6} {'op':<18} " + " ".join(f"{n:>9}" for n in ("o", "dq", "dk", "dv", "dg")))
     for T in (int(t) for t in a.T.split(",")):
         x = inputs(T, a.gate_scale, a.seed)
         ref = grads(lambda q, k, v, g: ref_chunk_gla(q, k, v, g), x, torch.float64)
         for name, fn in ops.items():
             errs = {n: rel(t, ref[n]) for n, t in grads(fn, x).items()}
-            rows.append(dict(T=T, op=name, gate_scale=a.gate_scale, segment_len=a.segment_len, **errs))
+            rows.append(dict(T=T, op=name, gate_scale=a.gate_scale, segment_len=a.segment_len, anchor=_dg_anchor(),
+                             **errs))
             print(f"{T:>6} {name:<18} " + " ".join(f"{errs[n]:9.2e}" for n in ("o", "dq", "dk", "dv", "dg")))
         del ref
         torch.cuda.empty_cache()

@@ -73,6 +73,10 @@ class KernelOptions:
                                    "fla issue #640) | fla (fla's own kernel)", "HYBRIDIZE_FLA_DQKWG", FLA_DQKWG)
     gla_products: str = _opt("single", "pieces GLA backward, bf16 products with the carried state: single | split "
                                        "(hi/lo pair)", "HYBRIDIZE_GLA_PRODUCTS", GLA_PRODUCTS)
+    gla_dg_anchor: int = _opt(512, "pieces GLA backward: every n tokens of a piece the gates' gradient suffix sum is "
+                                   "set to its exact value from the state (a multiple of 16; 0 = never: one sum over "
+                                   "each piece, whose rounding grows with the piece's length)",
+                              "HYBRIDIZE_GLA_DG_ANCHOR", min=0)
     gla_tune_top: int = _opt(0, "pieces GLA: keep the first n configs of its autotune lists (0 = all; 1 for tests "
                                 "that only check numbers)", "HYBRIDIZE_GLA_TUNE_TOP", min=0)
     gla_rows: int = _opt(512, "pieces GLA: (piece, head) rows the automatic piece length aims at",

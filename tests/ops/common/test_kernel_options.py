@@ -64,8 +64,8 @@ def test_from_env_parses_each_variable(var, raw, value, monkeypatch):
 def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     assert set(ENV) == {"HYBRIDIZE_KERNELS", "HYBRIDIZE_AUTOTUNE_TOP", "HYBRIDIZE_CCQ_PRODUCTS", "HYBRIDIZE_CCQ_ROWS",
                         "HYBRIDIZE_CCQ_SEGMENT", "HYBRIDIZE_CCQ_TUNE_TOP", "HYBRIDIZE_FLA_DQKWG",
-                        "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_SSE_GLA_PIECES",
-                        "HYBRIDIZE_SSE_GLA_GATHER", "HYBRIDIZE_GLA_TUNE_TOP",
+                        "HYBRIDIZE_GLA_PRODUCTS", "HYBRIDIZE_GLA_ROWS", "HYBRIDIZE_GLA_DG_ANCHOR",
+                        "HYBRIDIZE_SSE_GLA_PIECES", "HYBRIDIZE_SSE_GLA_GATHER", "HYBRIDIZE_GLA_TUNE_TOP",
                         "HYBRIDIZE_SSE_FUSED_STEP", "HYBRIDIZE_WINDOW_STEP", "HYBRIDIZE_SSE_FUSED_PREFILL",
                         "HYBRIDIZE_PDL", "HYBRIDIZE_SSE_MERGED_LOWRANK", "HYBRIDIZE_SSE_STEP_FINISH",
                         "HYBRIDIZE_SSE_STEP_LOWRANK"}
@@ -82,7 +82,7 @@ def test_every_variable_is_covered_and_unset_or_empty_gives_the_defaults():
     ("HYBRIDIZE_KERNELS", "cuda"), ("HYBRIDIZE_AUTOTUNE_TOP", "many"), ("HYBRIDIZE_AUTOTUNE_TOP", "-1"),
     ("HYBRIDIZE_CCQ_PRODUCTS", "fast"), ("HYBRIDIZE_CCQ_ROWS", "0"), ("HYBRIDIZE_CCQ_SEGMENT", "1.5"),
     ("HYBRIDIZE_CCQ_TUNE_TOP", "x"), ("HYBRIDIZE_FLA_DQKWG", "ours"), ("HYBRIDIZE_GLA_PRODUCTS", "tf32"),
-    ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
+    ("HYBRIDIZE_GLA_ROWS", "lots"), ("HYBRIDIZE_GLA_DG_ANCHOR", "-16"), ("HYBRIDIZE_SSE_GLA_PIECES", "maybe"),
     ("HYBRIDIZE_SSE_FUSED_STEP", "sometimes"), ("HYBRIDIZE_WINDOW_STEP", "2"), ("HYBRIDIZE_SSE_FUSED_PREFILL", "x"),
     ("HYBRIDIZE_PDL", "yes please"), ("HYBRIDIZE_SSE_MERGED_LOWRANK", "sometimes"),
     ("HYBRIDIZE_SSE_STEP_LOWRANK", "gemm"),

@@ -121,6 +121,21 @@ def test_interp_varlen(check, split):
 
 
 @interp_only
+@pytest.mark.parametrize("split", [None, 48])
+def test_interp_gate_gradient_anchors(split, monkeypatch):
+    """The dk pass's exact resets of dg's suffix sum every `gla_dg_anchor` tokens (32 here: several per piece and
+    per sequence, pieces that cut them, sequences shorter than one): the gradients still equal the reference's."""
+    monkeypatch.setenv("HYBRIDIZE_GLA_DG_ANCHOR", "32")
+    torch.set_num_threads(1)
+    q, k, v, gate, h0 = inputs(2, 100, 2, 16, 16, seed=5, strength=0.1)
+    compare_grads(q, k, v, gate, h0, chunk_size=16, segment_len=split)
+    cu = torch.tensor([0, 20, 20, 117, 200])
+    q, k, v, gate, _ = inputs(1, 200, 2, 16, 16, seed=6, strength=0.1)
+    compare_grads(q, k, v, gate, torch.randn(4, 2, 16, 16, dtype=torch.float64), cu=cu, chunk_size=16,
+                  segment_len=split)
+
+
+@interp_only
 def test_interp_every_launch_names_only_its_kernels_parameters(monkeypatch):
     """A compiled launch refuses a keyword its kernel does not declare ("specified but unrecognised"); the
     interpreter ignores it. So every pass of the op, forward and backward, is launched here through a check of its
@@ -152,6 +167,16 @@ def test_interp_every_launch_names_only_its_kernels_parameters(monkeypatch):
     o, end = gla_triton(q, k, v, gate, initial_state=h0, output_final_state=True, segment_len=32)
     (o.sum() + end.sum()).backward()
     assert {"_dq_kernel", "_dk_kernel", "_dv_kernel", "_output_kernel"} <= set(seen), seen
+
+
+@interp_only
+def test_interp_bad_anchor_fails_at_the_call(monkeypatch):
+    from hybridize.ops.gla.triton_bwd import gla_triton
+
+    monkeypatch.setenv("HYBRIDIZE_GLA_DG_ANCHOR", "40")
+    q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, 8, 1, 16, 16))
+    with pytest.raises(UserError, match="gla_dg_anchor .* multiple of 16 tokens or 0, got 40"):
+        gla_triton(q, k, v, gate)
 
 
 @interp_only
@@ -284,6 +309,31 @@ def test_cuda_gradients_match_recurrent(dtype, tol, products, monkeypatch):
     cu = torch.tensor([0, 700, 700, 1601, 2100], device="cuda")
     compare_grads(q, k, v, gate, torch.randn(4, 4, 128, 128, device="cuda", dtype=torch.float64), cu=cu,
                   dtype=dtype, tol=tol)
+
+
+@cuda_only
+def test_cuda_gate_gradient_over_a_long_piece(monkeypatch):
+    """bf16, one 4096-token piece, mild gates: dg is a suffix sum over the piece whose terms cancel, so its rounding
+    grows with the piece's length; the anchors (`gla_dg_anchor`, default 512) reset it to its exact value. With them
+    dg's error stays within 2e-2 and well below the same piece's without them."""
+    from hybridize.ops.gla.triton_bwd import gla_triton
+
+    q, k, v, gate, _ = inputs(1, 4096, 4, 128, 128, device="cuda", seed=7, strength=0.05)
+    do = torch.randn_like(v)
+
+    def dg(fn, dtype, **kw):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k * 128 ** -0.5, v)]
+        g = gate.detach().float().requires_grad_()
+        o, _ = fn(*leaves, g, **kw)
+        (o.double() * do).sum().backward()
+        return g.grad.double()
+
+    want = dg(naive_recurrent_gla, torch.float64)
+    monkeypatch.delenv("HYBRIDIZE_GLA_DG_ANCHOR", raising=False)
+    anchored = rel(dg(gla_triton, torch.bfloat16, segment_len=0), want)
+    monkeypatch.setenv("HYBRIDIZE_GLA_DG_ANCHOR", "0")
+    plain = rel(dg(gla_triton, torch.bfloat16, segment_len=0), want)
+    assert anchored < 2e-2 and anchored < 0.6 * plain, (anchored, plain)
 
 
 @cuda_only
