@@ -65,7 +65,7 @@ def main(argv=None):
     rows = []
     pieces = "their rule" if a.segment_len is None else a.segment_len or "one per sequence"
     print(f"{torch.cuda.get_device_name()}, bf16 q/k/v, fp32 gates logsigmoid(x)/{a.gate_scale:g}, H={H}, K=V={K}, "
-          f"our pieces: {pieces}, dg anchors every {_dg_anchor() or 'no'} tokens")
+          f"our pieces: {pieces}, dg's suffix reset every {_dg_anchor() or 'no'} tokens in longer pieces")
     print(f"{'T':>6} {'op':<18} " + " ".join(f"{n:>9}" for n in ("o", "dq", "dk", "dv", "dg")))
     for T in (int(t) for t in a.T.split(",")):
         x = inputs(T, a.gate_scale, a.seed)

@@ -34,14 +34,14 @@ the dk pass's in-tile product rounds it, and the dk pass's k dk likewise), so ea
 the sums as they do exactly; (b) anchors: every `gla_dg_anchor` tokens into a piece (kernel option, default 512) the
 dq pass stores its state in bf16 (`anchors`, `[ceil(rows / 512), H, K, V]`, a quarter of q's size at K = V = 128)
 and the dk pass sets the suffix to rowsum(S * dS) there, as the reverse scan does at a piece's end, so no sum runs
-longer than 512 tokens. Against a float64 reference on bf16 inputs with mild gates
-(`benchmarks/ops/gla_grad_error.py`, one H200) dg's error is 8.8e-3 at 4k tokens with 512- or 2048-token pieces and
-at 16k tokens, where it was 1.5e-2 / 2.9e-2 at 4k without (a) and (b), growing with the piece; fla's chunk_gla's is
-1.6e-3 (it restarts every 64-token chunk from its stored states); dq, dk and dv are within 1.5x of fla's. The cost
-at 16k on SSE's layout, forward+backward: +0.3% for (a), +1.1% more for (b) and 32 MiB (4.047-4.059 against
-4.009-4.013 ms alternating, 3.993-4.005 with neither; 256-token anchors: 6.5e-3 for 4.062 ms and 64 MiB;
-benchmarks/RESULTS.md). What is left is the state reads' rounding (bf16 products with the fp32 state): split reads
-(`gla_products="split"`) would take it to ~2.4e-3 in the model, for ~13% more time.
+longer than 512 tokens (a call whose pieces are all at most 512 tokens runs without them). Against a float64
+reference on bf16 inputs with mild gates (`benchmarks/ops/gla_grad_error.py`, one H200) dg's error is 8.8e-3 at 4k
+tokens with 512- or 2048-token pieces and at 16k tokens, where it was 1.5e-2 / 2.9e-2 at 4k without (a) and (b),
+growing with the piece; fla's chunk_gla's is 1.6e-3 (it restarts every 64-token chunk from its stored states); dq,
+dk and dv are within 1.5x of fla's. The cost at 16k on SSE's layout, forward+backward: +0.3% for (a), +1.1% more for
+(b) and 32 MiB (4.047-4.059 against 4.009-4.013 ms alternating, 3.993-4.005 with neither; 256-token anchors: 6.5e-3
+for 4.062 ms and 64 MiB; benchmarks/RESULTS.md). What is left is the state reads' rounding (bf16 products with the
+fp32 state): split reads (`gla_products="split"`) would take it to ~2.4e-3 in the model, for ~13% more time.
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
 next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-1} is S_end(j).
@@ -381,14 +381,16 @@ def _products(dtype) -> int:
     return 1 if mode == "split" else 2
 
 
-def _dg_anchor() -> int:
+def _dg_anchor(longest: int | None = None) -> int:
     """The kernel option `gla_dg_anchor` (`HYBRIDIZE_GLA_DG_ANCHOR`): tokens between the dk pass's exact resets of
-    the gates' gradient suffix (`_dk_kernel`), a multiple of the 16-token tile; 0: none."""
+    the gates' gradient suffix (`_dk_kernel`), a multiple of the 16-token tile; 0: none. With `longest`, a bound on
+    the call's longest piece (`_pieces_for`), 0 too when no piece is longer than n: an anchor falls only inside
+    a piece, so the passes then run without the anchors' stores, resets and memory (the same numbers)."""
     n = current_kernel_options().gla_dg_anchor
     if n % 16:
         raise UserError(f"kernel option gla_dg_anchor (HYBRIDIZE_GLA_DG_ANCHOR) must be a multiple of 16 tokens or 0, "
                         f"got {n}")
-    return n
+    return 0 if longest is not None and longest <= n else n
 
 
 class _GLAFn(torch.autograd.Function):
@@ -396,13 +398,13 @@ class _GLAFn(torch.autograd.Function):
     starts and decays for the backward's dq pass and reverse scan."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size, keep_scores):
+    def forward(ctx, q, k, v, g, s0, pc, scale, chunk_size, keep_scores, longest):
         o, starts, decay, s_end, scores = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size,
                                                          keep_scores=keep_scores)
         ctx.save_for_backward(q, k, v, g, starts, s_end, decay, scores)
         ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's options, also for a backward run outside their block
-        ctx.anchor = _dg_anchor()
+        ctx.anchor = _dg_anchor(longest)
         ctx.set_materialize_grads(False)
         return o, s_end
 
@@ -413,7 +415,7 @@ class _GLAFn(torch.autograd.Function):
         dht = None if dht is None else dht.float().contiguous()
         dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, scores, ctx.pc, ctx.scale,
                                               ctx.prod, anchor=ctx.anchor)
-        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None, None
+        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 
 def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -435,10 +437,10 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
-    pc = _pieces_for(q, B, T, cu, segment_len)
+    pc, longest = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
     # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
-    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size, needs_grad(q, k, v, g, s0))
+    o, s_end = _GLAFn.apply(q, k, v, g, s0, pc, scale, chunk_size, needs_grad(q, k, v, g, s0), longest)
     return o, (s_end if output_final_state else None)
 
 

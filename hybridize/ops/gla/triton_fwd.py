@@ -265,7 +265,8 @@ def _state_configs():
 
 def _pieces_for(q, B, T, cu, segment_len):
     """The piece table of a call (`segment_len`: None automatic on GPU / one piece per sequence in the
-    interpreter, 0 one piece per sequence) and its length (None: one piece per sequence)."""
+    interpreter, 0 one piece per sequence) and a bound on its longest piece, known on the host: the piece length, or
+    T when a piece is a whole sequence (`[B, T]` rows, or documents packed into T tokens)."""
     if segment_len is None:
         # the option `gla_rows` (`HYBRIDIZE_GLA_ROWS`), default 512 (piece, head) rows: on SSE's 2T layout 1024-token
         # pieces at 16k, 2048 at 32k, 4096 at 64k. One H200, forward+backward (benchmarks/RESULTS.md): 16k 4.36-4.38
@@ -275,7 +276,7 @@ def _pieces_for(q, B, T, cu, segment_len):
         seg_len = None if interpreting() else piece_len(B, T, q.shape[2], T if cu is None else B * T, rows)
     else:
         seg_len = None if segment_len <= 0 else int(segment_len)
-    return make_pieces(B, T, cu, None, None, seg_len, q.device)
+    return make_pieces(B, T, cu, None, None, seg_len, q.device), (seg_len or T)
 
 
 def _precision(dtype) -> str:
@@ -424,7 +425,7 @@ def gla_fwd_triton(q, k, v, g, scale=None, initial_state=None, output_final_stat
         gather = gather._replace(**{n: getattr(gather, n).contiguous() for n in ("q", "k", "v", "g", "order")})
         B, T = 1, gather.L0 + gather.order.numel()
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long).contiguous()
-    pc = _pieces_for(q, B, T, cu, segment_len)
+    pc, _ = _pieces_for(q, B, T, cu, segment_len)
     s0 = None if initial_state is None else initial_state.to(dtype=torch.float32, device=q.device).contiguous()
     o, _, _, s_end, _ = forward_pieces(q, k, v, g, scale, s0, pc, chunk_size, gather)
     return o, (s_end if output_final_state else None)

@@ -77,7 +77,7 @@ class _GatheredGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, sh_q, sh_k, sh_v, sh_g, sp_q, sp_k, sp_v, sp_g, w, s0, lay: Layout, pc, scale, emul, packed,
-                keep_scores):
+                keep_scores, longest):
         L = sp_q.shape[1]
         L0 = L if lay.shared else 0
         sp = (sp_q, sp_k, sp_v, sp_g)
@@ -91,7 +91,7 @@ class _GatheredGLA(torch.autograd.Function):
         ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0, ctx.packed = lay, pc, scale, emul, s0 is not None, packed
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
         ctx.prod = _products(sp_q.dtype)    # the forward's options, also for a backward run outside their block
-        ctx.anchor = _dg_anchor()
+        ctx.anchor = _dg_anchor(longest)
         ctx.set_materialize_grads(False)
         return o, s_end
 
@@ -123,7 +123,7 @@ class _GatheredGLA(torch.autograd.Function):
         dots = [t for t in (dots_q, dots_k) if t is not None]
         d_w = sum(dots[1:], dots[0]).to(w.dtype) if dots else None
         return (d_shq, d_shk, d_shv, d_shg, d_spq, d_spk, d_spv, d_spg, d_w,
-                dh0 if ctx.has_h0 else None, None, None, None, None, None, None)
+                dh0 if ctx.has_h0 else None, None, None, None, None, None, None, None)
 
 
 def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | None = None,
@@ -151,10 +151,11 @@ def gathered_gla(shared, sparse, w: torch.Tensor, lay: Layout, scale: float | No
     lay = lay._replace(order=lay.order.contiguous(), seg_cu=lay.seg_cu.to(dtype=torch.long).contiguous())
     L = sp[0].shape[1]
     rows = (L if lay.shared else 0) + lay.order.numel()
-    pc = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
+    pc, longest = _pieces_for(sp[0], 1, rows, lay.seg_cu, segment_len)
     s0 = None if initial_state is None else initial_state.float().contiguous()
     # the in-tile scores the dv pass reads are kept only when a backward can follow (a forward alone stores nothing)
-    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed, needs_grad(*sh, *sp, w, s0))
+    return _GatheredGLA.apply(*sh, *sp, w, s0, lay, pc, scale, (emulq, emulk), packed, needs_grad(*sh, *sp, w, s0),
+                              longest)
 
 
 __all__ = ["Layout", "gathered_gla"]

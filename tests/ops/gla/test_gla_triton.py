@@ -170,6 +170,30 @@ def test_interp_every_launch_names_only_its_kernels_parameters(monkeypatch):
 
 
 @interp_only
+@pytest.mark.parametrize("T, split, want", [(40, 32, 0), (40, 48, 32), (40, None, 32), (32, None, 0), (33, 0, 32)])
+def test_interp_anchors_only_where_a_piece_is_longer(T, split, want, monkeypatch):
+    """An anchor falls only inside a piece, so a call whose pieces are all at most `gla_dg_anchor` tokens runs the
+    passes without anchors (ANCHOR=0: no stores, resets or memory); the host knows the bound without a sync (the
+    piece length, or T for whole sequences: `split` None in the interpreter, 0 anywhere)."""
+    from hybridize.ops.gla import triton_bwd
+
+    monkeypatch.setenv("HYBRIDIZE_GLA_DG_ANCHOR", "32")
+    got = []
+
+    def spy(*args, **kwargs):
+        got.append(kwargs["anchor"])
+        return backward_pieces(*args, **kwargs)
+
+    backward_pieces = triton_bwd.backward_pieces
+    monkeypatch.setattr(triton_bwd, "backward_pieces", spy)
+    torch.set_num_threads(1)
+    q, k, v, gate, _ = (t.float().requires_grad_() for t in inputs(1, T, 1, 16, 16, seed=3))
+    o, _ = triton_bwd.gla_triton(q, k, v, gate, segment_len=split)
+    o.sum().backward()
+    assert got == [want]
+
+
+@interp_only
 def test_interp_bad_anchor_fails_at_the_call(monkeypatch):
     from hybridize.ops.gla.triton_bwd import gla_triton
 
