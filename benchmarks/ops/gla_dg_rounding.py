@@ -18,6 +18,9 @@ rounding wherever the kernels round an operand to bf16 for a product, each of wh
             and each part of k * dk with k as the dq pass rounds it. A pair of tokens then contributes exactly
             opposite amounts to q dq and k dk, so the in-tile and update roundings cancel in dg's sums; only the
             rounding of the carried state where it is read (`read`) is left (dq's parts stay fp32: `dgq` unused)
+    tile_exact  (with consistent; the kernel option gla_dg_tiles=exact) each tile's total through the state taken
+            from the fp32 state, rowsum(S (q~^T do)) and rowsum(dS (k~^T v)), the difference from its tokens' terms
+            added to its first token: the state reads' rounding then stays inside a tile
 
 One sequence, no initial state, the inputs of `gla_grad_error.py` (bf16 q, k, v and output gradient, fp32 gates
 logsigmoid(x)/16), dg against the chunked float64 reference (`ops/gla/reference.chunk_gla`), ||x - ref|| / ||ref||.
@@ -62,7 +65,7 @@ def rounded(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16", read: str = "bf16",
              update: str = "bf16", anchor_dtype: str = "bf16", dgq: str = "fp32",
-             consistent: bool = False) -> torch.Tensor:
+             consistent: bool = False, tile_exact: bool = False) -> torch.Tensor:
     """dg `[T, H, K]` of one sequence as the dq and dk passes compute it, under the given roundings: q, k, g
     `[T, H, K]`, v, do `[T, H, V]` (fp32 tensors holding the inputs' values), T a multiple of 16, no initial state
     and no final-state gradient."""
@@ -84,6 +87,7 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
         last, bk = gc[:, -1:], k[:, sl]
         ref = 0.5 * last
         dq_state = (rounded(do[:, sl], "bf16") @ rounded(S, read).transpose(1, 2)) * gc.exp() * scale
+        S_before = S
         k_upd = rounded(bk * (last - gc).exp(), update)
         S = S * last.exp().transpose(1, 2) + k_upd.transpose(1, 2) @ v[:, sl]
         B = (do[:, sl] @ v[:, sl].transpose(1, 2)) * tril
@@ -92,8 +96,12 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
         if consistent:
             k_state[:, sl], k_intra[:, sl] = k_upd / (last - gc).exp(), k_in / (ref - gc).exp()
             qs = q[:, sl] * scale
-            q_dq[:, sl] = (dq_state * rounded(qs * gc.exp(), update) / (scale * gc.exp())
-                           + dq_intra * rounded(qs * (gc - ref).exp(), intra) / (scale * (gc - ref).exp()))
+            q_upd = rounded(qs * gc.exp(), update)
+            state_part = dq_state * q_upd / (scale * gc.exp())
+            if tile_exact:      # the tile's total through the state from the fp32 state: rowsum(S (q~^T do))
+                exact = (S_before * (q_upd.transpose(1, 2) @ do[:, sl])).sum(-1)
+                state_part[:, 0] += exact - state_part.sum(1)
+            q_dq[:, sl] = state_part + dq_intra * rounded(qs * (gc - ref).exp(), intra) / (scale * (gc - ref).exp())
         else:
             q_dq[:, sl] = rounded(dq_state + dq_intra, dgq) * q[:, sl]
     dS = torch.zeros_like(S)
@@ -109,7 +117,12 @@ def model_dg(q, k, v, g, do, scale: float, anchor: int = 0, intra: str = "bf16",
         Bt = (v[:, sl] @ do[:, sl].transpose(1, 2)) * triu
         dk_intra = (rounded(Bt, intra) @ rounded(qs * (gc - ref).exp(), intra)) * (ref - gc).exp()
         dk_state = (v[:, sl] @ rounded(dS, read).transpose(1, 2)) * (last - gc).exp()
-        dG = q_dq[:, sl] - dk_intra * k_intra[:, sl] - dk_state * k_state[:, sl]
+        k_part = dk_state * k_state[:, sl]
+        if tile_exact:          # the same from the fp32 state gradient: rowsum(dS (k~^T v))
+            k_upd = k_state[:, sl] * (last - gc).exp()
+            exact = (dS * (k_upd.transpose(1, 2) @ v[:, sl])).sum(-1)
+            k_part[:, 0] += exact - k_part.sum(1)
+        dG = q_dq[:, sl] - dk_intra * k_intra[:, sl] - k_part
         dg[:, sl] = suffix[:, None] + triu @ dG
         suffix = suffix + dG.sum(1)
         dS = dS * last.exp().transpose(1, 2) + rounded(qs * gc.exp(), update).transpose(1, 2) @ do[:, sl]
@@ -143,7 +156,8 @@ CASES = [dict(anchor=a) for a in (0, 2048, 1024, 512, 256, 128, 64)] + [
     dict(anchor=64, intra="tf32"), dict(anchor=256, read="fp32", update="fp32", intra="fp32"),
     dict(anchor=0, read="fp32", update="fp32", intra="fp32"),
     dict(anchor=512, consistent=True), dict(anchor=256, consistent=True), dict(anchor=64, consistent=True),
-    dict(anchor=0, consistent=True, read="split"), dict(anchor=512, consistent=True, read="split")]
+    dict(anchor=0, consistent=True, read="split"), dict(anchor=512, consistent=True, read="split"),
+    dict(anchor=0, consistent=True, tile_exact=True), dict(anchor=512, consistent=True, tile_exact=True)]
 
 
 def main(argv=None):
