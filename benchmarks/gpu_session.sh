@@ -84,6 +84,17 @@ for run, rows in json.load(open(sys.argv[1])).items():
 PY
 }
 
+grad_errors() {  # grad_errors TAG SEGMENTS [VAR=VALUE ...]: gla_grad_error at GRAD_T, automatic pieces and each of
+  # SEGMENTS, under the given settings; rows in $OUT/grad_error_<TAG><pieces>.json
+  local tag=$1 segs=$2 seg
+  shift 2
+  for seg in auto $segs; do
+    local arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
+    env "$@" timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
+      --out "$OUT/grad_error_$tag$seg.json" 2>&1 | grep -v Warning | tail -4
+  done
+}
+
 merge_runs() {  # merge_runs STEP: $OUT/STEP.json = {run name: its profile_sse rows} of the runs so far, in run order
   python3 - "$RUNS" "$OUT/$1.json" <<'PY'
 import json, pathlib, sys
@@ -167,20 +178,12 @@ for s in "${STEPS_[@]}"; do
       merge_runs sse_env
       summarize_runs sse_env ;;
     grad_error)
-      for seg in auto ${GRAD_SEGMENTS:-2048 0}; do
-        arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
-        timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
-          --out "$OUT/grad_error_$seg.json" 2>&1 | grep -v Warning | tail -4
-      done ;;
+      grad_errors "" "${GRAD_SEGMENTS:-2048 0}" ;;
     dg_tiles)
       exact=(HYBRIDIZE_GLA_DG_TILES=exact HYBRIDIZE_GLA_DG_ANCHOR=0)
       env "${exact[@]}" HYBRIDIZE_AUTOTUNE_TOP=1 HYBRIDIZE_GLA_TUNE_TOP=1 timeout 200 python3 -m pytest -q \
         -p no:cacheprovider tests/ops/gla/test_gla_triton.py tests/ops/sse/test_gathered_gla.py -k cuda -rfE 2>&1 | tail -8
-      for seg in auto ${GRAD_SEGMENTS:-2048}; do
-        arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
-        env "${exact[@]}" timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
-          --out "$OUT/grad_error_exact_$seg.json" 2>&1 | grep -v Warning | tail -3
-      done
+      grad_errors exact_ "${GRAD_SEGMENTS:-2048}" "${exact[@]}"
       for r in $(seq 1 "${ROUNDS:-2}"); do
         sse_run "defaults $r" "sse_env_defaults_$r" .
         sse_run "exact tiles $r" "sse_env_exact_$r" . "${exact[@]}"

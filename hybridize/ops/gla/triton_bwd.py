@@ -362,7 +362,7 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     v_rows = (q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     interp = interpreting()
     key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
-    row_key = key + ["ANCHOR"]
+    row_key = key + list(rows_only)     # a setting of its own compiles and tunes apart
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
     # (1) dq and every piece's own state gradient, (2) the reverse scan, (3) dk and dg, (4) dv
     if interp:
