@@ -34,10 +34,6 @@
 #   grad_error  gla_grad_error.py: the pieces GLA's gradients beside chunk_gla's against a float64 reference at
 #             GRAD_T (default 4096) tokens, with the automatic pieces and pieces of each GRAD_SEGMENTS length
 #             (default "2048 0"; 0: one piece); rows in $OUT/grad_error_<pieces>.json
-#   dg_tiles  the gates' gradient with exact tile totals and no anchors (kernel options gla_dg_tiles=exact,
-#             gla_dg_anchor=0) against the defaults: the pieces GLA's CUDA tests, dg's error at GRAD_T
-#             (grad_error's pieces), and SSE's time at SSE_T alternating with the defaults ROUNDS times
-#             ($OUT/sse_env.json)
 #   scale     scale_gpu.sh on ONE GPU: plain accelerate vs ZeRO-2 in one process, in bf16 and in fp32 (the
 #             same-regime control for the 2-GPU run)
 #   grpo_ds   GRPO, 3 steps: plain vs ZeRO-2 / ZeRO-3 in one process (rollout tokens/s, fast path used)
@@ -82,17 +78,6 @@ for run, rows in json.load(open(sys.argv[1])).items():
         print(f"{run:<22} {c['case']:<26} {c['T']:>6} {c['device_ms']:8.3f} ms  "
               f"peak {c.get('peak_mb', 0):6.0f} MiB  {top}")
 PY
-}
-
-grad_errors() {  # grad_errors TAG SEGMENTS [VAR=VALUE ...]: gla_grad_error at GRAD_T, automatic pieces and each of
-  # SEGMENTS, under the given settings; rows in $OUT/grad_error_<TAG><pieces>.json
-  local tag=$1 segs=$2 seg
-  shift 2
-  for seg in auto $segs; do
-    local arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
-    env "$@" timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
-      --out "$OUT/grad_error_$tag$seg.json" 2>&1 | grep -v Warning | tail -4
-  done
 }
 
 merge_runs() {  # merge_runs STEP: $OUT/STEP.json = {run name: its profile_sse rows} of the runs so far, in run order
@@ -178,18 +163,11 @@ for s in "${STEPS_[@]}"; do
       merge_runs sse_env
       summarize_runs sse_env ;;
     grad_error)
-      grad_errors "" "${GRAD_SEGMENTS:-2048 0}" ;;
-    dg_tiles)
-      exact=(HYBRIDIZE_GLA_DG_TILES=exact HYBRIDIZE_GLA_DG_ANCHOR=0)
-      env "${exact[@]}" HYBRIDIZE_AUTOTUNE_TOP=1 HYBRIDIZE_GLA_TUNE_TOP=1 timeout 200 python3 -m pytest -q \
-        -p no:cacheprovider tests/ops/gla/test_gla_triton.py tests/ops/sse/test_gathered_gla.py -k cuda -rfE 2>&1 | tail -8
-      grad_errors exact_ "${GRAD_SEGMENTS:-2048}" "${exact[@]}"
-      for r in $(seq 1 "${ROUNDS:-2}"); do
-        sse_run "defaults $r" "sse_env_defaults_$r" .
-        sse_run "exact tiles $r" "sse_env_exact_$r" . "${exact[@]}"
-      done
-      merge_runs sse_env
-      summarize_runs sse_env ;;
+      for seg in auto ${GRAD_SEGMENTS:-2048 0}; do
+        arg=(); [ "$seg" != auto ] && arg=(--segment-len "$seg")
+        timeout 120 python3 -m benchmarks.ops.gla_grad_error --T "${GRAD_T:-4096}" "${arg[@]}" \
+          --out "$OUT/grad_error_$seg.json" 2>&1 | grep -v Warning | tail -4
+      done ;;
     scale)
       random_teacher
       for mp in bf16 no; do

@@ -168,7 +168,7 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
     (*_, wsc, L0), gather_flags = tf._gather_args(*(runtime[n] for n in "qkvg"), gather)   # as the passes get them
     runtime |= dict(wsc=wsc, L0=L0, scale=K ** -0.5, **tune_buckets(2 * T if gather else T, 1024 * H))
     flags = dict(H=H, K=K, V=V, PREC=tf._precision(torch.bfloat16), G_MIN=tf.G_MIN, PROD=tb._products(torch.bfloat16),
-                 ANCHOR=tb._dg_anchor(), EXACT_TILES=tb._dg_exact_tiles(), **gather_flags)
+                 ANCHOR=tb._dg_anchor(), **gather_flags)
     full_k, full_v = dict(BK=triton.next_power_of_2(K)), dict(BV=triton.next_power_of_2(V))
     passes = [("piece states", tf._piece_state_kernel, tf._state_configs, {}),
               ("output", tf._output_kernel, tf._out_configs, full_k | dict(KEEP_A=True)),   # as in training

@@ -44,7 +44,6 @@ from hybridize.errors import UserError
 BACKENDS = ("auto", "torch", "gpu")
 CCQ_PRODUCTS = ("single", "split", "tf32")
 GLA_PRODUCTS = ("single", "split")
-GLA_DG_TILES = ("rounded", "exact")
 FLA_DQKWG = ("torch", "fla")
 
 
@@ -78,10 +77,6 @@ class KernelOptions:
                                    "set to its exact value from the state (a multiple of 16; 0 = never: one sum over "
                                    "each piece, whose rounding grows with the piece's length)",
                               "HYBRIDIZE_GLA_DG_ANCHOR", min=0)
-    gla_dg_tiles: str = _opt("rounded", "pieces GLA backward: each 16-token tile's total through the state in the "
-                                        "gates' gradient: rounded (its tokens' terms, read from the bf16-rounded "
-                                        "state) | exact (from the fp32 state: one more product per tile in the dq "
-                                        "and dk passes; not timed yet)", "HYBRIDIZE_GLA_DG_TILES", GLA_DG_TILES)
     gla_tune_top: int = _opt(0, "pieces GLA: keep the first n configs of its autotune lists (0 = all; 1 for tests "
                                 "that only check numbers)", "HYBRIDIZE_GLA_TUNE_TOP", min=0)
     gla_rows: int = _opt(512, "pieces GLA: (piece, head) rows the automatic piece length aims at",

@@ -41,11 +41,7 @@ growing with the piece; fla's chunk_gla's is 1.6e-3 (it restarts every 64-token 
 dk and dv are within 1.5x of fla's. The cost at 16k on SSE's layout, forward+backward: +0.3% for (a), +1.1% more for
 (b) and 32 MiB (4.047-4.059 against 4.009-4.013 ms alternating, 3.993-4.005 with neither; 256-token anchors: 6.5e-3
 for 4.062 ms and 64 MiB; benchmarks/RESULTS.md). What is left is the state reads' rounding (bf16 products with the
-fp32 state). The kernel option `gla_dg_tiles="exact"` (built, not timed) takes each tile's total through the state
-from the fp32 state instead, rowsum(S * (q~^T do)) in the dq pass and rowsum(dS * (k~^T v)) in the dk pass (one more
-product per tile in each), the difference carried by the tile's first token, so that rounding stays inside a tile:
-2.8e-3 at any length in the model, without anchors (`gla_dg_anchor=0`); split reads (`gla_products="split"`) would
-give ~2.4e-3, for ~13% more time.
+fp32 state): split reads (`gla_products="split"`) would take it to ~2.4e-3 in the model, for ~13% more time.
 
 Why rowsum(S_end * R) is the suffix: dL/dg_t = rowsum(exp(g_t) S_{t-1} * dS_t), and for the first token t of the
 next piece exp(g_t) dS_t is R(j) (the gradient from later tokens only) and S_{t-1} is S_end(j).
@@ -121,12 +117,11 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
                scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
                KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
-               PACKED: tl.constexpr, ANCHOR: tl.constexpr, EXACT_TILES: tl.constexpr, LEN, ROWS):
+               PACKED: tl.constexpr, ANCHOR: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), forward in time carrying the state's rows S[BK, V] and the rows of
     # the piece's own state gradient D[BK, V] = sum_t exp(G_t) scale q_t do_t^T (G inclusive from the piece's
     # start: exponents <= 0, no rescaling as the walk goes on); every ANCHOR tokens into the piece (0: never) the
-    # state before the tile goes to `anchors` (`_anchor_rows`) for the dk pass; EXACT_TILES: each tile's total of
-    # q dq through the state from the fp32 state (module docstring, "Precision of dg"); LEN / ROWS: autotune key only
+    # state before the tile goes to `anchors` (`_anchor_rows`) for the dk pass; LEN / ROWS: autotune key only
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -156,9 +151,6 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         # the state is read and updated first, the products and stores of the tile after it: 250 registers, not
         # 255, at the picked BK=32 (0.975 against 0.992 ms at 16k on SSE's layout, one H200; benchmarks/RESULTS.md)
         b_ps = mdot_r(b_do, tl.trans(b_S), PROD, PREC)          # through the state
-        if EXACT_TILES:     # sum_t q~_t * (S do_t) = rowsum(S * (q~^T do)) [BK], q~ as the dk pass rounds it
-            b_qu = (b_q.to(tl.float32) * scale * tl.exp(b_gc)).to(dt)
-            b_tile = tl.sum(b_S * tl.dot(tl.trans(b_qu), b_do, input_precision=PREC), 1)
         b_kd = (b_k.to(tl.float32) * tl.exp(b_last[None, :] - b_gc)).to(dt)
         b_S = b_S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
         b_B = tl.where(tril, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0)
@@ -168,10 +160,8 @@ def _dq_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         b_dq = (b_ps * tl.exp(b_gc) + b_pi * tl.exp(b_gc - b_ref[None, :])) * scale
         # q dq for dg, each part with q rounded as the dk pass rounds it for that part's partner product (`_dk_kernel`:
         # its state gradient's update, its in-tile product), so each token pair's two terms cancel in dg's sums
-        b_dgs = (b_qs * tl.exp(b_gc)).to(dt).to(tl.float32) * b_ps                # through the state
-        b_dgq = b_dgs + (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt).to(tl.float32) * b_pi
-        if EXACT_TILES:     # the tile's first token carries the difference: its total is then the exact one
-            b_dgq += tl.where(o_t[:, None] == 0, (b_tile - tl.sum(b_dgs, 0))[None, :], 0.0)
+        b_dgq = ((b_qs * tl.exp(b_gc)).to(dt).to(tl.float32) * b_ps
+                 + (b_qs * tl.exp(b_gc - b_ref[None, :])).to(dt).to(tl.float32) * b_pi)
         b_qd = (b_qs * tl.exp(b_G[None, :] + b_gc)).to(dt)
         b_D += tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
         b_G += b_last
@@ -187,11 +177,10 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
                scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, PREC: tl.constexpr, G_MIN: tl.constexpr, PROD: tl.constexpr,
                KS: tl.constexpr, GATHER: tl.constexpr, SCALE_Q: tl.constexpr, SCALE_K: tl.constexpr,
-               PACKED: tl.constexpr, ANCHOR: tl.constexpr, EXACT_TILES: tl.constexpr, LEN, ROWS):
+               PACKED: tl.constexpr, ANCHOR: tl.constexpr, LEN, ROWS):
     # one program per (key block, piece, head), backward in time carrying the state gradient's rows dS[BK, V]
     # and the gates' gradient suffix [BK]; at an anchor (every ANCHOR tokens into the piece) the suffix is set to
-    # its exact value rowsum(S * dS), S the dq pass's anchored state, as the reverse scan sets it at a piece's end;
-    # EXACT_TILES: each tile's total of k dk through the state from the fp32 state gradient, as the dq pass's
+    # its exact value rowsum(S * dS), S the dq pass's anchored state, as the reverse scan sets it at a piece's end
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seg_bounds(seg, i_n)
@@ -233,13 +222,9 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
         # k dk for dg, each part with k rounded as the dq pass rounds it for that part's partner product (its state
         # update, its in-tile product): the counterpart of the dq pass's `dgq`
         b_kf = b_k.to(tl.float32)
-        b_ku = (b_kf * tl.exp(b_last[None, :] - b_gc)).to(dt)
-        b_dks = b_ku.to(tl.float32) * b_ps                                         # through the state
-        b_dG = (tl.load(dgq + pk, mask=m_tk, other=0.0) - b_dks
+        b_dG = (tl.load(dgq + pk, mask=m_tk, other=0.0)
+                - (b_kf * tl.exp(b_last[None, :] - b_gc)).to(dt).to(tl.float32) * b_ps
                 - (b_kf * tl.exp(b_ref[None, :] - b_gc)).to(dt).to(tl.float32) * b_pi)
-        if EXACT_TILES:     # rowsum(dS * (k~^T v)) [BK], dS from after the tile, k~ as the dq pass rounds it
-            b_tile = tl.sum(b_dS * tl.dot(tl.trans(b_ku), b_v, input_precision=PREC), 1)
-            b_dG -= tl.where(o_t[:, None] == 0, (b_tile - tl.sum(b_dks, 0))[None, :], 0.0)
         # the in-tile suffix sum as a product with the triangle (3xTF32: fp32's precision), not tl.cumsum: it stays in
         # the product's register layout, where cumsum took dG to a blocked layout and back (12 -> 8 layout
         # conversions; dk 0.93 against 1.18 ms at 16k on SSE's layout, one H200; benchmarks/RESULTS.md)
@@ -318,8 +303,7 @@ def _col_configs():
 
 
 def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale, prod: int | None = None,
-                    gather: Gather | None = None, do_sparse: torch.Tensor | None = None, anchor: int | None = None,
-                    exact_tiles: bool | None = None):
+                    gather: Gather | None = None, do_sparse: torch.Tensor | None = None, anchor: int | None = None):
     """(dq, dk, dv, dg in the inputs' dtypes, dh0 `[N, H, K, V]` fp32) from the output's gradient `do` and the
     final state's `dht` (fp32 or None), with the forward's piece starts, final states `s_fin` `[N, H, K, V]`, total
     log-decays and in-tile scores (`forward_pieces(keep_scores=True)`). `prod`: the products setting the forward read
@@ -328,7 +312,7 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     `[1, L, H, V]` (a sparse row reads its token's), and the gradients come in the packed layout `[1, L0 + M, ...]`,
     the rows the packer would have built. With `gather.packed` the sparse rows' output gradient comes packed too,
     `do_sparse` `[1, M, H, V]`. `anchor`: the kernel option `gla_dg_anchor` the forward read (`_dg_anchor`; None: read
-    it now); `exact_tiles`: likewise `gla_dg_tiles == "exact"`."""
+    it now)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gather is not None:
@@ -356,13 +340,12 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     # chunk states): B * T * H * K * V / anchor elements, a quarter of q's size at K = V = 128 and anchor 512
     anchors = torch.empty(triton.cdiv(B * T, anchor) if anchor else 1, H, K, V, dtype=q.dtype, device=q.device)
     common = dict(H=H, K=K, V=V, PREC=prec, G_MIN=G_MIN, PROD=prod, **flags, **tune_buckets(B * T, G * H))
-    exact_tiles = _dg_exact_tiles() if exact_tiles is None else exact_tiles
-    rows_only = dict(ANCHOR=anchor, EXACT_TILES=exact_tiles)       # the dq and dk passes' own constexprs
+    rows_only = dict(ANCHOR=anchor)       # the dq and dk passes' own constexprs
     rows = (q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     v_rows = (q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     interp = interpreting()
     key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
-    row_key = key + list(rows_only)     # a setting of its own compiles and tunes apart
+    row_key = key + ["ANCHOR"]
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
     # (1) dq and every piece's own state gradient, (2) the reverse scan, (3) dk and dg, (4) dv
     if interp:
@@ -398,12 +381,6 @@ def _products(dtype) -> int:
     return 1 if mode == "split" else 2
 
 
-def _dg_exact_tiles() -> bool:
-    """The kernel option `gla_dg_tiles` (`HYBRIDIZE_GLA_DG_TILES`) is "exact": the dq and dk passes take each tile's
-    total through the state in dg from the fp32 state (module docstring, "Precision of dg")."""
-    return current_kernel_options().gla_dg_tiles == "exact"
-
-
 def _dg_anchor(longest: int | None = None) -> int:
     """The kernel option `gla_dg_anchor` (`HYBRIDIZE_GLA_DG_ANCHOR`): tokens between the dk pass's exact resets of
     the gates' gradient suffix (`_dk_kernel`), a multiple of the 16-token tile; 0: none. With `longest`, a bound on
@@ -427,7 +404,7 @@ class _GLAFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, g, starts, s_end, decay, scores)
         ctx.pc, ctx.scale, ctx.has_h0 = pc, scale, s0 is not None
         ctx.prod = _products(q.dtype)   # the forward's options, also for a backward run outside their block
-        ctx.anchor, ctx.exact_tiles = _dg_anchor(longest), _dg_exact_tiles()
+        ctx.anchor = _dg_anchor(longest)
         ctx.set_materialize_grads(False)
         return o, s_end
 
@@ -437,7 +414,7 @@ class _GLAFn(torch.autograd.Function):
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.float().contiguous()
         dq, dk, dv, dg, dh0 = backward_pieces(q, k, v, g, do, dht, starts, s_end, decay, scores, ctx.pc, ctx.scale,
-                                              ctx.prod, anchor=ctx.anchor, exact_tiles=ctx.exact_tiles)
+                                              ctx.prod, anchor=ctx.anchor)
         return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 

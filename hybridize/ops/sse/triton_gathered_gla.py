@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from hybridize.ops.common.fla_adapter import needs_grad
-from hybridize.ops.gla.triton_bwd import _dg_anchor, _dg_exact_tiles, _products, backward_pieces
+from hybridize.ops.gla.triton_bwd import _dg_anchor, _products, backward_pieces
 from hybridize.ops.gla.triton_fwd import Gather, _pieces_for, check_inputs, forward_pieces
 from hybridize.ops.sse.triton_route import _combine, _pack, _unpack_grad
 
@@ -91,7 +91,7 @@ class _GatheredGLA(torch.autograd.Function):
         ctx.lay, ctx.pc, ctx.scale, ctx.emul, ctx.has_h0, ctx.packed = lay, pc, scale, emul, s0 is not None, packed
         ctx.same_v = sh_v is sp_v           # SSE's v: one tensor on both paths, its two gradients summed in one pass
         ctx.prod = _products(sp_q.dtype)    # the forward's options, also for a backward run outside their block
-        ctx.anchor, ctx.exact_tiles = _dg_anchor(longest), _dg_exact_tiles()
+        ctx.anchor = _dg_anchor(longest)
         ctx.set_materialize_grads(False)
         return o, s_end
 
@@ -108,7 +108,7 @@ class _GatheredGLA(torch.autograd.Function):
         do_sp = _pack(None, d_o, None, lay.keep, lay.order, lay.K) if ctx.packed else None
         dq, dk, dv, dg, dh0 = backward_pieces(sh_q, sh_k, sh_v, sh_g, d_o, d_end, starts, s_end, decay, scores,
                                               ctx.pc, ctx.scale, prod=ctx.prod, gather=gather, do_sparse=do_sp,
-                                              anchor=ctx.anchor, exact_tiles=ctx.exact_tiles)
+                                              anchor=ctx.anchor)
         w_grad = ctx.needs_input_grad[8]
 
         def unpack(d, x_sp, scaled, same=False):
