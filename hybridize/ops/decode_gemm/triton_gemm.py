@@ -48,12 +48,15 @@ except ImportError:  # CPU installs: F.linear is used
 MAX_ROWS = 16
 
 #: candidate configs (BN, BK, SPLIT, num_warps, num_stages): narrow BN and split-K give tall-K / narrow-N
-#: matrices enough programs; wide BN the wide ones (lm_head); deep pipelines keep HBM busy
+#: matrices enough programs; wide BN the wide ones (lm_head); deep pipelines keep HBM busy. The last three (a
+#: 1024-wide K tile, six stages) took the H200's best at 8 rows from the others by ~5% for the 1.7B shape's down
+#: projection, SSE stage 1 and q / k / v stack (benchmarks/ops/decode_gemm_variants.py)
 CONFIGS = [dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, sp, w, st in [
     (16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (16, 512, 1, 2, 4), (32, 256, 1, 4, 4), (32, 128, 1, 4, 5),
     (64, 128, 1, 4, 4), (64, 256, 1, 8, 3), (128, 128, 1, 8, 4), (128, 64, 1, 4, 5),
     (16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (16, 256, 2, 2, 4), (32, 256, 2, 4, 4), (32, 256, 4, 4, 4),
-    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 8, 4, 4)]]
+    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 8, 4, 4),
+    (16, 1024, 1, 4, 3), (64, 128, 1, 4, 6), (64, 256, 1, 4, 4)]]
 
 _CHOICE: dict[tuple, dict | str] = {}      # (N, K, M, dtype, bias) -> config or "cublas"
 _TIMINGS: dict[tuple, dict[str, float]] = {}

@@ -58,6 +58,23 @@ def test_kernel_matches_fp32_reference(dtype, rows, N, K, bias, config):
 
 
 @needs_kernel
+def test_every_candidate_config_matches_fp32_reference():
+    """Each config the choice may pick, on a K past one 1024-wide tile and not a multiple of any tile (masked
+    tails) and an N past one column block: a config that is wrong only at some tile shape fails here, not later in
+    a decode step that happened to pick it."""
+    from hybridize.ops.decode_gemm import triton_gemm as kern
+
+    torch.manual_seed(3)
+    x = torch.randn(8, 1100, device=DEVICE).to(torch.bfloat16)
+    w = torch.randn(150, 1100, device=DEVICE).to(torch.bfloat16)
+    ref = _reference(x, w, None)
+    tol = 2 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+    for cfg in kern.CONFIGS:
+        y = kern.decode_linear_triton(x, w, None, config=cfg)
+        assert torch.allclose(y.float(), ref, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=tol), kern._name(cfg)
+
+
+@needs_kernel
 def test_kernel_strided_rows_and_leading_dims():
     """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
     from hybridize.ops.decode_gemm.triton_gemm import decode_linear_triton
