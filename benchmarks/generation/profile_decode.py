@@ -9,6 +9,10 @@ graph replays and eager steps per layer type - and the CPU stand-in for the Trit
     python -m benchmarks.generation.profile_decode                         # CPU: qwen3-tiny, 6 layers
     python -m benchmarks.generation.profile_decode --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16  # GPU
     python -m benchmarks.generation.profile_decode --json out.json         # also write the numbers
+    python -m benchmarks.generation.profile_decode --model teacher ...     # the teacher on the same engine
+
+`--model teacher` profiles the pair's teacher (every layer softmax attention) through the same engine and settings,
+so a cell where the hybrid is slower than its teacher can be compared kernel by kernel.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ def build(args, device, dtype, settings: dict):
     finally:
         if args.layers:
             rollouts.SHAPES[args.shape] = saved
+    if args.model == "teacher":
+        return teacher
     del teacher
     return hybrid
 
@@ -50,6 +56,8 @@ def main(argv=None):
     ap.add_argument("--shape", default=None, help="a rollouts.py shape or qwen3-tiny (default: qwen3-1.7b on "
                                                   "CUDA, qwen3-tiny on CPU)")
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's)")
+    ap.add_argument("--model", default="hybrid", choices=["hybrid", "teacher"],
+                    help="which of the pair to profile (the teacher: no layer converted, on the same engine)")
     rollouts.add_plan_args(ap)
     ap.add_argument("--batch", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 16384 on CUDA, 32 on CPU")
@@ -80,9 +88,9 @@ def main(argv=None):
     settings = rollouts.plan_settings(args)
     model = build(args, device, dtype, settings)
     header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
-              f"shape {args.shape} ({len(model.model.layers)} layers), plan {args.plan}, mixer {args.mixer} "
-              f"{settings or ''}; "
-              f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
+              f"shape {args.shape} ({len(model.model.layers)} layers), "
+              + ("the teacher; " if args.model == "teacher" else f"plan {args.plan}, mixer {args.mixer} {settings or ''}; ")
+              + f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
     res = profile_model(model, args, device)
     print(report(res, header))
     if args.json:

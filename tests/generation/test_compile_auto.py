@@ -1,5 +1,7 @@
 """benchmarks/generation/compile_auto.py: the arithmetic of its table (the GPU run itself is in RESULTS.md), and the mixer
-settings its model builder takes."""
+settings its model builder takes; profile_decode's choice of model."""
+import pytest
+
 from benchmarks.generation.compile_auto import add_regret, summarize
 
 
@@ -122,3 +124,19 @@ def test_gemm_choices_pinned_from_an_earlier_run(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"gemm_choices": {"576x576 m=1 bfloat16": {"choice": "BN16_fast"}}}))
     with pytest.raises(SystemExit, match="not a decode GEMM config name"):
         main(["--gemm-choices", str(bad), "--out", str(out)])
+
+
+@pytest.mark.parametrize("model, kinds", [("teacher", {"softmax": 6}), ("hybrid", {"sse": 5, "softmax": 1})])
+def test_profile_decode_profiles_either_model_of_the_pair(tmp_path, model, kinds):
+    """`profile_decode --model teacher` profiles the pair's teacher on the same engine (no layer converted), the
+    default its hybrid: a CPU smoke run of each, its layer kinds and header."""
+    import json
+
+    from benchmarks.generation.profile_decode import main
+
+    out = tmp_path / "pd.json"
+    main(["--model", model, "--plan", "5:1", "--mixer", "sse", "--batch", "1", "--prompt-len", "16", "--steps", "2",
+          "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["layers"] == kinds
+    assert ("the teacher" in res["header"]) == (model == "teacher")
