@@ -17,6 +17,8 @@
 #   qdelta    kernels.py delta section: Gated DeltaNet vs Q-Delta (fused erase direction), 4k-64k
 #   profile   profile_decode.py at the Qwen3-1.7B shape, 16k, batch 8 (graph replay + per-layer eager split)
 #   profile_compile  the same with FastGenConfig.compile=on (both profiles: GEMM=auto|torch, FastGenConfig.gemm)
+#   profile_pair  the compiled step of the teacher and of the 5:1 SSE hybrid at the Qwen3-1.7B shape, PROMPT tokens
+#             (default 2048) x BATCH (default 1), kernel by kernel ($OUT/profile_pair_<model>.json): item 4's cell
 #   fp32      rollouts.py in float32 at the Qwen3-1.7B shape, 16k: fast path (Triton attention) vs HF tokens
 #   compile   rollouts.py bf16, 16k, both shapes: fast path with and without FastGenConfig.compile
 #             (COMPILE_MODES, default off,on; SHAPES, default qwen3-1.7b,smollm2-135m; GEMMS, FastGenConfig.gemm
@@ -129,6 +131,11 @@ for s in "${STEPS_[@]}"; do
       c=off; [ "$s" = profile_compile ] && c=on
       timeout 200 python3 -m benchmarks.generation.profile_decode --shape qwen3-1.7b --prompt-len 16384 --batch 8 --steps 16 \
         --compile $c --gemm ${GEMM:-auto} --json "$OUT/$s.json" 2>&1 | tail -70 | tee "$OUT/$s.log" ;;
+    profile_pair)
+      for m in teacher hybrid; do
+        timeout 200 python3 -m benchmarks.generation.profile_decode --shape qwen3-1.7b --prompt-len "${PROMPT:-2048}" \
+          --batch "${BATCH:-1}" --steps 16 --compile on --model $m --json "$OUT/profile_pair_$m.json" 2>&1 | tail -40
+      done ;;
     fp32)
       timeout 200 python3 -m benchmarks.generation.rollouts --no-grpo --shapes qwen3-1.7b --prompt-lens 16384 --batch 8 \
         --new-tokens 48 --dtype float32 --attention triton --budget 190 --out "$OUT/rollouts_fp32.json" 2>&1 | tail -12 ;;
