@@ -87,10 +87,10 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
     settings = rollouts.plan_settings(args)
     model = build(args, device, dtype, settings)
+    which = "the teacher" if args.model == "teacher" else f"plan {args.plan}, mixer {args.mixer} {settings or ''}"
     header = (f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}; "
-              f"shape {args.shape} ({len(model.model.layers)} layers), "
-              + ("the teacher; " if args.model == "teacher" else f"plan {args.plan}, mixer {args.mixer} {settings or ''}; ")
-              + f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
+              f"shape {args.shape} ({len(model.model.layers)} layers), {which}; "
+              f"dtype {str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt_len}")
     res = profile_model(model, args, device)
     print(report(res, header))
     if args.json:

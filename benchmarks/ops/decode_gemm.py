@@ -34,6 +34,11 @@ SHAPES = {
 }
 
 
+def cold_copies(w: torch.Tensor, cold_mb: int) -> list[torch.Tensor]:
+    """`w` and enough clones of it (>= `cold_mb` MB in all) that a graph cycling through them reads each from HBM."""
+    return [w] + [w.clone() for _ in range(max(1, -(-cold_mb * 2**20 // (w.numel() * w.element_size()))) - 1)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m")
@@ -52,7 +57,7 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         for name, N, K in SHAPES[shape]:
             w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5
-            copies = [w] + [w.clone() for _ in range(max(1, -(-args.cold_mb * 2**20 // (N * K * 2))) - 1)]
+            copies = cold_copies(w, args.cold_mb)
             for M in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
                 ref = F.linear(x.float(), w.float())

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import graph_time_us
+from benchmarks.timing import graph_time_us, md_header
 
 # (name, N, K): the 1.7B 5:1 SSE hybrid's decode GEMMs with its defaults (gate / up and q / k / v stacked)
 SHAPES = [("mlp gate/up stacked", 12288, 2048), ("mlp down", 2048, 6144), ("attn o", 2048, 2048),
@@ -64,11 +64,12 @@ def time_weight(N: int, K: int, rows: int, cold_mb: int) -> dict[str, float | st
     """us per call of cuBLAS and of every variant on an [N, K] weight (a string where a variant failed)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from benchmarks.ops.decode_gemm import cold_copies
     from hybridize.ops.decode_gemm import triton_gemm as kern
 
     dev = torch.device("cuda")
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5
-    copies = [w] + [w.clone() for _ in range(max(1, -(-cold_mb * 2**20 // (N * K * 2))) - 1)]
+    copies = cold_copies(w, cold_mb)
     x = torch.randn(rows, K, device=dev, dtype=torch.bfloat16)
     ref = F.linear(x.float(), w.float())
     out = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
@@ -114,7 +115,8 @@ def main(argv=None):
         sys.exit("benchmarks/ops/decode_gemm_variants.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {args.rows} rows, cold L2; us per call "
-          "(TB/s)\n\n| weight | N x K | cuBLAS | shipped configs | extra configs | TMA |\n|---|---|---:|---:|---:|---:|")
+          "(TB/s)\n")
+    print(md_header(["weight", "N x K", "cuBLAS", "shipped configs", "extra configs", "TMA"], "llrrrr"))
     rows = {}
     for name, N, K in SHAPES:
         times = rows[name] = time_weight(N, K, args.rows, args.cold_mb)

@@ -64,15 +64,16 @@ def main(argv=None):
            "fla chunk_gla": lambda q, k, v, g: fla_chunk_gla(q, k, v, g)}
     rows = []
     pieces = "their rule" if a.segment_len is None else a.segment_len or "one per sequence"
+    anchor = _dg_anchor()
     print(f"{torch.cuda.get_device_name()}, bf16 q/k/v, fp32 gates logsigmoid(x)/{a.gate_scale:g}, H={H}, K=V={K}, "
-          f"our pieces: {pieces}, dg's suffix reset every {_dg_anchor() or 'no'} tokens in longer pieces")
+          f"our pieces: {pieces}, dg's suffix reset every {anchor or 'no'} tokens in longer pieces")
     print(f"{'T':>6} {'op':<18} " + " ".join(f"{n:>9}" for n in ("o", "dq", "dk", "dv", "dg")))
     for T in (int(t) for t in a.T.split(",")):
         x = inputs(T, a.gate_scale, a.seed)
         ref = grads(lambda q, k, v, g: ref_chunk_gla(q, k, v, g), x, torch.float64)
         for name, fn in ops.items():
             errs = {n: rel(t, ref[n]) for n, t in grads(fn, x).items()}
-            rows.append(dict(T=T, op=name, gate_scale=a.gate_scale, segment_len=a.segment_len, anchor=_dg_anchor(),
+            rows.append(dict(T=T, op=name, gate_scale=a.gate_scale, segment_len=a.segment_len, anchor=anchor,
                              **errs))
             print(f"{T:>6} {name:<18} " + " ".join(f"{errs[n]:9.2e}" for n in ("o", "dq", "dk", "dv", "dg")))
         del ref

@@ -189,16 +189,17 @@ def _dk_kernel(q, k, v, g, do, q_sp, k_sp, v_sp, g_sp, do_sp, order, wsc, L0, se
     o_v = tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     triu = o_t[:, None] <= o_t[None, :]      # [s, t]: key s is read by query t >= s
-    b_dS = tl.load(rstarts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    m_blk = m_k[:, None] & m_v[None, :]
+    b_dS = tl.load(rstarts + i_nh.to(tl.int64) * K * V + o_kv, mask=m_blk, other=0.0)
     b_c = tl.load(off + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.0)
     NT = tl.cdiv(L, BT)
     for i in range(0, NT):
         i_t = NT - 1 - i
         if ANCHOR > 0:
             if (i_t + 1 < NT) & ((i_t + 1) % (ANCHOR // BT) == 0):
-                b_Sa = tl.load(_anchor_rows(anchors, bos + (i_t + 1) * BT, ANCHOR, i_h, H, K, V) + o_k[:, None] * V
-                               + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+                b_Sa = tl.load(_anchor_rows(anchors, bos + (i_t + 1) * BT, ANCHOR, i_h, H, K, V) + o_kv,
+                               mask=m_blk, other=0.0)
                 b_c = tl.sum(b_Sa.to(tl.float32) * b_dS, 1)
         m_t = i_t * BT + o_t < L
         rows = bos + i_t * BT + o_t
@@ -345,7 +346,7 @@ def backward_pieces(q, k, v, g, do, dht, starts, s_fin, decay, scores, pc, scale
     v_rows = (q, k, g, do, q_sp, k_sp, g_sp, do_sp, order, wsc, L0, pc.seg)
     interp = interpreting()
     key = ["K", "V", "PREC", "PROD", *flags, "LEN", "ROWS"]
-    row_key = key + ["ANCHOR"]
+    row_key = key + list(rows_only)     # a setting of their own compiles and tunes apart
     by_rows = lambda m: (triton.cdiv(K, m["BK"]), G * H)  # noqa: E731
     # (1) dq and every piece's own state gradient, (2) the reverse scan, (3) dk and dg, (4) dv
     if interp:
