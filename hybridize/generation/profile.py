@@ -6,7 +6,8 @@ loop is profiled (`FastGenerator._decode` is wrapped for the profiled call), nev
 
 Two profiles:
 - "graphs" (CUDA only, what rollouts time): the decode steps replay the captured CUDA graph; reported:
-  kernels (+ memcpy/memset) per step and device time per step, top kernels. Graph replays cannot be
+  kernels (+ memcpy/memset) per step and device time per step, top kernels, and the timeline (`timeline`:
+  the device's idle time per step and the kernels that started after it). Graph replays cannot be
   attributed to layers (one launch), so
 - "eager" (CPU and CUDA): the same steps run eagerly in the graph's static mode (mixer states copied back
   into the held tensors, decode attention = the graph's), each layer's attention slot inside a profiler
@@ -301,6 +302,41 @@ def device_items(events):
             if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
 
 
+def device_spans(events) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of `device_items`' events, in start order: the graph replays' timeline."""
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def timeline(spans: list[tuple[str, float, float]], steps: int, k: int) -> dict:
+    """Where the device sat idle, per decode step, from kernels `(name, start, end)` in start order: the span from
+    the first start to the last end; busy (the union of the kernels' intervals); idle (the span less busy: nothing
+    ran, e.g. a launch that waited for the kernel before it to finish); overlap (kernel time run alongside an earlier
+    kernel: PDL's early launches and its in-kernel waits, which a kernel's own time counts). Idle is charged to the
+    kernel that ended it; `top_idle_before` lists the kernels that most often started after a gap."""
+    if not spans:
+        return {"span_us_per_step": 0.0, "busy_us_per_step": 0.0, "idle_us_per_step": 0.0,
+                "overlap_us_per_step": 0.0, "top_idle_before": []}
+    busy = overlap = 0.0
+    idle = defaultdict(float)
+    gaps = Counter()
+    reach = spans[0][1]   # the latest end so far
+    for name, start, end in spans:
+        if start > reach:
+            idle[name] += start - reach
+            gaps[name] += 1
+        overlap += max(0.0, min(end, reach) - start)
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - spans[0][1]
+    names = sorted(idle, key=lambda n: -idle[n])[:k]
+    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": sum(idle.values()) / steps, "overlap_us_per_step": overlap / steps,
+            "top_idle_before": [{"op": n[:90], "gaps_per_step": gaps[n] / steps, "idle_us_per_step": idle[n] / steps}
+                                for n in names]}
+
+
 def summarize_eager(items, steps: int, kinds: Counter) -> dict:
     """Per decode step: kernels and time per layer type (per layer and all layers), SSE pieces per layer."""
     per_kind = defaultdict(lambda: [0, 0.0])
@@ -422,13 +458,15 @@ def profile_model(model, args, device) -> dict:
     if cuda and args.graphs:
         prof, steps, stats = run_profile(model, ids, mask, args.steps, True, args.attention, device,
                                          compile_=args.compile, gemm=args.gemm)
-        dev = device_items(prof.events())
+        events = prof.events()
+        dev = device_items(events)
         out["graphs"] = {"steps": steps, "graphs": stats["graphs"], "attention": stats["attention"],
                          "kernels_per_step": len(dev) / steps,
                          "device_us_per_step": sum(t for _, t in dev) / steps,
                          "wall_decode_ms_per_step": stats["wall_decode_ms_per_step"],
                          "top_by_count": top_ops(dev, steps, args.top, "count"),
-                         "top_by_time": top_ops(dev, steps, args.top, "time")}
+                         "top_by_time": top_ops(dev, steps, args.top, "time"),
+                         "timeline": timeline(device_spans(events), steps, args.top)}
     return out
 
 
@@ -452,6 +490,12 @@ def report(res: dict, header: str) -> str:
                   f"time/step; wall {g['wall_decode_ms_per_step']:.3g} ms/step (unprofiled)", "",
                   "Top kernels by count:", "", table(g["top_by_count"]), "", "Top kernels by time:", "",
                   table(g["top_by_time"])]
+        t = g.get("timeline")
+        if t:
+            lines += ["", f"Timeline per step: span {t['span_us_per_step']:.1f} us = busy {t['busy_us_per_step']:.1f} "
+                          f"+ idle {t['idle_us_per_step']:.1f}; kernel time run alongside an earlier kernel "
+                          f"{t['overlap_us_per_step']:.1f} us", "", "Kernels that started after the device sat idle:",
+                      "", table(t["top_idle_before"])]
     elif "graphs" not in res and res["eager"]["graphs"] is False:
         lines += ["", "(no CUDA: graph replays not profiled)"]
     return "\n".join(lines)
