@@ -217,7 +217,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="SSE layer shapes of benchmarks/ops/sse_step.py")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--warps", default="4", help="num_warps to compile with, comma-separated (the launch uses 4)")
+    ap.add_argument("--warps", default="launch", help="num_warps to compile with, comma-separated; launch: the "
+                                                      "step's own (`fused_step.step_warps`; the gla passes: 4)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 = H100 / H200")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     ap.add_argument("--kernels", default="step", choices=["step", "gla"],
@@ -239,7 +240,8 @@ def main(argv=None):
         m = build(shape, torch.device("cpu"), torch.bfloat16)
         for B in (int(b) for b in args.batches.split(",")):
             launch, path = step_launch_for(m, B)
-            for w in (int(x) for x in args.warps.split(",")):
+            for w in ([launch.kwargs["num_warps"]] if args.warps == "launch" else
+                      [int(x) for x in args.warps.split(",")]):
                 usage = compile_usage(_sse_gla_step_kernel, launch, args.arch, w)
                 nb, _, H = launch.grid
                 rec = dict(shape=shape, batch=B, path=path, bv=launch.kwargs["BV"], programs=nb * B * H, warps=w,

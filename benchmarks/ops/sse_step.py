@@ -8,7 +8,8 @@ steps (launch overhead out, as in the engine's graph replays): the whole mixer s
 (`sse_fused_step=False`: front-end kernels + two decode-kernel calls + sum) and with the fused step (with the output
 norm and gate in it, option `sse_step_finish`, and without), then the fused kernel alone at each value-block width
 (`--bv`; "auto" is `block_v`'s choice), plain and finishing the heads. The output norm, gate and o_proj are in every
-whole-step column. Prints a markdown table and writes `--out` JSON.
+whole-step column. `--scan-bv` / `--scan-warps` also time the kernel alone as the engine launches it (`SSE.step_inputs`)
+at each value-block width and warps per program. Prints a markdown table and writes `--out` JSON.
 """
 from __future__ import annotations
 
@@ -48,11 +49,24 @@ def step_fn(m, B: int, device, dtype):
     return (lambda: m(x, state=st, position_embeddings=pe, output_state=True)), (x, st, pe)
 
 
+def scan(m, x, st, pe, bvs: str, warps: str, step) -> dict:
+    """{"scan bv=.. w=..": us} of the step kernel alone on the inputs the engine gives it (`SSE.step_inputs`: the
+    kernel options' path, the heads finished), per value-block width and warps per program (bv wider than the
+    head skipped)."""
+    inputs = m.step_inputs(x, st, pe)
+    D = inputs["layout"].head_dim
+    return {f"scan bv={bv} w={w}": graph_time_us([lambda bv=bv, w=w: step(**inputs, bv=bv, warps=w)], reps=50)
+            for bv in (int(b) for b in bvs.split(",")) if bv <= D for w in (int(v) for v in warps.split(","))}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3-1.7b,smollm2-135m")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--bv", default="auto,16,32,64", help="value-block widths of the kernel-alone columns")
+    ap.add_argument("--scan-bv", default="", help="also time the kernel as the engine launches it (its layout, "
+                    "finishing the heads) at each of these value-block widths x --scan-warps, e.g. 16,32,64,128")
+    ap.add_argument("--scan-warps", default="1,2,4,8", help="warps per program of the --scan-bv grid")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -88,12 +102,17 @@ def main(argv=None):
                     times[f"finishing bv={b}"] = graph_time_us(
                         [lambda bv=bv: sse_gla_step(y, u, st.shared, st.sparse, finishing, wn, *pe, bv=bv,
                                                     out_weight=gain)], reps=50)
+                if args.scan_bv:
+                    times.update(scan(m, x, st, pe, args.scan_bv, args.scan_warps, sse_gla_step))
             rec = dict(shape=shape, batch=B, **{k: round(v, 2) for k, v in times.items()})
             out.append(rec)
             rows.append([shape, B, f"{times['separate']:.1f}", f"{times['fused']:.1f}",
                          f"{times['fused unfinished']:.1f}", f"{times['fused'] / times['separate']:.2f}x"]
                         + [f"{times[f'bv={b}']:.1f}" for b in bvs] + [f"{times[f'finishing bv={b}']:.1f}" for b in bvs])
             print(rows[-1], flush=True)
+            if args.scan_bv:
+                print(f"  {shape} batch {B}, the engine's kernel by (bv, warps), us: "
+                      + ", ".join(f"{k[5:]} {v:.1f}" for k, v in times.items() if k.startswith("scan ")), flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out}, indent=1))
     print(f"device: {torch.cuda.get_device_name()} | bf16, fp32 states, one SSE mixer's decode step, CUDA graph")

@@ -63,12 +63,21 @@ def block_v(rows: int, heads: int, dim: int, finish: bool = False) -> int:
     A step that finishes its heads takes a whole head per program when the head is at most 64 wide: its two state
     blocks are then 32 KB, and streaming them costs less than the last-program handshake (an H100, one SSE layer's
     kernel: 5.7 against 6.6 us at the SmolLM2-135M shape, batch 1; at the Qwen3-1.7B shape, 128 wide, 11.9
-    against 8.2 us the other way; `python -m benchmarks.ops.sse_step`)."""
-    if finish and dim <= 64:
-        return dim
+    against 8.2 us the other way; `python -m benchmarks.ops.sse_step`), and also a 128-wide head when rows x heads
+    are 65-128 (one H200, the 1.7B shape at batch 8 as the engine launches it, `step_warps`' 8 warps: 13.3 us
+    against 15.4 us for 32-wide blocks of 4 warps; `sse_step --scan-bv`)."""
     programs_per_block = rows * heads
+    if finish and (dim <= 64 or 64 < programs_per_block <= 128):
+        return dim
     bv = 16 if programs_per_block <= 64 else (32 if programs_per_block <= 256 else 64)
     return min(dim, bv)
+
+
+def step_warps(rows: int, dim: int) -> int:
+    """Warps per program of the one-kernel step: 8 for heads 128 wide at up to 8 rows, else Triton's 4 (one H200, the
+    1.7B shape as the engine launches it: batch 1, 16-wide blocks, 9.2 against 10.0 us; batch 8 above; at the
+    SmolLM2-135M shape, 64 wide, 4 warps stayed the fastest; `python -m benchmarks.ops.sse_step --scan-bv`)."""
+    return 8 if dim >= 128 and rows <= 8 else 4
 
 
 def _feature(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.pdl import pdl_args
-from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v
+from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v, step_warps
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
 
@@ -255,8 +255,10 @@ class StepLaunch:
 def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                 norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
-                out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> StepLaunch:
-    """`sse_gla_step`'s checks and kernel arguments (the output `o` allocated), without launching."""
+                out_weight: torch.Tensor | None = None, ups: StepUps | None = None,
+                warps: int | None = None) -> StepLaunch:
+    """`sse_gla_step`'s checks and kernel arguments (the output `o` allocated), without launching. `bv` and `warps`
+    (value columns and warps per program) default to `block_v`'s and `step_warps`' choices."""
     L = layout
     B, H, D = y.shape[0], L.heads, L.head_dim
     if y.shape[1] != 1 or u.shape[:2] != (B, 1):
@@ -304,7 +306,7 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
                   GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
                   RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
                   RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
-                  **pdl_args(y.device))
+                  num_warps=step_warps(B, D) if warps is None else warps, **pdl_args(y.device))
     return StepLaunch(grid=(nb, B, H), args=args, kwargs=kwargs, out=o)
 
 
@@ -312,11 +314,12 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
 def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: torch.Tensor, layout: StepLayout,
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
-                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None) -> torch.Tensor:
+                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None,
+                 warps: int | None = None) -> torch.Tensor:
     """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
     output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set, and the low-rank
     up-projections `ups` applied in the kernel when `layout.low_col` is set (u is then not read)."""
-    launch = step_launch(y, u, shared, sparse, layout, norm_weight, cos, sin, scale, bv, out_weight, ups)
+    launch = step_launch(y, u, shared, sparse, layout, norm_weight, cos, sin, scale, bv, out_weight, ups, warps)
     _sse_gla_step_kernel[launch.grid](*launch.args, **launch.kwargs)
     return launch.out
 

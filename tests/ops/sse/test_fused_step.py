@@ -250,13 +250,17 @@ def test_fused_step_taken_only_where_it_applies():
         assert not m.fused_step_ok(x, s, None, None)                                  # gradients on
 
 
-def test_finishing_step_takes_whole_heads_when_they_are_narrow():
+def test_finishing_step_takes_whole_heads_when_they_are_narrow_or_the_rows_fill_the_gpu():
     """`block_v`: a step that finishes its heads runs a head of at most 64 value columns in one program (no last-program
-    handshake), wider heads split as the plain step does."""
-    from hybridize.ops.sse.fused_step import block_v
+    handshake), and a 128-wide head too at 65-128 rows x heads (the 1.7B shape at batch 8); otherwise wider heads
+    split as the plain step does. `step_warps`: 8 warps for 128-wide heads up to 8 rows."""
+    from hybridize.ops.sse.fused_step import block_v, step_warps
 
     assert block_v(1, 9, 64, finish=True) == 64 and block_v(1, 9, 64) == 16
-    assert block_v(8, 16, 128, finish=True) == block_v(8, 16, 128) == 32
+    assert block_v(8, 16, 128, finish=True) == 128 and block_v(8, 16, 128) == 32
+    assert block_v(1, 16, 128, finish=True) == block_v(1, 16, 128) == 16
+    assert block_v(32, 16, 128, finish=True) == block_v(32, 16, 128) == 64
+    assert (step_warps(1, 128), step_warps(8, 128), step_warps(32, 128), step_warps(8, 64)) == (8, 8, 4, 4)
 
 
 @pytest.mark.skipif(not triton_ok, reason="needs triton")
