@@ -295,18 +295,21 @@ def host_syncs(events) -> Counter:
     return Counter(tuple(_scope_path(e)) for e in events if e.name in SYNC_OPS)
 
 
+def _device_events(events):
+    """Every device event (kernel, memcpy, memset), graph replays included; not the GPU-side spans of this module's
+    scopes (user annotations), which cover kernels already counted."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
+
+
 def device_items(events):
-    """(name, time us) of every device event (kernel, memcpy, memset), graph replays included; not the GPU-side
-    spans of this module's scopes (user annotations), which cover kernels already counted."""
-    return [(e.name, e.device_time_total) for e in events
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
+    """(name, time us) of `_device_events`."""
+    return [(e.name, e.device_time_total) for e in _device_events(events)]
 
 
 def device_spans(events) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of `device_items`' events, in start order: the graph replays' timeline."""
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
-             if e.device_type == DeviceType.CUDA and not e.name.startswith(SCOPE)]
-    return sorted(spans, key=lambda s: s[1])
+    """(name, start us, end us) of `_device_events`, in start order: the graph replays' timeline."""
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in _device_events(events)),
+                  key=lambda s: s[1])
 
 
 def timeline(spans: list[tuple[str, float, float]], steps: int, k: int) -> dict:
