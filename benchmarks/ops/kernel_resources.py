@@ -217,8 +217,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="SSE layer shapes of benchmarks/ops/sse_step.py")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--warps", default="launch", help="num_warps to compile with, comma-separated; launch: the "
-                                                      "step's own (`fused_step.step_warps`; the gla passes: 4)")
+    ap.add_argument("--warps", default="launch", help="the step's num_warps to compile with, comma-separated; "
+                                                      "launch: its own (`fused_step.step_warps`). --kernels gla "
+                                                      "compiles each config with that config's warps")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 = H100 / H200")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     ap.add_argument("--kernels", default="step", choices=["step", "gla"],

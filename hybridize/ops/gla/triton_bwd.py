@@ -428,8 +428,7 @@ def gla_triton(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
     `gla_fwd_triton`. Under TRITON_INTERPRET=1 16-bit inputs run in fp32 (the interpreter's 16-bit dot is
     wrong)."""
     check_inputs(q, k, v, g, cu_seqlens)
-    _products(q.dtype)   # a bad gla_products or gla_dg_anchor option fails here, not in the backward
-    _dg_anchor()
+    _products(q.dtype)   # a bad gla_products option fails here, not in the backward
     if interpreting() and q.dtype != torch.float32:
         o, st = gla_triton(q.float(), k.float(), v.float(), g.float(), scale, initial_state, output_final_state,
                            cu_seqlens, chunk_size, segment_len)
