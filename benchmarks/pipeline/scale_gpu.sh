@@ -64,28 +64,4 @@ if [[ " $RUNS " == *" zero3_2gpu "* ]]; then
     && echo "export of the ZeRO-3 checkpoint: ok" || { echo "export FAILED"; tail -5 "$OUT/export.log"; }
 fi
 
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-runs = {n: 2 if n.endswith("_2gpu") else 1 for n in ("ref_1gpu", "zero2_1proc", "zero2_2gpu", "zero3_2gpu")}
-rows = {n: [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines()]
-        for n in runs if (out / n / "metrics.jsonl").exists()}
-loss = {n: {r["step"]: r["loss"] for r in rs if "loss" in r} for n, rs in rows.items()}
-print("step  " + "  ".join(f"{n:>11s}" for n in rows))
-for s in range(1, max((max(v, default=0) for v in loss.values()), default=0) + 1):
-    print(f"{s:4d}  " + "  ".join(f"{loss[n].get(s, float('nan')):11.5f}" for n in rows))
-ref = loss.get("ref_1gpu", {})
-lines = ["| config | GPUs | loss step 1..5 | max rel. diff to 1-GPU (steps 1-5) | tokens/s per GPU | peak mem per GPU (GiB) |",
-         "|---|---|---|---|---|---|"]
-for n, rs in rows.items():
-    steps = [r for r in rs if "tok_per_s" in r]
-    tail = steps[len(steps) // 3:] or steps  # skip warm-up steps
-    tps = sum(r["tok_per_s"] for r in tail) / max(len(tail), 1) / runs[n]
-    peak = next((r["peak_mem_gb_per_rank"] for r in rs if "peak_mem_gb_per_rank" in r), [])
-    first = [loss[n].get(s) for s in range(1, 6)]
-    diff = max((abs(loss[n][s] - ref[s]) / abs(ref[s]) for s in range(1, 6) if s in ref and s in loss[n]), default=float("nan"))
-    lines.append(f"| {n} | {runs[n]} | {', '.join(f'{x:.4f}' for x in first if x is not None)} | {diff:.2e} "
-                 f"| {tps:,.0f} | {', '.join(f'{p:.2f}' for p in peak)} |")
-print("\n".join(lines)); (out / "scale_summary.md").write_text("\n".join(lines) + "\n")
-PY
+python3 -m benchmarks.pipeline.multi_gpu_summary "$OUT" --out "$OUT/scale_summary.md"

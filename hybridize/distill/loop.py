@@ -167,10 +167,16 @@ def check_deepspeed_file(path: str, setting: str) -> None:
 
 
 @contextmanager
-def zero3_gathered(model: nn.Module):
+def zero3_gathered(model: nn.Module, engine=None):
     """Whole parameters inside the block when `model` holds ZeRO-3 shards (a collective: every rank must
     enter it), for saving or scoring a model a trainer has partitioned; read-only (what the block changes
-    is dropped at its end). A no-op otherwise."""
+    is dropped at its end). A no-op otherwise.
+
+    `engine`: the DeepSpeed engine that trained `model` (`deepspeed_engine`). After the last step its parameter
+    prefetcher may still have all-gathers in flight; the block first waits for them and releases every
+    parameter (the engine's `empty_partition_cache`), since a parameter still in flight cannot be gathered
+    and partitioned again (DeepSpeed's "Cannot partition a param in flight", seen when the long-context stage
+    saved final/ under ZeRO-3 on two H200s)."""
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield
@@ -178,8 +184,20 @@ def zero3_gathered(model: nn.Module):
     # deferred: deepspeed is optional (DeepSpeed runs only)
     import deepspeed
 
+    if engine is not None and hasattr(engine, "empty_partition_cache"):
+        engine.empty_partition_cache()
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield
+
+
+def deepspeed_engine(owner):
+    """The DeepSpeed engine behind an accelerator (`deepspeed_engine_wrapped.engine`) or an HF / TRL trainer
+    (`model_wrapped`), None without one."""
+    wrapped = getattr(owner, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        return getattr(wrapped, "engine", None)
+    engine = getattr(owner, "model_wrapped", None)
+    return engine if hasattr(engine, "empty_partition_cache") else None
 
 
 def gathered_state_dict(acc, model: nn.Module) -> dict | None:
@@ -188,7 +206,7 @@ def gathered_state_dict(acc, model: nn.Module) -> dict | None:
     Without ZeRO-3 return None: `save_pretrained` reads the parameters directly."""
     if zero_stage(acc) != 3:
         return None
-    with zero3_gathered(model):
+    with zero3_gathered(model, deepspeed_engine(acc)):
         if not acc.is_main_process:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -32,7 +32,7 @@ from .checkpoint import check_trainer_resume
 from .config import SFTStageConfig, save_config
 from .data import load_rows, shared_data
 from .loop import save_final
-from .loop import check_deepspeed_file, zero3_gathered
+from .loop import check_deepspeed_file, deepspeed_engine, zero3_gathered
 from .metrics import MetricsLog, plot_losses
 from .models import apply_lora, load_student, select_trainable, trainable_summary
 from .trainer_guard import GuardedTrainerMixin
@@ -210,7 +210,7 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
     check_trainer_resume(trainer, ckpt)  # under DeepSpeed, before its engine unpickles the checkpoint freely
     out = trainer.train(resume_from_checkpoint=ckpt)
     model = trainer.model
-    with zero3_gathered(model):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
+    with zero3_gathered(model, deepspeed_engine(trainer)):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
         if cfg.params == "lora" and hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()
         if trainer.accelerator.is_main_process:

@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from hybridize.distill.checkpoint import check_trainer_resume, latest_checkpoint
-from hybridize.distill.loop import check_deepspeed_file, zero3_gathered
+from hybridize.distill.loop import check_deepspeed_file, deepspeed_engine, zero3_gathered
 from hybridize.distill.trainer_guard import GuardedTrainerMixin
 from hybridize.errors import UserError
 from hybridize.generation.fast import FastGenConfig, FastGenerator, fast_generate_installed, find_generator_model
@@ -399,7 +399,7 @@ def run_grpo(cfg: GRPORunConfig, resume: bool | str = False, callbacks: list | N
     policy = trainer.model
     main = trainer.accelerator.is_main_process
     # under ZeRO-3 the trained weights are shards: save and score inside a gather (the LoRA merge included)
-    with zero3_gathered(policy):
+    with zero3_gathered(policy, deepspeed_engine(trainer)):
         if cfg.lora.enabled:
             if main:
                 policy.save_pretrained(final / "adapter")
