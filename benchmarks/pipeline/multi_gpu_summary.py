@@ -37,7 +37,8 @@ def summary(runs: dict[str, list[dict]]) -> str:
     lines = ["| step | " + " | ".join(runs) + " |", "| ---: |" + " ---: |" * len(runs)]
     lines += [f"| {s} | " + " | ".join(f"{loss[n][s]:.5f}" if s in loss[n] else "" for n in runs) + " |"
               for s in range(1, last + 1)]
-    lines += ["", "| run | GPUs | max rel. diff to ref_1gpu, steps 1-5 | tokens/s per GPU | peak memory per GPU (GiB) |",
+    lines += ["",
+              "| run | GPUs | max rel. diff to ref_1gpu, steps 1-5 | tokens/s per GPU | peak memory per GPU (GiB) |",
               "| --- | ---: | ---: | ---: | --- |"]
     for n, rows in runs.items():
         timed = [r for r in rows if "tok_per_s" in r]

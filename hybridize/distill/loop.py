@@ -172,11 +172,11 @@ def zero3_gathered(model: nn.Module, engine=None):
     enter it), for saving or scoring a model a trainer has partitioned; read-only (what the block changes
     is dropped at its end). A no-op otherwise.
 
-    `engine`: the DeepSpeed engine that trained `model` (`deepspeed_engine`). After the last step its parameter
-    prefetcher may still have all-gathers in flight; the block first waits for them and releases every
-    parameter (the engine's `empty_partition_cache`), since a parameter still in flight cannot be gathered
-    and partitioned again (DeepSpeed's "Cannot partition a param in flight", seen when the long-context stage
-    saved final/ under ZeRO-3 on two H200s)."""
+    `engine`: the DeepSpeed engine that trained `model` (`deepspeed_engine`). A forward just before the block (a
+    held-out evaluation before the final save) can leave its parameter prefetcher with all-gathers in flight; the
+    block first waits for them and releases every parameter (the engine's `empty_partition_cache`), since a
+    parameter still in flight is skipped by the gather and then cannot be partitioned again (DeepSpeed's "Cannot
+    partition a param in flight"; `tests/distill/test_zero3_save.py`)."""
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield

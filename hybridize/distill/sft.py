@@ -210,7 +210,8 @@ def sft(student, tokenizer, cfg: SFTStageConfig, resume: bool = False):
     check_trainer_resume(trainer, ckpt)  # under DeepSpeed, before its engine unpickles the checkpoint freely
     out = trainer.train(resume_from_checkpoint=ckpt)
     model = trainer.model
-    with zero3_gathered(model, deepspeed_engine(trainer)):   # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
+    # ZeRO-3 (train.deepspeed): the trained weights are shards until gathered
+    with zero3_gathered(model, deepspeed_engine(trainer)):
         if cfg.params == "lora" and hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()
         if trainer.accelerator.is_main_process:

@@ -17,7 +17,8 @@ def test_summary_against_the_one_gpu_reference(tmp_path, capsys):
     _run(tmp_path, "zero2_2gpu", [{"step": 1, "loss": 2.02, "tok_per_s": 999.0},
                                   {"step": 2, "loss": 1.5, "tok_per_s": 400.0},
                                   {"step": 3, "loss": 1.4, "tok_per_s": 600.0, "peak_mem_gb_per_rank": [3.0, 3.5]}])
-    _run(tmp_path, "ref_1gpu", [{"step": 1, "loss": 2.0, "tok_per_s": 1.0}, {"step": 2, "loss": 1.5, "tok_per_s": 300.0},
+    _run(tmp_path, "ref_1gpu", [{"step": 1, "loss": 2.0, "tok_per_s": 1.0},
+                                {"step": 2, "loss": 1.5, "tok_per_s": 300.0},
                                 {"step": 3, "loss": 1.4, "tok_per_s": 300.0, "peak_mem_gb_per_rank": [4.0]}])
     (tmp_path / "student").mkdir()                          # a folder without metrics is not a run
     runs = load_runs(tmp_path)
