@@ -57,8 +57,10 @@ launch() {  # launch NAME CONFIG PROCESSES ARGS...: `accelerate launch` of a hyb
   return $rc
 }
 
-newest() {  # a TRL run's newest checkpoint-N (SFT keeps them under checkpoints/, GRPO in the run folder)
-  ls -d "$1"/checkpoints/checkpoint-* "$1"/checkpoint-* 2>/dev/null | awk -F- '{print $NF, $0}' | sort -n | tail -1 | cut -d' ' -f2-
+newest() {  # newest sft|grpo RUN: the run's newest complete checkpoint, found as its --resume finds it
+  python3 -c "import sys; from pathlib import Path; from hybridize.distill.checkpoint import latest_checkpoint; \
+from hybridize.distill.sft import latest_complete; run = Path(sys.argv[2]); \
+print((latest_complete(run) if sys.argv[1] == 'sft' else latest_checkpoint(run, layout='trainer')) or '')" "$1" "$2"
 }
 
 load_check() {  # load_check FOLDER: a plain HF folder that loads whole, and how many of its tensors the run changed
@@ -96,7 +98,7 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1])).save_pretrained(sys.argv[2])
 AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
 PY
-      python3 -c "import json, sys; from hybridize.eval.arith import generate; \
+      [ -f "$WORK/arith_train.jsonl" ] || python3 -c "import json, sys; from hybridize.eval.arith import generate; \
 open(sys.argv[1], 'w').writelines(json.dumps(r) + '\n' for r in generate('train'))" "$WORK/arith_train.jsonl"
       [ -f "$STUDENT/config.json" ] || python3 -m hybridize.cli convert --src "$TEACHER" --out "$STUDENT" --layers 5:1 \
         --mixer sse --samples 1 > "$OUT/convert.log" 2>&1 || { echo "convert FAILED"; tail -15 "$OUT/convert.log"; exit 1; }
@@ -122,7 +124,7 @@ deepspeed.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__versio
         launch sft_zero${z}_2gpu zero$z 2 "${SFT[@]}" train.max_steps="$SFT_STEPS" --overwrite \
           && launch sft_zero${z}_2gpu_resume zero$z 2 "${SFT[@]}" train.max_steps=$((SFT_STEPS + 1)) --resume \
           && python3 -m benchmarks.pipeline.multi_gpu_summary "$WORK/sft_zero$z" --steps \
-          && export_check sft_zero$z "$(newest "$WORK/sft_zero$z")"
+          && export_check sft_zero$z "$(newest sft "$WORK/sft_zero$z")"
       done ;;
     grpo)
       for z in 2 3; do
@@ -132,7 +134,7 @@ deepspeed.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__versio
           && launch grpo_zero${z}_2gpu_resume zero$z 2 "${GRPO[@]}" grpo.max_steps=$((GRPO_STEPS + 1)) --resume \
           && python3 -m benchmarks.pipeline.multi_gpu_summary "$WORK/grpo_zero$z" --steps \
           && load_check "$WORK/grpo_zero$z/final" \
-          && export_check grpo_zero$z "$(newest "$WORK/grpo_zero$z")"
+          && export_check grpo_zero$z "$(newest grpo "$WORK/grpo_zero$z")"
       done ;;
     *) echo "unknown step $s (setup | long | sft | grpo)"; exit 2 ;;
   esac

@@ -184,7 +184,7 @@ def zero3_gathered(model: nn.Module, engine=None):
     # deferred: deepspeed is optional (DeepSpeed runs only)
     import deepspeed
 
-    if engine is not None and hasattr(engine, "empty_partition_cache"):
+    if engine is not None:
         engine.empty_partition_cache()
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield
