@@ -23,6 +23,7 @@ up to summation order). Only CUDA (or the Triton interpreter) tensors; fp64 stay
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -87,16 +88,27 @@ def _gather_sum_kernel(src, base, scale, keep, inv, y, out, dots, L0, C: tl.cons
         tl.store(dots + pair, acc_dot, mask=m_s)
 
 
-def _block(C: int) -> int:
-    return max(16, min(triton.next_power_of_2(C), 1024))
+class MoveConfig(NamedTuple):
+    """One mover launch: `block` columns of a row a program moves at a time (a power of two), `warps` a program."""
+    block: int
+    warps: int
+
+
+def move_config(C: int, itemsize: int) -> MoveConfig:
+    """The launch for rows of C elements of `itemsize` bytes: 4 KB of a row a program at a time, 4 warps (one H200,
+    SSE's layout at 16k tokens: 1-5% faster per mover than 1024 columns for 16-bit rows, and the best or within 1%
+    of the best of 1-8 rows a program x 512-2048 columns x 4 / 8 warps for every mover; `benchmarks/ops/sse_route.py`,
+    benchmarks/RESULTS.md)."""
+    return MoveConfig(block=max(16, min(triton.next_power_of_2(C), 4096 // itemsize)), warps=4)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], -1).contiguous()
 
 
-def _pack(x_sh, x_sp, scale, keep, order, K):
-    """Raw launch; x_sh `[1, L, *C]` | None, x_sp `[1, L, *C]` -> `[1, L0 + M, *C]`."""
+def _pack(x_sh, x_sp, scale, keep, order, K, cfg: MoveConfig | None = None):
+    """Raw launch; x_sh `[1, L, *C]` | None, x_sp `[1, L, *C]` -> `[1, L0 + M, *C]`. `cfg`: the launch (default
+    `move_config`)."""
     L0 = 0 if x_sh is None else x_sh.shape[1]
     M = order.numel()
     C = math.prod(x_sp.shape[2:])
@@ -105,29 +117,30 @@ def _pack(x_sh, x_sp, scale, keep, order, K):
         return out
     sp = _flat(x_sp)
     sh = _flat(x_sh) if x_sh is not None else sp
-    BC = _block(C)
-    _pack_kernel[(L0 + M, triton.cdiv(C, BC))](
+    cfg = cfg or move_config(C, x_sp.element_size())
+    _pack_kernel[(L0 + M, triton.cdiv(C, cfg.block))](
         sh, sp, scale if scale is not None else sp, keep if keep is not None else sp, order, out, L0, C, K,
-        BC=BC, HAS_SCALE=scale is not None, HAS_KEEP=keep is not None)
+        BC=cfg.block, HAS_SCALE=scale is not None, HAS_KEEP=keep is not None, num_warps=cfg.warps)
     return out
 
 
-def _gather_sum(src, L, base, scale, keep, inv, K, L0, y=None):
-    """Raw launch; src `[1, L0 + M, *C]` -> (out `[1, L, *C]`, dots `[L * K]` fp32 | None)."""
+def _gather_sum(src, L, base, scale, keep, inv, K, L0, y=None, cfg: MoveConfig | None = None):
+    """Raw launch; src `[1, L0 + M, *C]` -> (out `[1, L, *C]`, dots `[L * K]` fp32 | None). `cfg`: the launch
+    (default `move_config`)."""
     C = math.prod(src.shape[2:])
     out = src.new_empty(1, L, *src.shape[2:])
     dots = torch.empty(L * K, dtype=torch.float32, device=src.device) if y is not None else None
     if L == 0:
         return out, dots
     s = _flat(src)
-    BC = _block(C)
+    cfg = cfg or move_config(C, src.element_size())
     dummy = s
     _gather_sum_kernel[(L,)](
         s, _flat(base) if base is not None else dummy, scale if scale is not None else dummy,
         keep if keep is not None else dummy, inv, _flat(y) if y is not None else dummy, out,
         dots if dots is not None else dummy, L0, C, K,
-        KP=triton.next_power_of_2(K), BC=BC, HAS_BASE=base is not None, HAS_SCALE=scale is not None,
-        HAS_KEEP=keep is not None, HAS_DOTS=y is not None)
+        KP=triton.next_power_of_2(K), BC=cfg.block, HAS_BASE=base is not None, HAS_SCALE=scale is not None,
+        HAS_KEEP=keep is not None, HAS_DOTS=y is not None, num_warps=cfg.warps)
     return out, dots
 
 

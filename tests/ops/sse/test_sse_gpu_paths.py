@@ -149,14 +149,27 @@ def test_decode_inplace_flag_on_torch_path_never_writes_inputs():
 
 # ---- interpreter: Triton kernels vs references on CPU ----------------------------------------------
 
+@pytest.mark.skipif(not triton_ok, reason="needs triton")
+def test_move_config_moves_4kb_of_a_row_at_a_time():
+    from hybridize.ops.sse.triton_route import move_config
+    assert move_config(2048, 2).block == 2048            # SSE's 16 x 128 rows, bf16: a whole row
+    assert move_config(2048, 4).block == 1024            # fp32 gates: half a row
+    assert move_config(576, 2).block == 1024             # a row under 4 KB: its power of two
+    assert move_config(10, 4).block == 16                # never under 16 columns
+
+
 @needs_interp
 @pytest.mark.parametrize("paths", ["shared", "sparse only", "one tensor on both"])
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_movers_match_reference(paths, K, dtype):
+@pytest.mark.parametrize("launch", [None, (4, 2)])    # the default; column blocks with a tail (C = 10)
+def test_row_movers_match_reference(paths, K, dtype, launch, monkeypatch):
     """"one tensor on both": SSE's v feeds the shared and the sparse path; the pack's backward then sums both
     gradients itself (no separate add), which must equal autograd's sum through the reference."""
-    from hybridize.ops.sse.triton_route import combine_rows, pack_rows
+    from hybridize.ops.sse import triton_route
+    from hybridize.ops.sse.triton_route import MoveConfig, combine_rows, pack_rows
+    if launch is not None:
+        monkeypatch.setattr(triton_route, "move_config", lambda C, itemsize: MoveConfig(*launch))
     shared = paths != "sparse only"
     L, N, H, D = 13, 4, 2, 5                                 # C = 10: not a power of two
     gen = torch.Generator().manual_seed(K)
