@@ -95,10 +95,10 @@ class MoveConfig(NamedTuple):
 
 
 def move_config(C: int, itemsize: int) -> MoveConfig:
-    """The launch for rows of C elements of `itemsize` bytes: 4 KB of a row a program at a time, 4 warps (one H200,
-    SSE's layout at 16k tokens: 1-5% faster per mover than 1024 columns for 16-bit rows, and the best or within 1%
-    of the best of 1-8 rows a program x 512-2048 columns x 4 / 8 warps for every mover; `benchmarks/ops/sse_route.py`,
-    benchmarks/RESULTS.md)."""
+    """The launch for rows of C elements of `itemsize` bytes: 4 KB of a row a program at a time, 4 warps. On one H200
+    at SSE's 16k-token layout this was 0.5-7% faster per 16-bit mover than 1024 columns, and within 0.7% of the
+    fastest of 1-8 rows a program x 512-2048 columns x 4 / 8 warps for every mover (`benchmarks/ops/sse_route.py`;
+    benchmarks/RESULTS.md, "the row movers move 4 KB of a row a program")."""
     return MoveConfig(block=max(16, min(triton.next_power_of_2(C), 4096 // itemsize)), warps=4)
 
 
