@@ -2,6 +2,7 @@
 
     python -m benchmarks.ops.kernel_resources                          # sm_90 (H100 / H200), both shapes, batches 1, 8, 32
     python -m benchmarks.ops.kernel_resources --warps 4,8 --out resources.json
+    python -m benchmarks.ops.kernel_resources --shapes qwen3-1.7b --batches 8 --bv 32,64,128 --warps 4,8,16
 
 Why: a Triton kernel that needs many registers a thread fits fewer programs on an SM, and past 255 it spills to local
 memory; either can slow a decode step without changing a number it computes, so no CPU test sees it. (f56ffe1 moved
@@ -124,9 +125,14 @@ def compile_usage(fn, launch, arch: int, num_warps: int, num_stages: int | None 
     return parse_usage(out) | ir_counts(kernel.asm["ttgir"], kernel.asm["ptx"])
 
 
-def step_launch_for(m, B: int, pdl: bool = True):
+def _choices(arg: str) -> list:
+    """A comma list of ints, or [None] for "launch" (the launch's own rule)."""
+    return [None] if arg == "launch" else [int(x) for x in arg.split(",")]
+
+
+def step_launch_for(m, B: int, pdl: bool = True, bv: int | None = None):
     """The step kernel's launch for one token of batch B through mixer m (CPU tensors), on the path the kernel options
-    pick, with `pdl` as on a Hopper GPU."""
+    pick, with `pdl` as on a Hopper GPU; `bv` as `step_launch` takes it (None: `block_v`'s choice)."""
     from hybridize.mixers.sse import SSEState
     from hybridize.ops.sse.triton_fused_step import step_launch
 
@@ -137,7 +143,7 @@ def step_launch_for(m, B: int, pdl: bool = True):
     ang = torch.rand(B, 1, c.head_dim) * 6.28
     with torch.no_grad():
         inputs = m.step_inputs(x, st, (ang.cos().to(dtype), ang.sin().to(dtype)))
-        launch = step_launch(**inputs)
+        launch = step_launch(**inputs, bv=bv)
     launch.kwargs.update(PDL=pdl, launch_pdl=pdl)
     path = ("merged" if m.merged_lowrank() else "in step" if inputs["ups"] is not None else "stage 2")
     return launch, path
@@ -220,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--warps", default="launch", help="the step's num_warps to compile with, comma-separated; "
                                                       "launch: its own (`fused_step.step_warps`). --kernels gla "
                                                       "compiles each config with that config's warps")
+    ap.add_argument("--bv", default="launch", help="the step's value columns per program, comma-separated; launch: "
+                                                   "its own (`fused_step.block_v`)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 = H100 / H200")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     ap.add_argument("--kernels", default="step", choices=["step", "gla"],
@@ -240,17 +248,20 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         m = build(shape, torch.device("cpu"), torch.bfloat16)
         for B in (int(b) for b in args.batches.split(",")):
-            launch, path = step_launch_for(m, B)
-            for w in ([launch.kwargs["num_warps"]] if args.warps == "launch" else
-                      [int(x) for x in args.warps.split(",")]):
-                usage = compile_usage(_sse_gla_step_kernel, launch, args.arch, w)
-                nb, _, H = launch.grid
-                rec = dict(shape=shape, batch=B, path=path, bv=launch.kwargs["BV"], programs=nb * B * H, warps=w,
-                           **usage)
-                out.append(rec)
-                rows.append([shape, B, path, rec["bv"], rec["programs"], w, usage["registers"], usage["stack"],
-                             usage["shared"]])
-                print(rec, flush=True)
+            for bv in _choices(args.bv):
+                if bv is not None and bv > m.config.head_dim:
+                    continue
+                launch, path = step_launch_for(m, B, bv=bv)
+                for w in ([launch.kwargs["num_warps"]] if args.warps == "launch" else
+                          [int(x) for x in args.warps.split(",")]):
+                    usage = compile_usage(_sse_gla_step_kernel, launch, args.arch, w)
+                    nb, _, H = launch.grid
+                    rec = dict(shape=shape, batch=B, path=path, bv=launch.kwargs["BV"], programs=nb * B * H,
+                               warps=w, **usage)
+                    out.append(rec)
+                    rows.append([shape, B, path, rec["bv"], rec["programs"], w, usage["registers"], usage["stack"],
+                                 usage["shared"]])
+                    print(rec, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"arch": args.arch, "rows": out}, indent=1))
     print(f"\nSSE's one-kernel decode step (ops/sse/triton_fused_step.py), compiled for sm_{args.arch}, bf16, "

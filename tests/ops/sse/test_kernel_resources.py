@@ -67,6 +67,18 @@ def test_step_launch_fills_the_kernel_signature(shape, B, path):
     assert launch.out.shape == (B, 1, m.config.num_heads, m.config.head_dim)
 
 
+@needs_triton
+def test_step_launch_takes_the_value_block_asked():
+    """`--bv` compiles the launch at that block width (grid: D / bv programs per row and head); "launch" keeps the
+    step's own rule."""
+    from benchmarks.ops.sse_step import build
+
+    m = build("qwen3-1.7b", torch.device("cpu"), torch.bfloat16)
+    launch, _ = kr.step_launch_for(m, 8, bv=32)
+    assert launch.kwargs["BV"] == 32 and launch.grid == (4, 8, 16)
+    assert kr._choices("launch") == [None] and kr._choices("32,128") == [32, 128]
+
+
 @needs_tools
 def test_the_135m_step_compiles_without_spills():
     """SmolLM2-135M's SSE step at batch 8 (a whole 64-wide head per program, the widest block the step takes) compiles
