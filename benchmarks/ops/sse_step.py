@@ -9,7 +9,8 @@ steps (launch overhead out, as in the engine's graph replays): the whole mixer s
 norm and gate in it, option `sse_step_finish`, and without), then the fused kernel alone at each value-block width
 (`--bv`; "auto" is `block_v`'s choice), plain and finishing the heads. The output norm, gate and o_proj are in every
 whole-step column. `--scan-bv` / `--scan-warps` also time the kernel alone as the engine launches it
-(`SSE.step_inputs`) at each value-block width and warps per program; with `--cold N` over N independent states in
+(`SSE.step_inputs`) at each value-block width, warps per program and `--scan-paths` (1: both partitions' updates in
+one program, 2: a program each); with `--cold N` over N independent states in
 turn, so that they come from memory as in the engine (a single state of the 1.7B shape stays in the H200's L2 up to
 batch 8). Prints a markdown table and writes `--out` JSON.
 """
@@ -52,20 +53,21 @@ def step_fn(m, B: int, device, dtype):
     return (lambda: m(x, state=st, position_embeddings=pe, output_state=True)), (x, st, pe)
 
 
-def scan(m, x, st, pe, bvs: str, warps: str, step, cold: int = 0) -> dict:
-    """{"scan bv=.. w=..": us} of the step kernel alone on the inputs the engine gives it (`SSE.step_inputs`: the
-    kernel options' path, the heads finished), per value-block width and warps per program (bv wider than the head
-    skipped). `cold` > 0: the graph steps `cold` independent states and inputs in turn, as the engine's layers do, so
+def scan(m, x, st, pe, bvs: str, warps: str, step, cold: int = 0, paths: str = "1") -> dict:
+    """{"scan bv=.. w=.. p=..": us} of the step kernel alone on the inputs the engine gives it (`SSE.step_inputs`: the
+    kernel options' path, the heads finished), per value-block width, warps per program and programs per partition
+    pair (`paths`: 1 both partitions in one program, 2 one each; bv wider than the head skipped). `cold` > 0: the graph steps `cold` independent states and inputs in turn, as the engine's layers do, so
     the states come from memory and not from L2 (0: one state, which at batch 8 of the 1.7B shape, 42 MB, stays in the
     H200's L2 between calls)."""
     copies = [(x, st)] if cold <= 0 else [(torch.randn_like(x), _fresh_state(st)) for _ in range(cold)]
     inputs = [m.step_inputs(xi, si, pe) for xi, si in copies]
     D = inputs[0]["layout"].head_dim
     out = {}
-    for bv, w in itertools.product((int(b) for b in bvs.split(",")), (int(v) for v in warps.split(","))):
+    for bv, w, n in itertools.product((int(b) for b in bvs.split(",")), (int(v) for v in warps.split(",")),
+                                      (int(p) for p in paths.split(","))):
         if bv <= D:
-            fns = [lambda a=a, bv=bv, w=w: step(**a, bv=bv, warps=w) for a in inputs]
-            out[f"scan bv={bv} w={w}"] = graph_time_us(fns, reps=50)
+            fns = [lambda a=a, bv=bv, w=w, n=n: step(**a, bv=bv, warps=w, paths=n) for a in inputs]
+            out[f"scan bv={bv} w={w} p={n}"] = graph_time_us(fns, reps=50)
     return out
 
 
@@ -85,6 +87,8 @@ def main(argv=None):
     ap.add_argument("--scan-bv", default="", help="also time the kernel as the engine launches it (its layout, "
                     "finishing the heads) at each of these value-block widths x --scan-warps, e.g. 16,32,64,128")
     ap.add_argument("--scan-warps", default="1,2,4,8", help="warps per program of the --scan-bv grid")
+    ap.add_argument("--scan-paths", default="1", help="programs per partition pair of the --scan-bv grid (1: both "
+                    "partitions in one program, 2: a program each), comma-separated")
     ap.add_argument("--cold", type=int, default=0, help="--scan-bv steps this many independent states in turn, so "
                     "they are read from memory as in the engine (0: one state, L2-resident when it fits)")
     ap.add_argument("--out", default=None)
@@ -123,7 +127,8 @@ def main(argv=None):
                         [lambda bv=bv: sse_gla_step(y, u, st.shared, st.sparse, finishing, wn, *pe, bv=bv,
                                                     out_weight=gain)], reps=50)
                 if args.scan_bv:
-                    times.update(scan(m, x, st, pe, args.scan_bv, args.scan_warps, sse_gla_step, args.cold))
+                    times.update(scan(m, x, st, pe, args.scan_bv, args.scan_warps, sse_gla_step, args.cold,
+                                      args.scan_paths))
             rec = dict(shape=shape, batch=B, **{k: round(v, 2) for k, v in times.items()})
             out.append(rec)
             rows.append([shape, B, f"{times['separate']:.1f}", f"{times['fused']:.1f}",

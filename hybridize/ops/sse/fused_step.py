@@ -65,10 +65,14 @@ def block_v(rows: int, heads: int, dim: int, finish: bool = False) -> int:
     kernel: 5.7 against 6.6 us at the SmolLM2-135M shape, batch 1; at the Qwen3-1.7B shape, 128 wide, 11.9
     against 8.2 us the other way; `python -m benchmarks.ops.sse_step`), and also a 128-wide head when rows x heads
     are 65-128 (one H200, the 1.7B shape at batch 8 as the engine launches it, `step_warps`' 8 warps: 13.3 us
-    against 15.4 us for 32-wide blocks of 4 warps; `sse_step --scan-bv`)."""
+    against 15.4 us for 32-wide blocks of 4 warps; `sse_step --scan-bv`). With a program per partition (`step_paths`:
+    a 128-wide head at batch 1) 32-wide blocks: 7.1 us against 8.1 for the 16-wide blocks of one program per pair
+    (one H200, the kernel on eight states read from memory in turn, `sse_step --cold 8 --scan-paths 1,2`)."""
     programs_per_block = rows * heads
     if finish and (dim <= 64 or 64 < programs_per_block <= 128):
         return dim
+    if finish and step_paths(rows, dim) == 2:
+        return 32
     bv = 16 if programs_per_block <= 64 else (32 if programs_per_block <= 256 else 64)
     return min(dim, bv)
 
@@ -78,6 +82,16 @@ def step_warps(rows: int, dim: int) -> int:
     1.7B shape as the engine launches it: batch 1, 16-wide blocks, 9.2 against 10.0 us; batch 8 above; at the
     SmolLM2-135M shape, 64 wide, 4 warps stayed the fastest; `python -m benchmarks.ops.sse_step --scan-bv`)."""
     return 8 if dim >= 128 and rows <= 8 else 4
+
+
+def step_paths(rows: int, dim: int) -> int:
+    """Programs per (value block, row, head) of a finishing step: 1 updates both partitions' states one after the
+    other; 2 gives the shared and the selected partition a program each, so their two state round trips overlap (the
+    head's last program sums the two outputs). 2 for heads 128 wide at batch 1, the one cell where it won (one H200,
+    the 1.7B shape, the kernel alone on eight states read from memory in turn: 7.1 against 8.1 us; at batch 8 15.8
+    against 17.1 us for one program per pair, and at the SmolLM2-135M shape 4.2 against 4.8;
+    `python -m benchmarks.ops.sse_step --cold 8 --scan-paths 1,2`)."""
+    return 2 if dim >= 128 and rows == 1 else 1
 
 
 def _feature(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from hybridize.ops.common.pdl import pdl_args
-from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v, step_warps
+from hybridize.ops.sse.fused_step import StepLayout, StepUps, block_v, step_paths, step_warps
 from hybridize.ops.sse.qk_front import MAPS   # feature-map codes (constexpr in the kernels)
 
 
@@ -140,10 +140,13 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
                          ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, VMAP: tl.constexpr,
                          EMULQ: tl.constexpr, EMULK: tl.constexpr, FINISH: tl.constexpr, GATE: tl.constexpr,
                          NB: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr,
-                         RG: tl.constexpr, RGP: tl.constexpr, GBIAS: tl.constexpr, PDL: tl.constexpr):
+                         RG: tl.constexpr, RGP: tl.constexpr, GBIAS: tl.constexpr, PATHS: tl.constexpr,
+                         PDL: tl.constexpr):
     if PDL:   # launched before the previous kernel finished (ops/common/pdl.py): wait for its outputs
         tl.extra.cuda.gdc_wait()
-    i_v, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    # PATHS = 2: the shared and the selected partition's updates in programs of their own (i_p 0 / 1)
+    i_v, i_p = tl.program_id(0) // PATHS, tl.program_id(0) % PATHS
+    i_b, i_h = tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_kh = i_h // NREP
     d = tl.arange(0, D)
     ov = i_v * BV + tl.arange(0, BV)
@@ -166,6 +169,92 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     v = _feature(tl.load(y_row + v_col + i_kh * D + ov).to(tl.float32), VMAP, 0)
     q_col, k_col = i_h * D, (H + i_kh) * D
     wq_row, wk_row = wn + i_h * D, wn + (H + i_kh) * D
+    if PATHS == 2:
+        if i_p == 0:
+            o_sum = _shared_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, st_sh + (i_b * H + i_h) * D * D,
+                                w_ugs, b_ugs, low_col, g_col, eps, inv_gn, scale, i_h, d, ov, partner, sign, NORM,
+                                ROPE, QMAP, KMAP, UP, RQ, RG, RGP, GBIAS, D)
+        else:
+            o_sum = _sparse_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, w,
+                                st_sp + ((i_b * P + part) * H + i_h) * D * D, w_uq, w_uk, w_ugp, b_ugp, low_col,
+                                u_delta, g_col, eps, inv_gn, scale, H, i_h, i_kh, d, ov, partner, sign, NORM, ROPE,
+                                QMAP, KMAP, EMULQ, EMULK, UP, RQ, RQP, RG, RGP, GBIAS, D)
+    else:
+        o_sum = _both_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, w, st_sh + (i_b * H + i_h) * D * D,
+                          st_sp + ((i_b * P + part) * H + i_h) * D * D, w_uq, w_uk, w_ugs, w_ugp, b_ugs, b_ugp,
+                          low_col, u_delta, g_col, eps, inv_gn, scale, H, i_h, i_kh, d, ov, partner, sign, NORM, ROPE,
+                          QMAP, KMAP, EMULQ, EMULK, UP, RQ, RQP, RG, RGP, GBIAS, D)
+    row = i_b * H + i_h
+    if not FINISH:
+        tl.store(o + row * D + ov, o_sum.to(o.dtype.element_ty))
+    elif NB * PATHS == 1:   # the program holds the whole head
+        _finish(o_sum, o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
+    else:           # the head's last program to finish normalises it: partial rows through L2, a counter per head
+        # (the fp32 rows travel as int32 bits: atomics, so they are read where they were written, in L2); with
+        # PATHS = 2 the selected partition's programs write a second set of rows after the first
+        rows_all = tl.num_programs(1) * H
+        tl.atomic_xchg(part_o + (i_p * rows_all + row) * D + ov, o_sum.to(tl.int32, bitcast=True), sem="release")
+        tl.debug_barrier()                       # every thread's row written before the count goes up
+        if tl.atomic_add(count + row, 1, sem="acq_rel") == NB * PATHS - 1:
+            zero = tl.zeros([D], dtype=tl.int32)
+            full = tl.atomic_add(part_o + row * D + d, zero, sem="acquire").to(tl.float32, bitcast=True)
+            if PATHS == 2:
+                full += tl.atomic_add(part_o + (rows_all + row) * D + d, zero, sem="acquire").to(tl.float32,
+                                                                                                  bitcast=True)
+            _finish(full, o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
+            tl.atomic_xchg(count + row, 0)       # ready for the next step (and the next graph replay)
+
+
+@triton.jit
+def _shared_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, state, w_ugs, b_ugs, low_col, g_col, eps, inv_gn,
+                scale, i_h, d, ov, partner, sign, NORM: tl.constexpr, ROPE: tl.constexpr, QMAP: tl.constexpr,
+                KMAP: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RG: tl.constexpr, RGP: tl.constexpr,
+                GBIAS: tl.constexpr, D: tl.constexpr):
+    """The shared partition's update and output `[BV]` alone (PATHS = 2)."""
+    if UP:
+        z_sh = _up(w_ugs, _low(y_row + low_col + 2 * RQ, RG, RGP), i_h * D + d, RG, RGP)
+        if GBIAS:
+            z_sh += tl.load(b_ugs + i_h * D + d).to(tl.float32)
+    else:
+        z_sh = tl.load(u_row + g_col + i_h * D + d).to(tl.float32)
+    q = _qk(y_row + q_col, c, c, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, c, c, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
+    return _update(state, q, k, v, _logsigmoid(z_sh) * inv_gn, d, ov, scale, D)
+
+
+@triton.jit
+def _sparse_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, w, state, w_uq, w_uk, w_ugp, b_ugp, low_col,
+                u_delta, g_col, eps, inv_gn, scale, H, i_h, i_kh, d, ov, partner, sign, NORM: tl.constexpr,
+                ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, EMULQ: tl.constexpr, EMULK: tl.constexpr,
+                UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr, RG: tl.constexpr, RGP: tl.constexpr,
+                GBIAS: tl.constexpr, D: tl.constexpr):
+    """The selected partition's update and output `[BV]` alone (PATHS = 2)."""
+    if UP:
+        dq, dq_p = _up_pair(w_uq, _low(y_row + low_col, RQ, RQP), i_h * D, d, partner, ROPE, RQ, RQP)
+        dk, dk_p = _up_pair(w_uk, _low(y_row + low_col + RQ, RQ, RQP), i_kh * D, d, partner, ROPE, RQ, RQP)
+        z_sp = _up(w_ugp, _low(y_row + low_col + 2 * RQ + RG, RG, RGP), i_h * D + d, RG, RGP)
+        if GBIAS:
+            z_sp += tl.load(b_ugp + i_h * D + d).to(tl.float32)
+    else:
+        dq, dq_p = _pair(u_row + u_delta + q_col, d, partner, ROPE)
+        dk, dk_p = _pair(u_row + u_delta + k_col, d, partner, ROPE)
+        z_sp = tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)
+    q = _qk(y_row + q_col, dq, dq_p, wq_row, c, s, eps, d, partner, sign, True, NORM, ROPE, QMAP, D)
+    k = _qk(y_row + k_col, dk, dk_p, wk_row, c, s, eps, d, partner, sign, True, NORM, ROPE, KMAP, D)
+    if EMULQ:
+        q = q * w
+    if EMULK:
+        k = k * w
+    return _update(state, q, k, v, _logsigmoid(z_sp) * inv_gn, d, ov, scale, D)
+
+
+@triton.jit
+def _both_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, w, st_sh, st_sp, w_uq, w_uk, w_ugs, w_ugp, b_ugs,
+              b_ugp, low_col, u_delta, g_col, eps, inv_gn, scale, H, i_h, i_kh, d, ov, partner, sign,
+              NORM: tl.constexpr, ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, EMULQ: tl.constexpr,
+              EMULK: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr, RG: tl.constexpr,
+              RGP: tl.constexpr, GBIAS: tl.constexpr, D: tl.constexpr):
+    """Both partitions' updates in one program, the shared first (PATHS = 1), their outputs summed `[BV]`."""
     # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from y's
     # low-rank columns and the up-projection weights, in fp32 (UP), or from u
     if UP:
@@ -182,7 +271,7 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     q = _qk(y_row + q_col, c, c, wq_row, c, s, eps, d, partner, sign, False, NORM, ROPE, QMAP, D)
     k = _qk(y_row + k_col, c, c, wk_row, c, s, eps, d, partner, sign, False, NORM, ROPE, KMAP, D)
     g = _logsigmoid(z_sh) * inv_gn
-    o_sum = _update(st_sh + (i_b * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
+    o_sum = _update(st_sh, q, k, v, g, d, ov, scale, D)
     # the selected partition: base + LoRA, scaled by the router probability. Without UP each delta and the gate are
     # loaded from u where they are used, after the shared update: loaded before it, they stay live across it, and at
     # SmolLM2-135M's shape (a whole 64-wide head per program) the kernel took 167 registers a thread instead of 128
@@ -200,20 +289,8 @@ def _sse_gla_step_kernel(y, u, wn, cos, sin, st_sh, st_sp, o, sy, su, spe, u_del
     if not UP:
         z_sp = tl.load(u_row + g_col + (H + i_h) * D + d).to(tl.float32)
     g = _logsigmoid(z_sp) * inv_gn
-    o_sum += _update(st_sp + ((i_b * P + part) * H + i_h) * D * D, q, k, v, g, d, ov, scale, D)
-    row = i_b * H + i_h
-    if not FINISH:
-        tl.store(o + row * D + ov, o_sum.to(o.dtype.element_ty))
-    elif NB == 1:   # the program holds the whole head
-        _finish(o_sum, o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
-    else:           # the head's last program to finish normalises it: partial rows through L2, a counter per head
-        # (the fp32 rows travel as int32 bits: atomics, so they are read where they were written, in L2)
-        tl.atomic_xchg(part_o + row * D + ov, o_sum.to(tl.int32, bitcast=True), sem="release")
-        tl.debug_barrier()                       # every thread's row written before the count goes up
-        if tl.atomic_add(count + row, 1, sem="acq_rel") == NB - 1:
-            full = tl.atomic_add(part_o + row * D + d, tl.zeros([D], dtype=tl.int32), sem="acquire")
-            _finish(full.to(tl.float32, bitcast=True), o + row * D, y_row + og_col + i_h * D, onw, o_eps, d, GATE, D)
-            tl.atomic_xchg(count + row, 0)       # ready for the next step (and the next graph replay)
+    o_sum += _update(st_sp, q, k, v, g, d, ov, scale, D)
+    return o_sum
 
 
 @triton.jit
@@ -256,7 +333,7 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
                 norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
                 out_weight: torch.Tensor | None = None, ups: StepUps | None = None,
-                warps: int | None = None) -> StepLaunch:
+                warps: int | None = None, paths: int | None = None) -> StepLaunch:
     """`sse_gla_step`'s checks and kernel arguments (the output `o` allocated), without launching. `bv` and `warps`
     (value columns and warps per program) default to `block_v`'s and `step_warps`' choices."""
     L = layout
@@ -289,9 +366,14 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
     o = torch.empty(B, 1, H, D, dtype=y.dtype, device=y.device)
     bv = block_v(B, H, D, finish) if bv is None else bv
     nb = triton.cdiv(D, bv)
+    paths = (step_paths(B, D) if finish else 1) if paths is None else paths
+    if paths not in (1, 2) or (paths == 2 and not finish):
+        raise ValueError(f"sse_gla_step runs the two partitions in programs of their own (paths=2) only when it "
+                         f"finishes the heads (layout.out_norm_eps); got paths={paths}")
     dummy = y   # never read: constexpr branches skip absent inputs
-    split = finish and nb > 1   # a head over several programs: its last one finishes it
-    part_o = torch.empty(B * H * D, dtype=torch.int32, device=y.device) if split else dummy   # fp32 bits
+    split = finish and nb * paths > 1   # a head over several programs: its last one finishes it
+    part_o = (torch.empty(paths * B * H * D, dtype=torch.int32, device=y.device) if split
+              else dummy)   # fp32 bits
     count = head_counters(B * H, y.device) if split else dummy
     args = (y, u, norm_weight if norm else dummy, cos if rope else dummy, sin if rope else dummy, shared, sparse, o,
             y.stride(0), u.stride(0), cos.stride(0) if rope else 0, L.delta_col, L.v_col, L.router_col,
@@ -306,8 +388,8 @@ def step_launch(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse: 
                   GATE=L.out_gate_col is not None, NB=nb, UP=up, RQ=L.lora_rank,
                   RQP=triton.next_power_of_2(max(L.lora_rank, 1)), RG=L.gate_rank,
                   RGP=triton.next_power_of_2(max(L.gate_rank, 1)), GBIAS=up and ups.bias_shared is not None,
-                  num_warps=step_warps(B, D) if warps is None else warps, **pdl_args(y.device))
-    return StepLaunch(grid=(nb, B, H), args=args, kwargs=kwargs, out=o)
+                  PATHS=paths, num_warps=step_warps(B, D) if warps is None else warps, **pdl_args(y.device))
+    return StepLaunch(grid=(nb * paths, B, H), args=args, kwargs=kwargs, out=o)
 
 
 @torch.compiler.disable   # opaque to torch.compile, as the other decode kernels: it writes the states in place
@@ -315,11 +397,11 @@ def sse_gla_step(y: torch.Tensor, u: torch.Tensor, shared: torch.Tensor, sparse:
                  norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, scale: float | None = None, bv: int | None = None,
                  out_weight: torch.Tensor | None = None, ups: StepUps | None = None,
-                 warps: int | None = None) -> torch.Tensor:
+                 warps: int | None = None, paths: int | None = None) -> torch.Tensor:
     """One decode token: update `shared` and the selected partition of `sparse` in place; o `[B, 1, H, D]`, with the
     output norm (gain `out_weight` `[D]`) and gate applied when `layout.out_norm_eps` is set, and the low-rank
     up-projections `ups` applied in the kernel when `layout.low_col` is set (u is then not read)."""
-    launch = step_launch(y, u, shared, sparse, layout, norm_weight, cos, sin, scale, bv, out_weight, ups, warps)
+    launch = step_launch(y, u, shared, sparse, layout, norm_weight, cos, sin, scale, bv, out_weight, ups, warps, paths)
     _sse_gla_step_kernel[launch.grid](*launch.args, **launch.kwargs)
     return launch.out
 

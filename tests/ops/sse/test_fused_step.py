@@ -193,12 +193,48 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish,
     the step also applies the output norm (and the silu gate); bv < D splits a head over programs, the last of which
     finishes it (twice in a row: the per-head counters must be left at zero for the next step). ups: the step applies
     the LoRA and gate up-projections to y's low-rank columns itself (ranks that are not powers of two, gate biases)."""
+    _check_step_kernel(norm, rope, maps, heads, finish, bv, ups)
+
+
+@needs_kernel
+@pytest.mark.parametrize("finish,bv", [("norm+gate", None), ("norm+gate", 4), ("norm", 8)],
+                         ids=["whole", "split4", "norm-split2"])
+@pytest.mark.parametrize("ups", [False, True], ids=["u", "ups-in-step"])
+def test_fused_step_kernel_with_a_program_per_partition_equals_its_reference(finish, bv, ups):
+    """paths=2: the shared and the selected partition in programs of their own, the head's last program summing
+    both outputs; whole heads and heads split over value blocks, both up-projection paths."""
+    _check_step_kernel(True, True, ("silu", "softmax", "silu"), (4, 2), finish, bv, ups, paths=2)
+
+
+def test_a_program_per_partition_needs_the_finishing_step():
+    from hybridize.ops.sse.fused_step import StepLayout
+    from hybridize.ops.sse.triton_fused_step import step_launch
+
+    L = StepLayout(heads=2, kv_heads=2, head_dim=16, partitions=4, v_col=64, router_col=96, gate_col=100,
+                   delta_col=64, q_map="identity", k_map="identity", v_map="identity", gate_normalizer=16.0,
+                   norm_eps=None, emulq=True, emulk=True)
+    y = torch.zeros(1, 1, 200)
+    with pytest.raises(ValueError, match=r"\(paths=2\) only when it finishes the heads"):
+        step_launch(y, y, torch.zeros(1, 2, 16, 16), torch.zeros(1, 4, 2, 16, 16), L, paths=2)
+
+
+@needs_kernel
+def test_fused_step_kernel_at_the_1p7b_head_shape_batch_1_takes_its_launch_rules():
+    """16 heads of 128 at batch 1, the launch left to the rules (`block_v`, `step_paths`: 32-wide blocks, a program
+    per partition), against the reference."""
+    from hybridize.ops.sse.fused_step import block_v, step_paths
+
+    assert step_paths(1, 128) == 2 and block_v(1, 16, 128, finish=True) == 32
+    _check_step_kernel(True, True, ("silu", "softmax", "silu"), (16, 8), "norm+gate", None, True, D=128, B=1)
+
+
+def _check_step_kernel(norm, rope, maps, heads, finish, bv, ups, paths=None, D=16, B=4):
     import dataclasses
 
     from hybridize.ops.sse.fused_step import StepLayout, StepUps, sse_gla_step_reference
     from hybridize.ops.sse.triton_fused_step import sse_gla_step
 
-    H, Hk, D, P, B = *heads, 16, 5, 4
+    H, Hk, P = *heads, 5
     n = (H + Hk) * D
     g = torch.Generator().manual_seed(7)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
@@ -223,7 +259,7 @@ def test_fused_step_kernel_equals_its_reference(norm, rope, maps, heads, finish,
     states[1] = (states[0][0].clone(), states[0][1].clone())
     for _ in range(2):
         with use_kernel_options(force_triton=not cuda):
-            o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo, ups=up)
+            o = sse_gla_step(y, u, *states[0], L, wn, cos, sin, bv=bv, out_weight=wo, ups=up, paths=paths)
         o_ref = sse_gla_step_reference(y, u, *states[1], L, wn, cos, sin, out_weight=wo, ups=up)
         assert rel(o, o_ref) < 1e-5
         assert rel(states[0][0], states[1][0]) < 1e-5 and rel(states[0][1], states[1][1]) < 1e-5
@@ -250,17 +286,20 @@ def test_fused_step_taken_only_where_it_applies():
         assert not m.fused_step_ok(x, s, None, None)                                  # gradients on
 
 
-def test_finishing_step_takes_whole_heads_when_they_are_narrow_or_the_rows_fill_the_gpu():
+def test_finishing_step_launch_rules():
     """`block_v`: a step that finishes its heads runs a head of at most 64 value columns in one program (no last-program
     handshake), and a 128-wide head too at 65-128 rows x heads (the 1.7B shape at batch 8); otherwise wider heads
-    split as the plain step does. `step_warps`: 8 warps for 128-wide heads up to 8 rows."""
-    from hybridize.ops.sse.fused_step import block_v, step_warps
+    split as the plain step does. `step_warps`: 8 warps for 128-wide heads up to 8 rows. `step_paths`: a program per
+    partition for 128-wide heads at batch 1, whose finishing step then takes 32-wide blocks."""
+    from hybridize.ops.sse.fused_step import block_v, step_paths, step_warps
 
     assert block_v(1, 9, 64, finish=True) == 64 and block_v(1, 9, 64) == 16
     assert block_v(8, 16, 128, finish=True) == 128 and block_v(8, 16, 128) == 32
-    assert block_v(1, 16, 128, finish=True) == block_v(1, 16, 128) == 16
+    assert block_v(1, 16, 128, finish=True) == 32 and block_v(1, 16, 128) == 16
+    assert block_v(2, 16, 128, finish=True) == block_v(2, 16, 128) == 16
     assert block_v(32, 16, 128, finish=True) == block_v(32, 16, 128) == 64
     assert (step_warps(1, 128), step_warps(8, 128), step_warps(32, 128), step_warps(8, 64)) == (8, 8, 4, 4)
+    assert (step_paths(1, 128), step_paths(2, 128), step_paths(8, 128), step_paths(1, 64)) == (2, 1, 1, 1)
 
 
 @pytest.mark.skipif(not triton_ok, reason="needs triton")
