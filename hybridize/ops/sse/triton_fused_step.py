@@ -19,7 +19,10 @@ mixer's `finish` does before o_proj (the output RMSNorm over the head's D values
 output gate from y's gate columns): two kernels fewer per layer in the decode step's chain. A head's value columns are
 split over `D / BV` programs, so each writes its fp32 block to a scratch row through L2 (atomics) and bumps a per-head
 counter; the program that brings the counter to `D / BV` reads the whole row, finishes it and sets the counter back to
-zero (`head_counters`: one buffer per device, zero between steps, so no memset launch). o_proj stays with the caller.
+zero (`head_counters`: one buffer per device, zero between steps, so no memset launch). With `paths=2`
+(`fused_step.step_paths`: 128-wide heads at batch 1) the shared and the selected partition's updates run in programs
+of their own, so their two state round trips overlap; each writes its own set of partial rows and the head's last
+program adds them. o_proj stays with the caller.
 With `layout.low_col` set (kernel option `sse_step_lowrank`) the step also applies the low-rank up-projections, which
 the stage-2 matmul otherwise runs as a kernel of its own: each program multiplies y's low-rank columns by the rows of
 the LoRA and gate up-projection weights its head needs (`StepUps`: `[D, r]` panels, read from L2 by the head's other
