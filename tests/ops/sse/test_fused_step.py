@@ -206,6 +206,7 @@ def test_fused_step_kernel_with_a_program_per_partition_equals_its_reference(fin
     _check_step_kernel(True, True, ("silu", "softmax", "silu"), (4, 2), finish, bv, ups, paths=2)
 
 
+@pytest.mark.skipif(not triton_ok, reason="needs triton (the kernel's module imports it)")
 def test_a_program_per_partition_needs_the_finishing_step():
     from hybridize.ops.sse.fused_step import StepLayout
     from hybridize.ops.sse.triton_fused_step import step_launch
