@@ -257,7 +257,9 @@ def _both_out(y_row, u_row, wq_row, wk_row, q_col, k_col, c, s, v, w, st_sh, st_
               NORM: tl.constexpr, ROPE: tl.constexpr, QMAP: tl.constexpr, KMAP: tl.constexpr, EMULQ: tl.constexpr,
               EMULK: tl.constexpr, UP: tl.constexpr, RQ: tl.constexpr, RQP: tl.constexpr, RG: tl.constexpr,
               RGP: tl.constexpr, GBIAS: tl.constexpr, D: tl.constexpr):
-    """Both partitions' updates in one program, the shared first (PATHS = 1), their outputs summed `[BV]`."""
+    """Both partitions' updates in one program, the shared first (PATHS = 1), their outputs summed `[BV]`. Not
+    `_shared_out` + `_sparse_out`: with UP the selected partition's up-projections are read before the shared update
+    here, the order this path was timed and register-checked in (`benchmarks/ops/kernel_resources.py`)."""
     # the sparse path's q|k LoRA deltas (at d and at the RoPE partner) and both paths' gate pre-activations: from y's
     # low-rank columns and the up-projection weights, in fp32 (UP), or from u
     if UP:
