@@ -4,7 +4,6 @@ it gathered right after the last step. The real failure needs two GPUs; here the
 with stand-ins for the engine and for DeepSpeed's gather."""
 from __future__ import annotations
 
-import importlib.util
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -12,9 +11,9 @@ import pytest
 import torch.nn as nn
 
 from hybridize.distill.loop import deepspeed_engine, zero3_gathered
+from tests.distill.test_scale import HAS_DS
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (pip install deepspeed)")
+pytestmark = pytest.mark.skipif(not HAS_DS, reason="deepspeed is not installed (pip install deepspeed)")
 
 
 class _Engine:
