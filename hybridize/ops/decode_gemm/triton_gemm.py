@@ -12,8 +12,9 @@ slices write fp32 partial sums and a second small kernel adds them (+ bias) into
 
 Which is faster depends on the shape and the GPU, so `decode_linear_triton` does not guess: on the
 first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `CONFIGS` with a cold L2
-(`triton.testing.do_bench` flushes it, as a decode step meets its weights) and keeps the fastest,
-cuBLAS included (`choices()` shows what was picked and the timings). That costs a few seconds per shape
+(flushed, as a decode step meets its weights) and keeps the fastest, cuBLAS included (`choices()` shows what was
+picked and the timings). The times are GPU times (`hybridize.ops.common.gpu_timer.time_cold`), as the step runs
+from a CUDA graph: timed between host launches, a busy host once made every Triton config look 2-3x slower. That costs a few seconds per shape
 once per process, in the eager warm-up steps before a CUDA graph is captured; while a graph is being
 captured an untimed shape runs cuBLAS. Two processes of one code can pick differently (the best few configs
 are often within a few percent); `pin_choices(choices())` makes another process run the same picks, untimed
@@ -36,6 +37,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from hybridize.ops.common.gpu_timer import time_cold
 from hybridize.ops.common.pdl import pdl_launch
 
 try:
@@ -153,18 +155,16 @@ def _name(cfg) -> str:
 
 
 def _choose(x2, weight, bias, key) -> dict | str:
-    """Time cuBLAS and every config on these tensors with a cold L2; remember and return the fastest."""
-    from triton.testing import do_bench
-
+    """Time cuBLAS and every config on these tensors with a cold L2 (GPU time); remember and return the fastest."""
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
-    try:   # do_bench flushes L2 with a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
-        times = {"cublas": do_bench(lambda: F.linear(x2, weight, bias), warmup=5, rep=20, return_mode="median")}
+    try:   # the L2 flush takes a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
+        times = {"cublas": time_cold(lambda: F.linear(x2, weight, bias))}
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
     for cfg in CONFIGS if times else []:
         try:
-            t = do_bench(lambda: _launch(x2, weight, bias, out, cfg), warmup=5, rep=20, return_mode="median")
+            t = time_cold(lambda: _launch(x2, weight, bias, out, cfg))
         except Exception:  # a config this GPU cannot run (shared memory), or out of memory: skip it
             continue
         times[_name(cfg)] = t
