@@ -1,18 +1,18 @@
 """GPU time of one small call with a cold L2, the host's launch cost kept out of it.
 
-Why: the decode GEMM's per-shape choice (`hybridize.ops.decode_gemm.triton_gemm`) timed each candidate with
-`triton.testing.do_bench`, which records an event, launches the call, records an event, once per repetition. When
-the host enqueues that slower than the GPU runs it (a 10 us GEMM after a 60 us L2 flush), the GPU waits for the
-launch between the two events and the time measured is the host's. One H200 process of the 1.7B hybrid timed every
-Triton config of o_proj at 23-28 us and picked cuBLAS, while the teacher's process, same GPU, timed them at 9-12 us
-(benchmarks/RESULTS.md, "a program of its own"); split-K configs, two launches each, read 4-8x their GPU time in both.
-The decode step runs from a CUDA graph, where no host launch is on the path, so its choice must rank GPU time.
+Why: the decode GEMM's per-shape choice (`hybridize.ops.decode_gemm.triton_gemm`) ranks candidates of a few
+microseconds. `triton.testing.do_bench` records an event, launches the call and records an event, once per
+repetition; when the host enqueues that more slowly than the GPU runs it (a 10 us GEMM after a 60 us L2 flush), the GPU
+waits for the launch between the two events and the time measured is the host's, more so for a candidate of two
+launches (split-K). A busy host then sent a whole process to cuBLAS (benchmarks/RESULTS.md, "the decode GEMM's choice
+ranks GPU time"). The decode step runs from a CUDA graph, where no host launch is on its path, so the choice must rank
+GPU time.
 
 `time_cold(fn)` holds the GPU in a spin (`torch.cuda._sleep`) while the host enqueues every repetition (an L2
 flush, an event, `fn`, an event), so each `fn` starts as soon as the flush before it ends. It checks that the spin
 outlasted the enqueueing (an event after the spin still pending once the host is done) and, if not, spins longer
-and measures again. Departs from do_bench in that it runs a fixed number of repetitions (the queue holds them all)
-and reports their median in ms, as do_bench's return_mode="median".
+and measures again. Unlike do_bench it runs a fixed number of repetitions (30 by default, few enough for the launch
+queue to hold them all); like do_bench's return_mode="median" it returns their median in ms.
 """
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ slices write fp32 partial sums and a second small kernel adds them (+ bias) into
 Which is faster depends on the shape and the GPU, so `decode_linear_triton` does not guess: on the
 first call for a (N, K, rows, dtype, bias) it times cuBLAS and each config of `CONFIGS` with a cold L2
 (flushed, as a decode step meets its weights) and keeps the fastest, cuBLAS included (`choices()` shows what was
-picked and the timings). The times are GPU times (`hybridize.ops.common.gpu_timer.time_cold`), as the step runs
-from a CUDA graph: timed between host launches, a busy host once made every Triton config look 2-3x slower. That costs a few seconds per shape
-once per process, in the eager warm-up steps before a CUDA graph is captured; while a graph is being
-captured an untimed shape runs cuBLAS. Two processes of one code can pick differently (the best few configs
-are often within a few percent); `pin_choices(choices())` makes another process run the same picks, untimed
+picked and the timings). The times are GPU times, the host's launch cost kept out
+(`hybridize.ops.common.gpu_timer.time_cold`), as the step runs from a CUDA graph. That costs about 1-3 s in all for
+the 1.7B step's six shapes (H200), once per process, in the eager warm-up steps before a CUDA graph is captured; while
+a graph is being captured an untimed shape runs cuBLAS. Two processes of one code can still pick differently where the
+best configs are within a percent or two; `pin_choices(choices())` makes another process run the same picks, untimed
 (`benchmarks/generation/compile_auto.py --gemm-choices`). fp32 accumulation (as cuBLAS); output and bias in x's dtype.
 Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
 
