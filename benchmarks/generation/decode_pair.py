@@ -71,6 +71,7 @@ def run_row(args, name: str, extra: list[str], round_: int, out: Path) -> dict:
            "--prompt-len", str(args.prompt_len), "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
            "--calls", str(args.calls), "--modes", args.mode, "--dtype", args.dtype, *extra, "--out", str(path)]
     row = {"name": name, "round": round_, "command": shlex.join(cmd[1:])}
+    path.unlink(missing_ok=True)   # a rerun into the same folder must not read an earlier run's row
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -38,6 +38,7 @@ def test_summary_medians_ratios_failures_and_pick_agreement():
 
 
 def test_cpu_smoke_run_writes_every_row_and_reports_a_failing_one(tmp_path):
+    (tmp_path / "broken_1.json").write_text('{"stale": "an earlier run into this folder"}')
     summary = main(["--shape", "tiny", "--prompt-len", "8", "--new-tokens", "2", "--calls", "1", "--mode", "off",
                     "--dtype", "float32", "--rounds", "1", "--out", str(tmp_path),
                     "--variant", "broken=--plan not-a-plan"])
