@@ -36,7 +36,8 @@ for _module in AREAS:
     importlib.import_module(_module).register(app)
 
 
-@app.command("recipes")
+@app.command("recipes", short_help="List the shipped recipes (names for `-r`) and the accelerate / DeepSpeed "
+                                    "configs, with their folder.")
 def recipes_cmd():
     """List the shipped recipes (names for `-r`) and the folder that holds them, with the accelerate /
     DeepSpeed configs under accelerate/ (use that path in `accelerate launch --config_file`)."""

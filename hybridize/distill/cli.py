@@ -120,7 +120,8 @@ def register(app: typer.Typer) -> None:
         path = run_traces(load_config(TracesConfig, recipe, overrides))
         typer.echo(f"traces: {path}")
 
-    @distill.command("long-questions")
+    @distill.command("long-questions", short_help="Prompts that ask a question after a long text (JSONL for "
+                                                  "`distill traces`, for the long-context stage).")
     def long_questions_cmd(overrides: Optional[list[str]] = OVERRIDES, recipe: Optional[str] = RECIPE,
                            show: bool = SHOW):
         """Prompts that ask a question after a long text (JSONL for `distill traces`, whose answers then train
@@ -135,7 +136,8 @@ def register(app: typer.Typer) -> None:
 
     app.add_typer(distill, name="distill")
 
-    @app.command("export")
+    @app.command("export", short_help="Convert a training checkpoint (plain accelerate or DeepSpeed ZeRO-1/2/3) "
+                                      "to a plain HF folder.")
     def export_cmd(checkpoint: str = typer.Option(..., "--checkpoint", "-c",
                                                   help="RUN_DIR/checkpoints/step-N (or RUN_DIR: its newest)"),
                    out: str = typer.Option(..., "--out", "-o", help="output folder (config, safetensors, tokenizer)"),
@@ -151,7 +153,8 @@ def register(app: typer.Typer) -> None:
         path = export_checkpoint(checkpoint, out, student=student, dtype=dtype, overwrite=overwrite)
         typer.echo(f"export: {path}")
 
-    @app.command("demo")
+    @app.command("demo", short_help="Main job: convert the embedded SmolLM2-135M (5:1 SSE-H), distil it on the "
+                                    "CPU and compare it with its teacher.")
     def demo_cmd(overrides: Optional[list[str]] = DEMO_OVERRIDES, recipe: Optional[str] = RECIPE,
                  show: bool = SHOW):
         """Main job: convert the embedded SmolLM2-135M (5:1 SSE-H), distil it (stage A + stage B) on the CPU,
