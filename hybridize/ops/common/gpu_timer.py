@@ -39,37 +39,41 @@ def _spin_cycles_per_ms(device_index: int) -> float:
     return cycles / max(start.elapsed_time(end), 1e-3)
 
 
-def time_cold(fn, reps: int = 30, attempts: int = 3, flush_bytes: int = FLUSH_BYTES) -> float:
-    """Median GPU time in ms of `fn()` (work launched on the current CUDA stream) after an L2 flush, over `reps`
-    repetitions enqueued while the GPU spins. Raises torch.cuda.OutOfMemoryError when the flush buffer does not fit
-    (the caller decides what to do without a timing)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device)
-    fn()                                          # compiles, loads modules, allocates outside the timed reps
-    torch.cuda.synchronize(device)
-    host = time.perf_counter()
-    for _ in range(3):                            # the host's cost of enqueueing one repetition, untimed run
-        flush.zero_()
-        fn()
-    host = (time.perf_counter() - host) / 3
-    torch.cuda.synchronize(device)
-    cycles_per_ms = _spin_cycles_per_ms(device.index)
-    times = []
-    for _ in range(attempts):
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        spun = torch.cuda.Event()
-        torch.cuda._sleep(int(cycles_per_ms * (2e3 * host * reps + 0.2)))
-        spun.record()
-        for start, end in zip(starts, ends):
-            flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        host_was_ahead = not spun.query()         # the GPU still spun when the last repetition was queued
+def time_cold(fn, device: torch.device | str | None = None, reps: int = 30, attempts: int = 3,
+              flush_bytes: int = FLUSH_BYTES) -> float:
+    """Median GPU time in ms of `fn()` (work launched on `device`'s current stream; default the current CUDA device)
+    after an L2 flush, over `reps` repetitions enqueued while the GPU spins. Raises torch.cuda.OutOfMemoryError when
+    the flush buffer does not fit (the caller decides what to do without a timing)."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(device):               # events, spin and fn on the device that holds fn's tensors
+        flush = torch.empty(flush_bytes, dtype=torch.int8, device=device)
+        fn()                                      # compiles, loads modules, allocates outside the timed reps
         torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        if host_was_ahead:
-            break
-        host *= 4                                 # a busy host: spin longer and measure again
+        host = time.perf_counter()
+        for _ in range(3):                        # the host's cost of enqueueing one repetition, untimed run
+            flush.zero_()
+            fn()
+        host = (time.perf_counter() - host) / 3
+        torch.cuda.synchronize(device)
+        cycles_per_ms = _spin_cycles_per_ms(device.index)
+        times = []
+        for _ in range(attempts):
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            spun = torch.cuda.Event()
+            torch.cuda._sleep(int(cycles_per_ms * (2e3 * host * reps + 0.2)))
+            spun.record()
+            for start, end in zip(starts, ends):
+                flush.zero_()
+                start.record()
+                fn()
+                end.record()
+            host_was_ahead = not spun.query()     # the GPU still spun when the last repetition was queued
+            torch.cuda.synchronize(device)
+            times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+            if host_was_ahead:
+                break
+            host *= 4                             # a busy host: spin longer and measure again
     return statistics.median(times)

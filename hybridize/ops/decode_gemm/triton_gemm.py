@@ -158,13 +158,13 @@ def _choose(x2, weight, bias, key) -> dict | str:
     """Time cuBLAS and every config on these tensors with a cold L2 (GPU time); remember and return the fastest."""
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
     try:   # the L2 flush takes a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
-        times = {"cublas": time_cold(lambda: F.linear(x2, weight, bias))}
+        times = {"cublas": time_cold(lambda: F.linear(x2, weight, bias), x2.device)}
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
     for cfg in CONFIGS if times else []:
         try:
-            t = time_cold(lambda: _launch(x2, weight, bias, out, cfg))
+            t = time_cold(lambda: _launch(x2, weight, bias, out, cfg), x2.device)
         except Exception:  # a config this GPU cannot run (shared memory), or out of memory: skip it
             continue
         times[_name(cfg)] = t

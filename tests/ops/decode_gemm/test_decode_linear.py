@@ -100,7 +100,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     ref = _reference(x, w, None)
     timed = []
 
-    def fake_bench(fn):
+    def fake_bench(fn, device):
         fn()                       # every candidate runs once on the real tensors
         timed.append(fn)
         n = len(timed)
@@ -120,14 +120,14 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     # cuBLAS (timed first) wins when it is fastest
     calls = []
 
-    def cublas_fastest(fn):
+    def cublas_fastest(fn, device):
         calls.append(fn)
         return 0.5 if len(calls) == 1 else 2.0
 
     monkeypatch.setattr(kern, "time_cold", cublas_fastest)
     assert kern._choose(x, w, None, ("other",)) == "cublas"
     # out of memory while timing (the L2 flush buffer): cuBLAS, no error
-    def oom(fn):
+    def oom(fn, device):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(kern, "time_cold", oom)
@@ -137,7 +137,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     kern._launch(x, w, None, out, best)
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     # the kept choice is reused without timing again; during a capture an untimed shape gets cuBLAS, untimed
-    monkeypatch.setattr(kern, "time_cold", lambda fn: pytest.fail("timed again"))
+    monkeypatch.setattr(kern, "time_cold", lambda fn, device: pytest.fail("timed again"))
     assert kern._picked(x, w, None) == best
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x5 = torch.randn(5, 64, device=DEVICE).bfloat16()
