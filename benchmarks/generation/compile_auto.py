@@ -20,7 +20,8 @@ kernels' compilation, fla's autotuning).
 
 Prints a markdown table (device, dtype, shape in the header) and writes `--out` JSON after each mode, with the decode
 GEMM picks of the process (`gemm_choices`); `--gemm-choices EARLIER.json` runs those picks instead of timing new ones,
-so the rows of an A/B do not differ in them.
+so the rows of an A/B do not differ in them; `--kernel-options K=V,...` runs the process under those kernel switches
+(over the environment's; recorded in the JSON's `kernel_options`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import torch
 
 from benchmarks.generation.rollouts import SHAPES, add_plan_args, build_pair, plan_settings
 from benchmarks.timing import free_memory, md_table, sync
-from hybridize.ops.common.options import current_kernel_options
+from hybridize.errors import UserError
+from hybridize.ops.common.options import check_overrides, current_kernel_options, use_kernel_options
 from hybridize.ops.decode_gemm import triton_gemm   # imports without triton too (then nothing is ever picked)
 
 
@@ -58,8 +60,22 @@ def args_parser():
     ap.add_argument("--gemm-choices", default=None, metavar="JSON",
                     help="use the decode GEMM picks of an earlier run (its --out JSON, `gemm_choices`) instead of "
                          "timing them: two rows of an A/B then run the same GEMM kernels")
+    ap.add_argument("--kernel-options", default="", metavar="K=V,...",
+                    help="kernel options for the process over the environment's, e.g. pdl=false "
+                         "(hybridize.ops.common.options: their names and help)")
     ap.add_argument("--out", default="compile_auto.json")
     return ap
+
+
+def parse_kernel_options(text: str) -> dict:
+    """'k=v,k2=v2' -> {k: v, k2: v2}, checked against the kernel options (a bad name or value: one line)."""
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    if any("=" not in p for p in pairs):
+        raise SystemExit(f"--kernel-options takes name=value pairs separated by commas, got {text!r}")
+    try:
+        return check_overrides(dict(p.split("=", 1) for p in pairs), "--kernel-options")
+    except UserError as e:
+        raise SystemExit(str(e)) from None
 
 
 def summarize(mode: str, calls: list[dict]) -> dict:
@@ -121,6 +137,11 @@ def pin_gemm_choices(path: str) -> int:
 
 def main(argv=None):
     args = args_parser().parse_args(argv)
+    with use_kernel_options(parse_kernel_options(args.kernel_options)):   # the environment's, with these over them
+        run(args)
+
+
+def run(args):
     if args.gemm_choices:
         print(f"decode GEMM picks pinned from {args.gemm_choices}: {pin_gemm_choices(args.gemm_choices)} shapes",
               flush=True)

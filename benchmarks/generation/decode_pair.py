@@ -10,7 +10,8 @@ in a fresh process, and reports every row beside the medians:
     python -m benchmarks.generation.decode_pair --shape tiny --prompt-len 16 --new-tokens 2 --calls 1 \\
         --mode off --dtype float32 --rounds 1 --out /tmp/pair                # CPU smoke run
 
-`--variant NAME=ARGS` adds a hybrid row with more `compile_auto` arguments (shell-quoted). Each row's own JSON
+`--variant NAME=ARGS` adds a hybrid row with more `compile_auto` arguments (shell-quoted; `--model teacher` among them
+makes it a teacher row, e.g. `tnopdl="--model teacher --kernel-options pdl=false"`). Each row's own JSON
 (`compile_auto --out`: its calls, steady ms and decode GEMM picks) lands in `--out` as soon as it ends, and `pair.json`
 and `pair.md` are rewritten after every row, so a call that runs out of time keeps the finished rows. A row that fails
 or passes `--timeout` is reported and skipped. The table: ms per step of each round, the median, and the teacher's
@@ -47,7 +48,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2, help="times each row runs, in turn with the others")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="a hybrid row with more compile_auto arguments, e.g. nogate=\"--mixer-settings "
-                         "sse.output_gate=false\" (repeatable)")
+                         "sse.output_gate=false\" (repeatable; a teacher row with --model teacher in ARGS)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds one row's process may take")
     ap.add_argument("--out", required=True, help="folder for every row's JSON, pair.json and pair.md")
     return ap

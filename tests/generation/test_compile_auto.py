@@ -68,6 +68,30 @@ def test_rows_record_the_kernel_options_in_force(tmp_path, monkeypatch):
     assert got["kernel_options"]["pdl"] is False and got["kernel_options"]["kernels"] == "auto"
 
 
+def test_kernel_options_from_the_command_line_apply_to_the_run_only(tmp_path, monkeypatch):
+    """--kernel-options sets switches over the environment's for the run (recorded in its row) and leaves the process's
+    options as they were; a bad name or pair is one line."""
+    import json
+
+    from benchmarks.generation.compile_auto import main, parse_kernel_options
+    from hybridize.ops.common.options import current_kernel_options
+
+    monkeypatch.setenv("HYBRIDIZE_PDL", "0")
+    out = tmp_path / "ca.json"
+    main(["--shape", "tiny", "--prompt-len", "16", "--new-tokens", "2", "--calls", "1", "--dtype", "float32",
+          "--modes", "off", "--kernel-options", "pdl=true, sse_step_finish=false", "--out", str(out)])
+    got = json.loads(out.read_text())["kernel_options"]
+    assert got["pdl"] is True and got["sse_step_finish"] is False
+    assert current_kernel_options().pdl is False and current_kernel_options().sse_step_finish is True
+    assert parse_kernel_options("") == {}
+    with pytest.raises(SystemExit, match="unknown kernel option 'bogus'"):
+        parse_kernel_options("bogus=1")
+    with pytest.raises(SystemExit, match="name=value pairs"):
+        parse_kernel_options("pdl")
+    with pytest.raises(SystemExit, match="expected true/false"):
+        parse_kernel_options("pdl=maybe")
+
+
 def test_rows_record_the_decode_gemm_picks(tmp_path, monkeypatch):
     """A row keeps the decode GEMM config this process picked per weight shape (two processes of the same code can
     pick differently); without triton there are no picks to keep."""

@@ -11,6 +11,11 @@ def test_variants_are_hybrid_rows_with_more_arguments():
     rows = parse_variants(['nogate=--mixer-settings "sse.output_gate=false"'])
     assert rows == {"teacher": ["--model", "teacher"], "hybrid": ["--model", "hybrid"],
                     "nogate": ["--model", "hybrid", "--mixer-settings", "sse.output_gate=false"]}
+    # a variant naming the teacher is a teacher row: compile_auto takes the last --model
+    from benchmarks.generation.compile_auto import args_parser
+
+    extra = parse_variants(["tnopdl=--model teacher --kernel-options pdl=false"])["tnopdl"]
+    assert args_parser().parse_args(extra).model == "teacher"
     for bad in ["no_equals_sign", "hybrid=--batch 2", "two words=--batch 2"]:
         with pytest.raises(SystemExit, match="NAME=ARGS"):
             parse_variants([bad])
