@@ -22,15 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridize.ops.decode_gemm.glu import glu_reference
+
 MODES = ("auto", "triton", "torch")
 _KERNEL = None      # the kernel module, or False without triton
 _OP = None          # its custom op, torch.ops.hybridize.decode_linear (registered by the module's import)
+_GLU_OP = None      # and torch.ops.hybridize.decode_linear_glu
 _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
     """`hybridize.ops.decode_gemm.triton_gemm`, or None without triton."""
-    global _KERNEL, _OP
+    global _KERNEL, _OP, _GLU_OP
     if _KERNEL is None:
         try:
             from hybridize.ops.decode_gemm import triton_gemm as mod  # deferred: imports triton (optional, GPU only)
@@ -38,6 +41,7 @@ def _kernel():
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False
         _OP = torch.ops.hybridize.decode_linear if _KERNEL else None
+        _GLU_OP = torch.ops.hybridize.decode_linear_glu if _KERNEL else None
     return _KERNEL or None
 
 
@@ -47,14 +51,16 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None) -> bool:
-    """Whether `decode_linear` runs the kernel for these tensors (device / shape / dtype checks only)."""
+def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None,
+            glu: bool = False) -> bool:
+    """Whether `decode_linear` (`decode_linear_glu` with `glu`) runs the kernel for these tensors (device / shape /
+    dtype checks only)."""
     if mode == "torch":
         return False
     if not (x.is_cuda or (mode == "triton" and os.environ.get("TRITON_INTERPRET") == "1")):
         return False
     kernel = _kernel()
-    return kernel is not None and kernel.unsupported(x, weight, bias) is None
+    return kernel is not None and kernel.unsupported(x, weight, bias, glu) is None
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -65,6 +71,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if applies(x, weight, mode, bias):
         return _OP(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      mode: str | None = None) -> torch.Tensor:
+    """`silu(gate) * up` of `F.linear(x, weight, bias)` `[..., N / 2]`, where weight (and bias) hold gate and up
+    interleaved (`glu.glu_rows`): the product in the decode GEMM's epilogue when the kernel applies, else after
+    `F.linear` (`glu.glu_reference`)."""
+    mode = _ACTIVE if mode is None else mode
+    if applies(x, weight, mode, bias, glu=True):
+        return _GLU_OP(x, weight, bias)
+    return glu_reference(F.linear(x, weight, bias))
 
 
 def kept_forward(module: nn.Module, attr: str, mode: str, make):
