@@ -75,17 +75,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       mode: str | None = None) -> torch.Tensor:
-    """`silu(gate) * up` of `F.linear(x, weight, bias)` `[..., N / 2]`, where weight (and bias) hold gate and up
-    interleaved (`glu.glu_rows`): the product in the decode GEMM's epilogue when the kernel applies, else after
-    `F.linear` (`glu.glu_reference`)."""
+    """`silu(gate) * up` `[..., I]` for weight (and bias) holding gate then up, `[2 I, K]`: the product in the decode
+    GEMM's epilogue when the kernel applies, else after `F.linear` (`glu.glu_reference`)."""
     mode = _ACTIVE if mode is None else mode
     if applies(x, weight, mode, bias, glu=True):
         return _GLU_OP(x, weight, bias)
     return glu_reference(F.linear(x, weight, bias))
 
 
-def kept_forward(module: nn.Module, attr: str, mode: str, make):
-    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]`: the same function object
+def kept_forward(module: nn.Module, attr: str, mode, make):
+    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]` (`mode`: the mode, or any
+    hashable key of the forward's settings): the same function object
     at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id: a deep
     copy of the module (TRL's reference model) carries the dict but gets its own functions."""
     owner, cache = module.__dict__.get(attr, (None, None))
