@@ -380,9 +380,11 @@ def test_linears_routed_patches_plain_linears_and_restores(monkeypatch):
 
 @needs_kernel
 @pytest.mark.skipif(CUDA, reason="the CPU interpreter wiring check (CUDA runs the graph test in tests/generation/test_fast.py)")
-def test_fast_generate_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("glu", [False, True], ids=["product-after", "glu-epilogue"])
+def test_fast_generate_through_the_kernel(monkeypatch, glu):
     """A tiny bf16 SSE hybrid (fused decode projections included) decodes through the kernel: every decode
-    step's linears run it, and the logits stay within bf16 rounding of the F.linear run."""
+    step's linears run it (with `glu`, the MLPs' stacked gate / up through the epilogue's op), and the logits stay
+    within bf16 rounding of the F.linear run."""
     from hybridize.generation.fast import FastGenConfig, FastGenerator
     from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
 
@@ -398,10 +400,17 @@ def test_fast_generate_through_the_kernel(monkeypatch):
         shapes.append(tuple(w.shape))
         return op(x, w, b)
 
+    glu_op, glu_shapes = dl._GLU_OP, []
+
+    def counting_glu(x, w, b):
+        glu_shapes.append(tuple(w.shape))
+        return glu_op(x, w, b)
+
     monkeypatch.setattr(dl, "_OP", counting)
+    monkeypatch.setattr(dl, "_GLU_OP", counting_glu)
     outs = {}
     for mode in ("triton", "torch"):
-        gen = FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm=mode))
+        gen = FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm=mode, glu_epilogue=glu))
         outs[mode] = (gen(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=4),
                       gen.last_logits)
         if mode == "triton":
@@ -409,6 +418,8 @@ def test_fast_generate_through_the_kernel(monkeypatch):
     assert n_triton > 0 and len(shapes) == n_triton           # used in the triton run only
     assert (model.lm_head.weight.shape[0], model.config.hidden_size) in shapes
     assert any(s[0] % 8 == 0 and s[0] > 4 * model.config.hidden_size for s in shapes)   # SSE's fused stage 1
+    stacked_mlp = (2 * model.config.intermediate_size, model.config.hidden_size)
+    assert (stacked_mlp in glu_shapes) == glu and (stacked_mlp in shapes) != glu
     for a, b in zip(outs["triton"][1], outs["torch"][1]):
         assert torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
