@@ -55,9 +55,6 @@ def args_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--stack-mlp", default="on", choices=["on", "off"],
                     help="FastGenConfig.stack_mlp: the MLPs' gate and up as one decode GEMM (on, the default) or two")
-    ap.add_argument("--glu-epilogue", default="off", choices=["on", "off"],
-                    help="FastGenConfig.glu_epilogue: the stacked gate / up GEMM applies silu(gate) * up in its "
-                         "epilogue (on) or the product runs after it (off, the default)")
     ap.add_argument("--stack-qkv", default="on", choices=["on", "off"],
                     help="FastGenConfig.stack_qkv: attention's q, k and v as one decode GEMM (on, the default) or three")
     ap.add_argument("--gemm-choices", default=None, metavar="JSON",
@@ -109,7 +106,6 @@ def one_mode(model, mode: str, ids, mask, args) -> dict:
     torch._dynamo.reset()   # every mode compiles from scratch
     kw = {} if args.compile_after_s is None else {"compile_after_s": args.compile_after_s}
     gen = FastGenerator(model, FastGenConfig(fallback=False, compile=mode, stack_mlp=args.stack_mlp == "on",
-                                             glu_epilogue=args.glu_epilogue == "on",
                                              stack_qkv=args.stack_qkv == "on", **kw))
     calls = []
     for i in range(args.calls):

@@ -21,11 +21,6 @@ constants), compiles for the target and reads the cubin's registers, stack (spil
     python -m benchmarks.ops.kernel_resources --kernels gla                   # the pieces GLA's passes, every config
     python -m benchmarks.ops.kernel_resources --kernels gla --gla-passes dk,dv  # those passes only (seconds)
 
-`--kernels decode_gemm`: the decode GEMM (`ops/decode_gemm/triton_gemm.py`) at the Qwen3-1.7B MLP's stacked gate / up
-weight (`[2 x 6144, 2048]`, 8 rows), every unsplit config, with the gate product in its epilogue (`GLU`) and without.
-
-    python -m benchmarks.ops.kernel_resources --kernels decode_gemm
-
 `--kernels gla`: the same for the five passes of the pieces GLA (`ops/gla/triton_fwd.py`, `triton_bwd.py`: piece
 states, output, dq, dk, dv) on SSE's layout as training reads it (`--gla-layout shared`: the shared path in place, the
 sparse rows packed; `both`: both paths in place with the router scale; `plain`: a plain GLA call), bf16, every config
@@ -202,41 +197,6 @@ def gla_launches(layout: str = "shared", T: int = 16384, H: int = 16, K: int = 1
             yield name, kernel, cfg, SimpleNamespace(args=args, kwargs=kwargs)
 
 
-def decode_gemm_usage(configs, glu: bool, arch: int, rows_in: int = 8, inter: int = 6144,
-                      hidden: int = 2048) -> list[dict]:
-    """Per config of the decode GEMM on the stacked gate / up weight `[2 inter, hidden]` (`rows_in` rows, bf16,
-    unsplit configs): its resource usage, with the gate product in the epilogue (`glu`) or without."""
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    x = torch.empty(rows_in, hidden, dtype=torch.bfloat16)
-    w = torch.empty(2 * inter, hidden, dtype=torch.bfloat16)
-    n = inter if glu else 2 * inter                     # GLU: the output width; the kernel reads 2 n weight rows
-    o = torch.empty(rows_in, n, dtype=torch.bfloat16)
-    out = []
-    for cfg in configs:
-        launch = SimpleNamespace(args=(x, w, w, o, rows_in, n, x.stride(0), w.stride(0), o.stride(0)),
-                                 kwargs=dict(K=hidden, HAS_BIAS=False, BM=kern.MAX_ROWS, SPLIT=1, UPCAST=False,
-                                             PDL=True, GLU=glu, BN=cfg["BN"], BK=cfg["BK"]))
-        usage = compile_usage(kern._decode_linear_kernel, launch, arch, cfg["num_warps"], cfg["num_stages"])
-        out.append(dict(config=kern._name(cfg), glu=glu, **usage))
-    return out
-
-
-def decode_gemm_main(args) -> None:
-    """Registers and spills of every unsplit decode GEMM config on the 1.7B MLP's stacked gate / up, GLU off and on."""
-    from benchmarks.timing import md_table
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    unsplit = [c for c in kern.CONFIGS if c["SPLIT"] == 1]
-    out = decode_gemm_usage(unsplit, False, args.arch) + decode_gemm_usage(unsplit, True, args.arch)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"arch": args.arch, "rows": out}, indent=1))
-    print(f"\nThe decode GEMM (ops/decode_gemm/triton_gemm.py) on the stacked gate / up weight [2 x 6144, 2048], "
-          f"8 rows, bf16, compiled for sm_{args.arch}")
-    print(md_table(["config", "GLU epilogue", "registers", "stack (spill) B", "shared B"],
-                   [[r["config"], "on" if r["glu"] else "off", r["registers"], r["stack"], r["shared"]] for r in out]))
-
-
 def gla_main(args) -> None:
     from benchmarks.timing import md_table
 
@@ -270,9 +230,8 @@ def main(argv=None):
                                                    "its own (`fused_step.block_v`)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 = H100 / H200")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
-    ap.add_argument("--kernels", default="step", choices=["step", "gla", "decode_gemm"],
-                    help="step: SSE's decode step; gla: the pieces GLA's five passes, every autotune config; "
-                         "decode_gemm: the decode GEMM on the 1.7B MLP's stacked gate / up, GLU epilogue off and on")
+    ap.add_argument("--kernels", default="step", choices=["step", "gla"],
+                    help="step: SSE's decode step; gla: the pieces GLA's five passes, every autotune config")
     ap.add_argument("--gla-layout", default="shared", choices=GLA_LAYOUTS,
                     help="with --kernels gla: shared (training's default), both (both paths in place), plain")
     ap.add_argument("--gla-passes", default="", help="with --kernels gla: only these passes, comma-separated "
@@ -281,8 +240,6 @@ def main(argv=None):
     cuobjdump()
     if args.kernels == "gla":
         return gla_main(args)
-    if args.kernels == "decode_gemm":
-        return decode_gemm_main(args)
     from benchmarks.ops.sse_step import build
     from benchmarks.timing import md_table
     from hybridize.ops.sse.triton_fused_step import _sse_gla_step_kernel

@@ -55,9 +55,7 @@ model (and SSE's fused decode projections) goes through `hybridize.ops.decode_ge
 `generate` runs: per weight shape the faster of cuBLAS and a weight-streaming Triton GEMM, timed on first
 use (prefill calls have more rows and keep F.linear). Gated MLPs (Llama layout) run gate and up as one
 GEMM over their stacked weights in those steps (`FastGenConfig.stack_mlp`, `ops.decode_gemm.stacked`):
-one launch fewer per layer, for the teacher and the hybrid alike (not on the exact path, which keeps HF's ops); with
-`FastGenConfig.glu_epilogue` (off by default for now) SiLU MLPs' stacked GEMM also applies `silu(gate) * up` in its
-epilogue (`ops.decode_gemm.glu`), one kernel fewer again.
+one launch fewer per layer, for the teacher and the hybrid alike (not on the exact path, which keeps HF's ops).
 Attention's q, k and v run as one GEMM the same way (`FastGenConfig.stack_qkv`, `ops.decode_gemm.stacked_qkv`):
 two launches fewer per softmax layer, which speeds the teacher baseline up more than the hybrid (28 softmax layers to
 its 4 at the Qwen3-1.7B shape).
@@ -146,11 +144,6 @@ class FastGenConfig:
                 "weights (one launch fewer per layer, teacher and hybrid alike); the stacked copy costs gate + up "
                 "once more in memory (Qwen3-1.7B shape: 1.41 GB bf16), kept for reuse across calls. False keeps "
                 "two GEMMs"})
-    glu_epilogue: bool = field(default=False, metadata={
-        "help": "with stack_mlp, SiLU MLPs' stacked gate / up GEMM applies silu(gate) * up in its epilogue: one kernel "
-                "fewer per layer and [rows, I] written instead of [rows, 2 I] (ops/decode_gemm/glu.py). Off by "
-                "default until this form is checked and timed on a GPU (benchmarks/RESULTS.md: an earlier form was "
-                "1.0-1.7% faster at the 1.7B shape's 16k x 8 and faulted at one config)"})
     stack_qkv: bool = field(default=True, metadata={
         "help": "decode steps on CUDA run each attention module's q, k and v projections as one GEMM over their "
                 "stacked weights (two launches fewer per softmax layer: the teacher's 28 at the Qwen3-1.7B shape, "
@@ -676,8 +669,7 @@ class FastGenerator:
         # the kernel options read once for the call (the environment's read per op was ~100 reads of every
         # HYBRIDIZE_* variable per prefill at the 135M shape)
         with torch.no_grad(), use_kernel_options(current_kernel_options()), _no_checkpointing(m), \
-                stacked_mlp.mlps_stacked(m, self.config.gemm, self.config.stack_mlp and not exact,
-                                         self.config.glu_epilogue), \
+                stacked_mlp.mlps_stacked(m, self.config.gemm, self.config.stack_mlp and not exact), \
                 stacked_qkv.qkv_stacked(m, self.config.gemm, self.config.stack_qkv and not exact), \
                 decode_linear.linears_routed(m, self.config.gemm), \
                 _compile_limits(m, self.config.compile != "off"):

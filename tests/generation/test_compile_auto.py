@@ -106,7 +106,7 @@ def test_rows_record_the_decode_gemm_picks(tmp_path, monkeypatch):
     if importlib.util.find_spec("triton") is not None:
         from hybridize.ops.decode_gemm import triton_gemm
 
-        key = (576, 576, 1, torch.bfloat16, False, False)
+        key = (576, 576, 1, torch.bfloat16, False)
         monkeypatch.setitem(triton_gemm._CHOICE, key, "cublas")
         monkeypatch.setitem(triton_gemm._TIMINGS, key, {"cublas": 0.004})
         want = {"576x576 m=1 bfloat16": {"choice": "cublas", "us": {"cublas": 4.0}}}
@@ -138,9 +138,9 @@ def test_gemm_choices_pinned_from_an_earlier_run(tmp_path, monkeypatch):
           "--modes", "off", "--gemm-choices", str(earlier), "--out", str(out)])
     got = json.loads(out.read_text())["gemm_choices"]
     assert {k: v["choice"] for k, v in got.items()} == {k: v["choice"] for k, v in picks.items()}
-    assert triton_gemm._CHOICE[(576, 576, 1, torch.bfloat16, False, False)] == dict(BN=16, BK=256, SPLIT=1, num_warps=4,
+    assert triton_gemm._CHOICE[(576, 576, 1, torch.bfloat16, False)] == dict(BN=16, BK=256, SPLIT=1, num_warps=4,
                                                                                num_stages=4)
-    assert triton_gemm._CHOICE[(1536, 576, 8, torch.bfloat16, True, False)] == "cublas"
+    assert triton_gemm._CHOICE[(1536, 576, 8, torch.bfloat16, True)] == "cublas"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"modes": []}))
     with pytest.raises(SystemExit, match="not a compile_auto JSON with gemm_choices"):

@@ -22,18 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridize.ops.decode_gemm.glu import glu_reference
-
 MODES = ("auto", "triton", "torch")
 _KERNEL = None      # the kernel module, or False without triton
 _OP = None          # its custom op, torch.ops.hybridize.decode_linear (registered by the module's import)
-_GLU_OP = None      # and torch.ops.hybridize.decode_linear_glu
 _ACTIVE = "torch"   # the mode of the enclosing linears_routed block
 
 
 def _kernel():
     """`hybridize.ops.decode_gemm.triton_gemm`, or None without triton."""
-    global _KERNEL, _OP, _GLU_OP
+    global _KERNEL, _OP
     if _KERNEL is None:
         try:
             from hybridize.ops.decode_gemm import triton_gemm as mod  # deferred: imports triton (optional, GPU only)
@@ -41,7 +38,6 @@ def _kernel():
             mod = None
         _KERNEL = mod if mod is not None and mod.triton is not None else False
         _OP = torch.ops.hybridize.decode_linear if _KERNEL else None
-        _GLU_OP = torch.ops.hybridize.decode_linear_glu if _KERNEL else None
     return _KERNEL or None
 
 
@@ -51,16 +47,14 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None,
-            glu: bool = False) -> bool:
-    """Whether `decode_linear` (`decode_linear_glu` with `glu`) runs the kernel for these tensors (device / shape /
-    dtype checks only)."""
+def applies(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto", bias: torch.Tensor | None = None) -> bool:
+    """Whether `decode_linear` runs the kernel for these tensors (device / shape / dtype checks only)."""
     if mode == "torch":
         return False
     if not (x.is_cuda or (mode == "triton" and os.environ.get("TRITON_INTERPRET") == "1")):
         return False
     kernel = _kernel()
-    return kernel is not None and kernel.unsupported(x, weight, bias, glu) is None
+    return kernel is not None and kernel.unsupported(x, weight, bias) is None
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -73,19 +67,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      mode: str | None = None) -> torch.Tensor:
-    """`silu(gate) * up` `[..., I]` for weight (and bias) holding gate then up, `[2 I, K]`: the product in the decode
-    GEMM's epilogue when the kernel applies, else after `F.linear` (`glu.glu_reference`)."""
-    mode = _ACTIVE if mode is None else mode
-    if applies(x, weight, mode, bias, glu=True):
-        return _GLU_OP(x, weight, bias)
-    return glu_reference(F.linear(x, weight, bias))
-
-
-def kept_forward(module: nn.Module, attr: str, mode, make):
-    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]` (`mode`: the mode, or any
-    hashable key of the forward's settings): the same function object
+def kept_forward(module: nn.Module, attr: str, mode: str, make):
+    """`make()`'s forward for (module, mode), made once and kept in `module.__dict__[attr]`: the same function object
     at every call, so a compiled decode step that traced it is not recompiled. Tagged with the module's id: a deep
     copy of the module (TRL's reference model) carries the dict but gets its own functions."""
     owner, cache = module.__dict__.get(attr, (None, None))

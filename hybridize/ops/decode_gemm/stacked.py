@@ -10,9 +10,7 @@ fewer per layer, for a teacher and its hybrid alike (the MLPs are the teacher's 
   cached on `owner` by `derived.derived_weights` (refreshed in place after an in-place update, as an optimizer step
   between GRPO rollouts makes, so a captured CUDA graph keeps reading the current weights). Parameters and
   checkpoints are unchanged.
-- with `glu=True` a SiLU MLP's stacked GEMM also applies `silu(gate) * up` in its epilogue
-  (`route.decode_linear_glu`): no separate kernel for the product, and `[M, I]` written instead of `[M, 2 I]`.
-- `mlps_stacked(model, mode, on, glu)`: within the block every gated MLP of `model` (a class in `GATED_MLPS`, its three
+- `mlps_stacked(model, mode)`: within the block every gated MLP of `model` (a class in `GATED_MLPS`, its three
   projections plain `nn.Linear`s without hooks: a PEFT-wrapped MLP keeps its own forward) runs the stacked
   GEMM through `decode_linear` for inputs of at most 16 rows on CUDA (or anywhere with mode "triton", to test
   the wiring on CPU); prefill calls and CPU calls run the MLP's own forward, so the CPU's exact path keeps HF's
@@ -33,7 +31,7 @@ import torch
 from torch import nn
 
 from hybridize.ops.decode_gemm.derived import derived_weights
-from hybridize.ops.decode_gemm.route import decode_linear, decode_linear_glu, kept_forward
+from hybridize.ops.decode_gemm.route import decode_linear, kept_forward
 
 #: transformers classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (checked against each
 #: class's own forward in tests/ops/decode_gemm/test_stacked.py)
@@ -44,8 +42,6 @@ GATED_MLPS = frozenset({
 #: at most this many rows run stacked (the decode GEMM's limit); more rows (a prefill) keep the MLP's forward
 MAX_ROWS = 16
 _CACHE = "_stacked_decode_weight"
-#: activation classes the GEMM's epilogue applies (`silu`: transformers' SiLUActivation, torch's SiLU)
-SILU = frozenset({"SiLUActivation", "SiLU"})
 
 
 def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,11 +64,6 @@ def stacked_weight(owner: nn.Module, linears: Sequence[nn.Linear]) -> tuple[torc
     return derived_weights(owner, _CACHE, params, build)
 
 
-def glu_applies(mlp: nn.Module) -> bool:
-    """A stackable MLP whose activation the GEMM's epilogue applies (SiLU)."""
-    return type(mlp.act_fn).__name__ in SILU
-
-
 def _plain(mod: nn.Module) -> bool:
     return not (mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
 
@@ -91,10 +82,9 @@ def _runs_stacked(x: torch.Tensor, mode: str) -> bool:
     return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and (x.is_cuda or mode == "triton")
 
 
-def _stacked_forward(mlp: nn.Module, mode: str, glu: bool):
-    """The MLP's forward within `mlps_stacked`, made once per (module, mode, glu) and kept on it
-    (`route.kept_forward`): the same function object at every call, so a compiled decode step that traced it is not
-    recompiled. `glu`: the product in the GEMM's epilogue."""
+def _stacked_forward(mlp: nn.Module, mode: str):
+    """The MLP's forward within `mlps_stacked`, made once per (module, mode) and kept on it (`route.kept_forward`):
+    the same function object at every call, so a compiled decode step that traced it is not recompiled."""
     def make():
         own = type(mlp).forward
         split = mlp.gate_proj.out_features
@@ -103,26 +93,23 @@ def _stacked_forward(mlp: nn.Module, mode: str, glu: bool):
             if not _runs_stacked(x, mode):
                 return own(mlp, x)
             W, b = stacked_weight(mlp, (mlp.gate_proj, mlp.up_proj))
-            if glu:
-                return mlp.down_proj(decode_linear_glu(x, W, b, mode))
             gate, up = decode_linear(x, W, b, mode).split([split, W.shape[0] - split], dim=-1)
             return mlp.down_proj(mlp.act_fn(gate) * up)
         forward.stacked_mode = mode   # tells `refresh` the forward is ours and where it will run stacked
         return forward
-    return kept_forward(mlp, "_stacked_forwards", (mode, glu), make)
+    return kept_forward(mlp, "_stacked_forwards", mode, make)
 
 
 @contextmanager
-def mlps_stacked(model: nn.Module, mode: str = "auto", on: bool = True, glu: bool = False):
+def mlps_stacked(model: nn.Module, mode: str = "auto", on: bool = True):
     """Within the block every stackable MLP of `model` runs gate and up as one GEMM on decode rows (see the
     module docstring); restored after. Yields how many MLPs it changed; `on=False` changes nothing. Mode is
-    `decode_linear`'s ("torch": the stacked GEMM through `F.linear`). `glu`: the MLPs `glu_applies` to take the
-    product in the GEMM's epilogue."""
+    `decode_linear`'s ("torch": the stacked GEMM through `F.linear`)."""
     changed = []
     if on:
         for mod in model.modules():
             if stackable(mod):
-                mod.forward = _stacked_forward(mod, mode, glu and glu_applies(mod))
+                mod.forward = _stacked_forward(mod, mode)
                 changed.append(mod)
     try:
         yield len(changed)

@@ -25,10 +25,6 @@ Only 16-bit inputs: fp32 would run tf32 dots, which F.linear does not.
         x `[..., K]` with at most 16 rows in all, weight `[N, K]` (row-major), bias `[N]` or None;
         config {BN, BK, SPLIT, num_warps, num_stages} runs that config (benchmarks, tests), "cublas" F.linear
 
-With `glu=True` the weight is a gated MLP's gate and up stacked, `[2 I, K]`: each program streams BN gate rows and
-their BN up rows into two accumulators, and the epilogue writes `silu(gate) * up` `[..., I]` from the fp32 sums
-(custom op `hybridize::decode_linear_glu`; unsplit configs only), so the product needs no kernel of its own.
-
 Registered as the custom op `hybridize::decode_linear`, so `torch.compile` keeps it as one opaque call
 (no graph break) and CUDA graphs capture the launch. The caller (`hybridize.ops.decode_gemm.route`)
 decides when it applies and falls back to `F.linear` otherwise.
@@ -43,7 +39,6 @@ import torch.nn.functional as F
 
 from hybridize.ops.common.gpu_timer import time_cold
 from hybridize.ops.common.pdl import pdl_launch
-from hybridize.ops.decode_gemm.glu import glu_reference
 
 try:
     import triton
@@ -65,7 +60,7 @@ CONFIGS = [dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, 
     (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 8, 4, 4),
     (16, 1024, 1, 4, 3), (64, 128, 1, 4, 6), (64, 256, 1, 4, 4)]]
 
-_CHOICE: dict[tuple, dict | str] = {}      # (N, K, M, dtype, bias, glu) -> config or "cublas"
+_CHOICE: dict[tuple, dict | str] = {}      # (N, K, M, dtype, bias) -> config or "cublas"
 _TIMINGS: dict[tuple, dict[str, float]] = {}
 
 
@@ -73,15 +68,13 @@ if triton is not None:
     @triton.jit
     def _decode_linear_kernel(x, w, b, out, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False):
+                              SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         # UPCAST: fp32 dots, for the interpreter, whose bf16 dot is wrong (numpy has no bf16).
         # K is a compile-time constant: static loop bounds (the interpreter takes no tensor bounds in
         # range()) and no K mask when the slice is a multiple of BK.
         # SPLIT > 1: out is the fp32 partial buffer [SPLIT, M, N]; slice s writes out[s]
         # PDL: launched before the previous kernel has finished (`ops/common/pdl.py`): wait for it before
         # reading x; let the next kernel launch once the weights are read.
-        # GLU (SPLIT = 1): w is [gate; up] `[2 N, K]`, a program's BN gate rows and their BN up rows in two
-        # accumulators; the epilogue writes silu(gate) * up, out [M, N]
         KS: tl.constexpr = ((K + SPLIT * BK - 1) // (SPLIT * BK)) * BK      # K per slice, whole tiles
         i_s = tl.program_id(1)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -91,32 +84,21 @@ if triton is not None:
         m_m = offs_m < M
         p_w = w + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]     # [BN, BK]
         p_x = x + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]     # [BK, BM] (x^T tile)
-        p_u = p_w + N * stride_wn                                                 # GLU: the up rows
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for k0 in range(0, KS, BK):
             if K % (SPLIT * BK) == 0:
-                m_w = m_n[:, None]
-                b_w = tl.load(p_w, mask=m_w, other=0.0)
+                b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
                 b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
             else:
                 m_k = (i_s * KS + k0 + tl.arange(0, BK)) < K
-                m_w = m_n[:, None] & m_k[None, :]
-                b_w = tl.load(p_w, mask=m_w, other=0.0)
+                b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
                 b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
             if UPCAST:
                 acc = tl.dot(b_w.to(tl.float32), b_x.to(tl.float32), acc)
             else:
                 acc = tl.dot(b_w, b_x, acc)
-            if GLU:
-                b_u = tl.load(p_u, mask=m_w, other=0.0)
-                if UPCAST:
-                    acc_u = tl.dot(b_u.to(tl.float32), b_x.to(tl.float32), acc_u)
-                else:
-                    acc_u = tl.dot(b_u, b_x, acc_u)
-                p_u += BK
             p_w += BK
             p_x += BK
         if PDL:
@@ -124,10 +106,6 @@ if triton is not None:
         if SPLIT == 1:
             if HAS_BIAS:
                 acc += tl.load(b + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
-                if GLU:
-                    acc_u += tl.load(b + N + offs_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
-            if GLU:   # silu(gate) * up from the fp32 sums, rounded once
-                acc = acc * tl.sigmoid(acc) * acc_u
             p_o = out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
             tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
         else:
@@ -152,9 +130,9 @@ if triton is not None:
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict, pdl: bool = False, glu: bool = False) -> None:
+            cfg: dict, pdl: bool = False) -> None:
     M, K = x2.shape
-    N = weight.shape[0] // 2 if glu else weight.shape[0]   # glu: out [M, N] from gate [N, K] and up [N, K]
+    N = weight.shape[0]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = dict(cfg)
     warps, stages, split = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2), cfg.pop("SPLIT", 1)
@@ -163,7 +141,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _decode_linear_kernel[grid](x2, weight, b, dst, M, N, x2.stride(0), weight.stride(0), out.stride(0), K,
                                 HAS_BIAS=bias is not None, BM=MAX_ROWS, SPLIT=split, UPCAST=interpret, PDL=pdl,
-                                GLU=glu, num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
+                                num_warps=warps, num_stages=stages, launch_pdl=pdl, **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(N, block), M)](dst, b, out, M, N, out.stride(0), HAS_BIAS=bias is not None,
@@ -176,21 +154,17 @@ def _name(cfg) -> str:
     return "BN{BN}_BK{BK}_S{SPLIT}_w{num_warps}_s{num_stages}".format(**cfg)
 
 
-def _choose(x2, weight, bias, key, glu: bool = False) -> dict | str:
-    """Time cuBLAS and every config on these tensors with a cold L2 (GPU time); remember and return the fastest.
-    With `glu` cuBLAS is timed with the product after it, and only unsplit configs take part."""
-    out = torch.empty(x2.shape[0], weight.shape[0] // 2 if glu else weight.shape[0], dtype=x2.dtype, device=x2.device)
-    cublas = (lambda: glu_reference(F.linear(x2, weight, bias))) if glu else (lambda: F.linear(x2, weight, bias))
+def _choose(x2, weight, bias, key) -> dict | str:
+    """Time cuBLAS and every config on these tensors with a cold L2 (GPU time); remember and return the fastest."""
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
     try:   # the L2 flush takes a 256 MB buffer: on a nearly full GPU, keep cuBLAS rather than fail a rollout
-        times = {"cublas": time_cold(cublas, x2.device)}
+        times = {"cublas": time_cold(lambda: F.linear(x2, weight, bias), x2.device)}
     except torch.cuda.OutOfMemoryError:
         times = {}
     best, best_t = "cublas", times.get("cublas", 0.0)
     for cfg in CONFIGS if times else []:
-        if glu and cfg["SPLIT"] > 1:
-            continue
         try:
-            t = time_cold(lambda: _launch(x2, weight, bias, out, cfg, glu=glu), x2.device)
+            t = time_cold(lambda: _launch(x2, weight, bias, out, cfg), x2.device)
         except Exception:  # a config this GPU cannot run (shared memory), or out of memory: skip it
             continue
         times[_name(cfg)] = t
@@ -201,21 +175,21 @@ def _choose(x2, weight, bias, key, glu: bool = False) -> dict | str:
     return best
 
 
-def _picked(x2, weight, bias, glu: bool = False) -> dict | str:
+def _picked(x2, weight, bias) -> dict | str:
     """The kept choice for this shape, timed now if there is none; never timed inside a CUDA graph
     capture (an untimed shape runs cuBLAS there, and is timed at its next call outside one)."""
-    key = (weight.shape[0], x2.shape[1], x2.shape[0], x2.dtype, bias is not None, glu)
+    key = (weight.shape[0], x2.shape[1], x2.shape[0], x2.dtype, bias is not None)
     config = _CHOICE.get(key)
     if config is None:
-        config = "cublas" if torch.cuda.is_current_stream_capturing() else _choose(x2, weight, bias, key, glu)
+        config = "cublas" if torch.cuda.is_current_stream_capturing() else _choose(x2, weight, bias, key)
     return config
 
 
 def choices() -> dict[str, dict]:
-    """What was picked per shape so far: {"NxK m=rows dtype[ bias][ glu]": {"choice": name, "us": {...}}}."""
-    return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}{' glu' if glu else ''}":
-            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb, glu), {}).items()}}
-            for (n, k, m, dt, hb, glu), c in _CHOICE.items()}
+    """What was picked per shape so far: {"NxK m=rows dtype bias": {"choice": name, "us": {...}}}."""
+    return {f"{n}x{k} m={m} {str(dt).replace('torch.', '')}{' bias' if hb else ''}":
+            {"choice": _name(c), "us": {name: 1e3 * t for name, t in _TIMINGS.get((n, k, m, dt, hb), {}).items()}}
+            for (n, k, m, dt, hb), c in _CHOICE.items()}
 
 
 def _parse_name(name: str) -> dict | str:
@@ -233,17 +207,17 @@ def pin_choices(shown: dict[str, dict]) -> int:
     """Make the picks of `shown` (a `choices()` dict, e.g. from another process's JSON) this process's, untimed: the
     shapes it names are not timed again. For A/B runs that must not differ in their picks. Returns how many."""
     for label, entry in shown.items():
-        m = re.fullmatch(r"(\d+)x(\d+) m=(\d+) (\w+)( bias)?( glu)?", label)
+        m = re.fullmatch(r"(\d+)x(\d+) m=(\d+) (\w+)( bias)?", label)
         if m is None or not hasattr(torch, m.group(4)):
             raise ValueError(f"not a decode GEMM choice label: {label!r} (expected like '2048x6144 m=8 bfloat16')")
         n, k, rows = int(m.group(1)), int(m.group(2)), int(m.group(3))
-        key = (n, k, rows, getattr(torch, m.group(4)), m.group(5) is not None, m.group(6) is not None)
+        key = (n, k, rows, getattr(torch, m.group(4)), m.group(5) is not None)
         _CHOICE[key] = _parse_name(entry["choice"])
         _TIMINGS[key] = {}
     return len(shown)
 
 
-def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> str | None:
+def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these tensors (a one-line message), or None when it can."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return f"decode_linear: x [..., K] and weight [N, K] do not fit: {tuple(x.shape)}, {tuple(weight.shape)}"
@@ -256,37 +230,33 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return "decode_linear needs a row-major weight (stride 1 along K)"
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         return f"decode_linear: bias must be [N={weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}"
-    if glu and weight.shape[0] % 2:
-        return f"decode_linear with glu needs gate and up stacked, an even number of rows, got N={weight.shape[0]}"
     return None
 
 
-def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> None:
+def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """One-line errors for what the kernel cannot take (the dispatcher avoids all of these)."""
-    reason = unsupported(x, weight, bias, glu)
+    reason = unsupported(x, weight, bias)
     if reason is not None:
         raise ValueError(reason)
 
 
 def decode_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: dict | str | None = None, glu: bool = False) -> torch.Tensor:
+                         config: dict | str | None = None) -> torch.Tensor:
     """x `[..., K]` (<= 16 rows) -> `[..., N]` in x's dtype, by the config picked for this shape (timed on
-    the first call, see the module docstring), or by `config` when given ("cublas": F.linear). `glu`: the weight is
-    gate and up stacked `[2 I, K]` and the result `silu(gate) * up` `[..., I]`."""
-    check_args(x, weight, bias, glu)
+    the first call, see the module docstring), or by `config` when given ("cublas": F.linear)."""
+    check_args(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape[0], weight.shape[0]
     if config is None:   # CPU tensors (the interpreter): no timing, one small config
-        config = _picked(x2, weight, bias, glu) if x.is_cuda else dict(BN=16, BK=32, SPLIT=1)
+        config = _picked(x2, weight, bias) if x.is_cuda else dict(BN=16, BK=32, SPLIT=1)
     if config == "cublas":
-        y = F.linear(x, weight, bias)
-        return glu_reference(y) if glu else y
-    out = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
+        return F.linear(x, weight, bias)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device), glu=glu)
-    return out.view(*x.shape[:-1], out.shape[1])
+        _launch(x2, weight, bias, out, config, pdl=pdl_launch(x.device))
+    return out.view(*x.shape[:-1], N)
 
 
 if triton is not None:
@@ -297,11 +267,3 @@ if triton is not None:
     @decode_linear_op.register_fake
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.custom_op("hybridize::decode_linear_glu", mutates_args=())
-    def decode_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return decode_linear_triton(x, weight, bias, glu=True)
-
-    @decode_linear_glu_op.register_fake
-    def _(x, weight, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)

@@ -74,52 +74,6 @@ def test_every_candidate_config_matches_fp32_reference():
         assert torch.allclose(y.float(), ref, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=tol), kern._name(cfg)
 
 
-def _glu_fp32(x, w, b):
-    """silu(gate) * up from fp32 sums of the stacked weight `[gate; up]` (the epilogue's order: no rounding between)."""
-    gate, up = _reference(x, w, b).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@needs_kernel
-@pytest.mark.parametrize("rows,I,K", [(1, 8, 17), (3, 40, 200), (8, 72, 96), (16, 150, 1100)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_glu_epilogue_matches_fp32_reference(rows, I, K, bias):
-    """Gate and up stacked, the product in the epilogue, for every unsplit config the choice may pick (BN 16-128
-    against I = 8-150: whole and partial column blocks) and the picked one: silu(gate) * up `[rows, I]` within 2 ulp
-    of the product of fp32 sums."""
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    torch.manual_seed(rows * 100 + I + K)
-    x = torch.randn(rows, K, device=DEVICE).bfloat16()
-    w = torch.randn(2 * I, K, device=DEVICE).bfloat16()
-    b = torch.randn(2 * I, device=DEVICE).bfloat16() if bias else None
-    ref = _glu_fp32(x, w, b)
-    ulp = torch.finfo(torch.bfloat16).eps
-    for cfg in [None] + [c for c in kern.CONFIGS if c["SPLIT"] == 1]:
-        y = kern.decode_linear_triton(x, w, b, config=cfg, glu=True)
-        assert y.shape == (rows, I) and y.dtype == torch.bfloat16
-        assert torch.allclose(y.float(), ref, rtol=2 * ulp, atol=2 * ulp * ref.abs().max().item()), cfg
-
-
-def test_glu_dispatch_and_its_one_line_error():
-    """`decode_linear_glu` off the kernel (CPU, mode torch) is `glu_reference` after F.linear, the product of the gate
-    and up halves; the kernel refuses an odd number of rows."""
-    from hybridize.ops.decode_gemm.glu import glu_reference
-
-    torch.manual_seed(0)
-    x, gate, up = torch.randn(2, 1, 12), torch.randn(16, 12), torch.randn(16, 12)
-    w = torch.cat([gate, up])
-    y = dl.decode_linear_glu(x, w, None, "torch")
-    assert y.shape == (2, 1, 16)
-    assert torch.allclose(y, F.silu(F.linear(x, gate)) * F.linear(x, up), rtol=1e-6, atol=1e-6)
-    assert torch.equal(y, glu_reference(F.linear(x, w)))
-    if TRITON:
-        from hybridize.ops.decode_gemm.triton_gemm import unsupported
-        xb = torch.randn(2, 12).bfloat16()
-        assert "even number of rows" in unsupported(xb, torch.randn(33, 12).bfloat16(), None, glu=True)
-        assert unsupported(xb, w.bfloat16(), None, glu=True) is None
-
-
 @needs_kernel
 def test_kernel_strided_rows_and_leading_dims():
     """x `[B, 1, K]` as a column slice of a wider tensor (SSE's fused projection feeds one this way)."""
@@ -157,7 +111,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     monkeypatch.setattr(kern, "time_cold", fake_bench)
     monkeypatch.setattr(kern, "_CHOICE", {})
     monkeypatch.setattr(kern, "_TIMINGS", {})
-    key = (48, 64, 4, torch.bfloat16, False, False)
+    key = (48, 64, 4, torch.bfloat16, False)
     best = kern._choose(x, w, None, key)
     assert best == kern.CONFIGS[4] and kern._CHOICE[key] == best
     assert len(timed) == 1 + len(kern.CONFIGS)
@@ -188,7 +142,7 @@ def test_choice_is_the_fastest_timed_candidate(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x5 = torch.randn(5, 64, device=DEVICE).bfloat16()
     assert kern._picked(x5, w, None) == "cublas"
-    assert (48, 64, 5, torch.bfloat16, False, False) not in kern._CHOICE
+    assert (48, 64, 5, torch.bfloat16, False) not in kern._CHOICE
 
 
 @needs_kernel
@@ -380,11 +334,9 @@ def test_linears_routed_patches_plain_linears_and_restores(monkeypatch):
 
 @needs_kernel
 @pytest.mark.skipif(CUDA, reason="the CPU interpreter wiring check (CUDA runs the graph test in tests/generation/test_fast.py)")
-@pytest.mark.parametrize("glu", [False, True], ids=["product-after", "glu-epilogue"])
-def test_fast_generate_through_the_kernel(monkeypatch, glu):
+def test_fast_generate_through_the_kernel(monkeypatch):
     """A tiny bf16 SSE hybrid (fused decode projections included) decodes through the kernel: every decode
-    step's linears run it (with `glu`, the MLPs' stacked gate / up through the epilogue's op), and the logits stay
-    within bf16 rounding of the F.linear run."""
+    step's linears run it, and the logits stay within bf16 rounding of the F.linear run."""
     from hybridize.generation.fast import FastGenConfig, FastGenerator
     from tests.rl.helpers import byte_tokenizer, left_padded_batch, tiny_hybrid
 
@@ -400,17 +352,10 @@ def test_fast_generate_through_the_kernel(monkeypatch, glu):
         shapes.append(tuple(w.shape))
         return op(x, w, b)
 
-    glu_op, glu_shapes = dl._GLU_OP, []
-
-    def counting_glu(x, w, b):
-        glu_shapes.append(tuple(w.shape))
-        return glu_op(x, w, b)
-
     monkeypatch.setattr(dl, "_OP", counting)
-    monkeypatch.setattr(dl, "_GLU_OP", counting_glu)
     outs = {}
     for mode in ("triton", "torch"):
-        gen = FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm=mode, glu_epilogue=glu))
+        gen = FastGenerator(model, FastGenConfig(record_logits=True, exact_lengths=False, gemm=mode))
         outs[mode] = (gen(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=4),
                       gen.last_logits)
         if mode == "triton":
@@ -418,8 +363,6 @@ def test_fast_generate_through_the_kernel(monkeypatch, glu):
     assert n_triton > 0 and len(shapes) == n_triton           # used in the triton run only
     assert (model.lm_head.weight.shape[0], model.config.hidden_size) in shapes
     assert any(s[0] % 8 == 0 and s[0] > 4 * model.config.hidden_size for s in shapes)   # SSE's fused stage 1
-    stacked_mlp = (2 * model.config.intermediate_size, model.config.hidden_size)
-    assert (stacked_mlp in glu_shapes) == glu and (stacked_mlp in shapes) != glu
     for a, b in zip(outs["triton"][1], outs["torch"][1]):
         assert torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
@@ -432,14 +375,11 @@ def test_pinned_choices_round_trip_and_are_not_timed_again(monkeypatch):
     monkeypatch.setattr(kern, "_CHOICE", {})
     monkeypatch.setattr(kern, "_TIMINGS", {})
     cfg = dict(BN=64, BK=128, SPLIT=2, num_warps=4, num_stages=4)
-    kern._CHOICE.update({(48, 64, 4, torch.bfloat16, False, False): cfg,
-                         (96, 64, 1, torch.float16, True, False): "cublas",
-                         (96, 64, 1, torch.bfloat16, False, True): cfg})     # a GEMM with the gate's product
+    kern._CHOICE.update({(48, 64, 4, torch.bfloat16, False): cfg, (96, 64, 1, torch.float16, True): "cublas"})
     shown = kern.choices()
-    assert "96x64 m=1 bfloat16 glu" in shown
     before = dict(kern._CHOICE)
     kern._CHOICE.clear()
-    assert kern.pin_choices(shown) == 3 and kern._CHOICE == before
+    assert kern.pin_choices(shown) == 2 and kern._CHOICE == before
     monkeypatch.setattr(kern, "_choose", lambda *a: pytest.fail("a pinned shape was timed"))
     x, w = torch.randn(4, 64).bfloat16(), torch.randn(48, 64).bfloat16()
     assert kern._picked(x, w, None) == cfg

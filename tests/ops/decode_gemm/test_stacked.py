@@ -1,5 +1,4 @@
-"""Gated MLPs with gate and up as one GEMM in decode steps (`ops/decode_gemm/stacked.py`), with the product
-`silu(gate) * up` in the GEMM's epilogue (`glu=True`) or after it.
+"""Gated MLPs with gate and up as one GEMM in decode steps (`ops/decode_gemm/stacked.py`).
 
 On CPU mode "triton" without the interpreter runs the stacked GEMM through `F.linear`, so these tests check the
 wiring (which MLPs change, which rows run stacked, the cache and its refresh) without triton; the GEMM kernel itself
@@ -59,12 +58,6 @@ def _mlp(bias: bool = False, seed: int = 0) -> LlamaMLP:
     return mlp.eval()
 
 
-def _cache(mlp: nn.Module):
-    """The stacked weight and bias an MLP keeps (None before the first decode row)."""
-    entry = mlp.__dict__.get(st._CACHE)
-    return None if entry is None else entry[1:]
-
-
 class _Block(nn.Module):
     def __init__(self, **kw):
         super().__init__()
@@ -75,20 +68,17 @@ class _Block(nn.Module):
         return self.mlp(self.other(x))
 
 
-@pytest.mark.parametrize("glu", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_stacked_forward_equals_the_mlp_on_decode_rows(bias, glu):
+def test_stacked_forward_equals_the_mlp_on_decode_rows(bias):
     block = _Block(bias=bias)
     mlp = block.mlp
     x = torch.randn(3, 1, 24)
     ref = mlp(x)
-    assert st.glu_applies(mlp)
-    with torch.no_grad(), st.mlps_stacked(block, "triton", glu=glu) as n:
+    with torch.no_grad(), st.mlps_stacked(block, "triton") as n:
         assert n == 1 and "forward" in mlp.__dict__ and "forward" not in block.other.__dict__
         out = mlp(x)
-        W, b = _cache(mlp)
+        W, b = mlp.__dict__[st._CACHE][1:]
     assert W.shape == (80, 24) and (b is not None) == bias
-    assert torch.equal(W[40:], mlp.up_proj.weight)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     assert "forward" not in mlp.__dict__                      # restored
     with torch.no_grad():
@@ -108,42 +98,39 @@ def test_prefill_rows_and_cpu_auto_keep_the_mlps_own_forward():
     assert st._CACHE not in mlp.__dict__                      # nothing stacked, nothing cached
 
 
-@pytest.mark.parametrize("glu", [True, False])
-def test_cache_follows_in_place_updates_in_the_same_buffer(glu):
+def test_cache_follows_in_place_updates_in_the_same_buffer():
     """GRPO updates parameters in place between rollouts; a replayed CUDA graph reads the cached buffer, so a
     refresh must rewrite that buffer, not allocate another."""
-    mlp = _mlp(bias=True)
+    mlp = _mlp()
     x = torch.randn(2, 1, 24)
-    with torch.no_grad(), st.mlps_stacked(mlp, "triton", glu=glu):
+    with torch.no_grad(), st.mlps_stacked(mlp, "triton"):
         mlp(x)
-        W0, b0 = _cache(mlp)
+        W0 = mlp.__dict__[st._CACHE][1]
         mlp.up_proj.weight.mul_(3)                            # an optimizer step
-        mlp.gate_proj.bias.add_(1)
         st.refresh(mlp)
-        W1, b1 = _cache(mlp)
-        assert W1.data_ptr() == W0.data_ptr() and b1.data_ptr() == b0.data_ptr()
-        assert torch.equal(W1[40:], mlp.up_proj.weight) and torch.equal(b1[:40], mlp.gate_proj.bias)
+        W1 = mlp.__dict__[st._CACHE][1]
+        assert W1.data_ptr() == W0.data_ptr()
+        assert torch.equal(W1[40:], mlp.up_proj.weight)
         mlp.gate_proj.weight = nn.Parameter(torch.randn(40, 24))   # a new tensor (load without copy)
         out = mlp(x)
     with torch.no_grad():
         assert torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("glu", [True, False])
-def test_stack_built_in_inference_mode_refreshes_outside_it(glu):
+def test_stack_built_in_inference_mode_refreshes_outside_it():
     """A stack first built under `torch.inference_mode` is a normal tensor, so a refresh outside it (after an
     optimizer step) rewrites it in place instead of failing."""
     mlp = _mlp()
     x = torch.randn(2, 1, 24)
-    with st.mlps_stacked(mlp, "triton", glu=glu):
+    with st.mlps_stacked(mlp, "triton"):
         with torch.inference_mode():
             mlp(x)
-        W = _cache(mlp)[0]
+        W = mlp.__dict__[st._CACHE][1]
         assert not W.is_inference()
         with torch.no_grad():
             mlp.up_proj.weight.mul_(2)
             out = mlp(x)
-        assert _cache(mlp)[0].data_ptr() == W.data_ptr()
+        assert mlp.__dict__[st._CACHE][1].data_ptr() == W.data_ptr()
     with torch.no_grad():
         assert torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
 
@@ -195,9 +182,7 @@ def test_fast_generate_with_stacked_mlps_matches_two_gemms(mixer):
 
     first = run()
     mlps = [layer.mlp for layer in model.model.layers]
-    assert all(st.glu_applies(m) and st._CACHE in m.__dict__ for m in mlps)
-    assert all("forward" not in m.__dict__ for m in mlps)
-    stacked_run_agrees(model, "glu_epilogue")()           # the product in the epilogue or after the GEMM: the same
+    assert all(st._CACHE in m.__dict__ for m in mlps) and all("forward" not in m.__dict__ for m in mlps)
     with torch.no_grad():
         mlps[0].up_proj.weight.mul_(-2)
     second = run()
@@ -212,8 +197,7 @@ def test_fast_generate_with_stacked_mlps_matches_two_gemms(mixer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compile_", ["off", "on"])
-@pytest.mark.parametrize("glu", [False, True])
-def test_cuda_graph_replays_read_the_refreshed_stack(compile_, glu):
+def test_cuda_graph_replays_read_the_refreshed_stack(compile_):
     """On the GPU a captured (and compiled) decode step reads the stacked buffer: after an in-place update of the
     weights (GRPO's optimizer step) the reused graph decodes what the uncompiled masked path decodes with the new
     weights, and the same tokens as two GEMMs."""
@@ -225,7 +209,7 @@ def test_cuda_graph_replays_read_the_refreshed_stack(compile_, glu):
     pad = byte_tokenizer().pad_token_id
     ids, am = (t.cuda() for t in left_padded_batch())
     kw = dict(input_ids=ids, attention_mask=am, pad_token_id=pad, do_sample=False, max_new_tokens=12)
-    graphs = FastGenerator(model, FastGenConfig(cuda_graphs="on", bucket=16, compile=compile_, glu_epilogue=glu))
+    graphs = FastGenerator(model, FastGenConfig(cuda_graphs="on", bucket=16, compile=compile_))
     eager = FastGenerator(model, FastGenConfig(cuda_graphs="off", exact_lengths=False, bucket=16, compile="off"))
     two = FastGenerator(model, FastGenConfig(cuda_graphs="off", exact_lengths=False, bucket=16, compile="off",
                                              stack_mlp=False))
@@ -233,7 +217,7 @@ def test_cuda_graph_replays_read_the_refreshed_stack(compile_, glu):
         out = graphs(**kw)
         assert graphs.stats["graphs"]
         assert torch.equal(out, eager(**kw)) and torch.equal(out, two(**kw)), step
-        assert all(_cache(layer.mlp) is not None for layer in model.model.layers)
+        assert all(st._CACHE in layer.mlp.__dict__ for layer in model.model.layers)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.mlp.up_proj.weight.mul_(-1.5)
@@ -271,4 +255,4 @@ def test_decode_weights_are_built_after_the_prefill_cache_is_freed(monkeypatch):
     gen(input_ids=ids, attention_mask=am, pad_token_id=byte_tokenizer().pad_token_id, do_sample=False,
         max_new_tokens=3)
     assert len(caches) == 2 and alive == [0]          # two row groups prefilled, both caches gone before the build
-    assert all(_cache(layer.mlp) is not None for layer in model.model.layers)
+    assert all(st._CACHE in layer.mlp.__dict__ for layer in model.model.layers)

@@ -145,19 +145,3 @@ def test_gla_passes_compile_for_sm90():
         assert 0 < usage["registers"] <= 255 and usage["stack"] >= 0
         assert usage["local_alloc"] > 0 and usage["barriers"] > 0 and usage["convert_layout"] >= 0
     assert seen == {"piece states", "output", "dq", "dk", "dv"}
-
-
-@needs_tools
-def test_decode_gemm_with_the_gate_product_compiles_without_spills():
-    """The decode GEMM with the MLP's gate product in its epilogue (two accumulators) compiles for sm_90 at the 1.7B
-    MLP's stacked gate / up, for the config the H200 picks there and the one 2-warp config (where an earlier form
-    faulted), with no spill, and holds more registers than without it (the up rows' accumulator)."""
-    from hybridize.ops.decode_gemm import triton_gemm as kern
-
-    configs = [dict(BN=64, BK=128, SPLIT=1, num_warps=4, num_stages=4), dict(BN=16, BK=512, SPLIT=1, num_warps=2,
-                                                                         num_stages=4)]
-    assert all(c in kern.CONFIGS for c in configs)
-    off, on = (kr.decode_gemm_usage(configs, glu, 90) for glu in (False, True))
-    for a, b in zip(off, on):
-        assert a["stack"] == 0 and b["stack"] == 0
-        assert a["registers"] < b["registers"] <= 255
