@@ -8,8 +8,8 @@ hardware withholds from any kernel and what our kernels leave:
 - `sum`: a bf16 tensor summed in fp32 (read only);
 - `copy`: a bf16 tensor copied into another (read + write; both counted).
 
-Each line: bytes moved, device ms (CUDA events, median of `--reps` after warm-up), GB/s and its share of the data
-sheet figure.
+Each line: bytes moved, device ms (`gpu_timer.time_cold`: CUDA events around each call, the median of `--reps`),
+GB/s and its share of the data sheet figure.
 
     python -m benchmarks.ops.hbm_bandwidth --gb 4 --out $OUT/hbm_bandwidth.json
 """
@@ -17,28 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from benchmarks.generation.speed_table import hbm_gbs
 from benchmarks.timing import md_table
-
-
-def device_ms(fn, reps: int) -> float:
-    """Median device ms of `fn` over `reps` calls, each between two CUDA events, after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from hybridize.ops.common.gpu_timer import time_cold
 
 
 def main(argv=None) -> dict:
@@ -59,7 +44,7 @@ def main(argv=None) -> dict:
              ("copy", lambda: y.copy_(x), 2 * nbytes)]
     rows = []
     for label, fn, moved in cases:
-        ms = device_ms(fn, args.reps)
+        ms = time_cold(fn, reps=args.reps)
         gbs = moved / ms / 1e6
         rows.append({"case": label, "bytes": moved, "ms": round(ms, 3), "gbs": round(gbs),
                      "of_sheet": round(gbs / sheet, 3)})
